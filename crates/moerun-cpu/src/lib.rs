@@ -5,3 +5,5 @@
 pub mod bandwidth;
 pub mod linear;
 pub mod simd;
+pub mod attention;
+pub mod ops;

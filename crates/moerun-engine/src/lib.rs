@@ -1,1 +1,6 @@
-//! placeholder
+//! Sequences and the loop that feeds them through a model: each sequence owns a block table in
+//! the shared KV cache; a step reserves blocks for its new tokens and runs them as one flat batch.
+
+pub mod sequence;
+
+pub use sequence::{run_step, Sequence};

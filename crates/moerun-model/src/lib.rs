@@ -1,4 +1,18 @@
 //! Checkpoints, typed configs, model families and the forward pass over a flat token batch.
 
+pub mod attention;
+pub mod batch;
 pub mod checkpoint;
+pub mod config;
+pub mod ffn;
+pub mod kv;
+pub mod linear;
+pub mod model;
+pub mod npy;
 pub mod safetensors;
+pub mod weights;
+
+pub use batch::{Batch, LogitsFor, SeqChunk};
+pub use config::ModelConfig;
+pub use kv::KvCache;
+pub use model::{ForwardOutput, Model};

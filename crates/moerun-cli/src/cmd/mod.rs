@@ -1,0 +1,9 @@
+//! The subcommands. Each returns `CliResult`; `main` prints the error as one line.
+
+pub mod bench;
+pub mod inspect;
+pub mod logits;
+pub mod synth;
+
+/// Errors a command reports: a library error or a message of its own.
+pub type CliResult<T = ()> = Result<T, Box<dyn std::error::Error>>;

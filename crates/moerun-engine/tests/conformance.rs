@@ -1,0 +1,162 @@
+//! Conformance with Hugging Face transformers: every fixture in `tests/fixtures/` (tiny random
+//! models built and scored by `tools/fixtures/make_fixtures.py` with transformers' own classes)
+//! must give the same logits, through one prefill and token by token through the paged KV cache,
+//! and the same greedy continuation. Mixed flat batches must equal lone runs bitwise.
+
+use std::path::{Path, PathBuf};
+
+use moerun_engine::{run_step, Sequence};
+use moerun_model::npy::read_npy_f32;
+use moerun_model::{KvCache, LogitsFor, Model};
+
+fn fixtures_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+}
+
+fn fixture_names() -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(fixtures_dir())
+        .expect("tests/fixtures exists")
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().join("reference.json").exists())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert!(names.len() >= 7, "expected the fixture set, found {names:?}");
+    names
+}
+
+struct Reference {
+    tokens: Vec<u32>,
+    greedy: Vec<u32>,
+    logits: Vec<f32>,
+    tolerance: f64,
+}
+
+fn load_reference(dir: &Path) -> Reference {
+    let text = std::fs::read_to_string(dir.join("reference.json")).unwrap();
+    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let ids = |key: &str| -> Vec<u32> {
+        json[key]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect()
+    };
+    let (_, logits) = read_npy_f32(&dir.join("logits.npy")).unwrap();
+    // The bar: 1e-4 for f32 weights, 1e-3 for bf16 weights.
+    let tolerance = match json["dtype"].as_str().unwrap() {
+        "float32" => 1e-4,
+        _ => 1e-3,
+    };
+    Reference {
+        tokens: ids("tokens"),
+        greedy: ids("greedy"),
+        logits,
+        tolerance,
+    }
+}
+
+fn relative_error(got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    let diff: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(g, w)| (*g as f64 - *w as f64).powi(2))
+        .sum();
+    let norm: f64 = want.iter().map(|w| (*w as f64).powi(2)).sum();
+    (diff / norm).sqrt()
+}
+
+fn prefill_logits(model: &Model, tokens: &[u32]) -> Vec<f32> {
+    let mut kv = KvCache::with_capacity(&model.config, tokens.len());
+    let mut seq = Sequence::new(tokens.to_vec());
+    run_step(model, &mut kv, &mut [&mut seq], &[usize::MAX], LogitsFor::AllTokens)
+        .unwrap()
+        .logits
+}
+
+fn incremental_logits(model: &Model, tokens: &[u32]) -> Vec<f32> {
+    let mut kv = KvCache::with_capacity(&model.config, tokens.len());
+    let mut seq = Sequence::new(tokens.to_vec());
+    let mut all = Vec::new();
+    for _ in 0..tokens.len() {
+        let out = run_step(model, &mut kv, &mut [&mut seq], &[1], LogitsFor::LastOfEachSeq);
+        all.extend(out.unwrap().logits);
+    }
+    all
+}
+
+fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, v) in row.iter().enumerate() {
+        if *v > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+fn greedy(model: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut kv = KvCache::with_capacity(&model.config, prompt.len() + n);
+    let mut seq = Sequence::new(prompt.to_vec());
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let step = run_step(model, &mut kv, &mut [&mut seq], &[usize::MAX], LogitsFor::LastOfEachSeq);
+        let next = argmax(&step.unwrap().logits);
+        out.push(next);
+        seq.tokens.push(next);
+    }
+    out
+}
+
+#[test]
+fn every_fixture_matches_transformers_prefill_incremental_and_greedy() {
+    let mut failures = Vec::new();
+    for name in fixture_names() {
+        let dir = fixtures_dir().join(&name);
+        let model = Model::load(&dir).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let r = load_reference(&dir);
+        let prefill = relative_error(&prefill_logits(&model, &r.tokens), &r.logits);
+        let incremental = relative_error(&incremental_logits(&model, &r.tokens), &r.logits);
+        let continuation = greedy(&model, &r.tokens, r.greedy.len());
+        println!("{name:36} prefill {prefill:.2e}  incremental {incremental:.2e}  tol {:.0e}", r.tolerance);
+        if prefill > r.tolerance || incremental > r.tolerance {
+            failures.push(format!("{name}: prefill {prefill:.3e}, incremental {incremental:.3e} > {}", r.tolerance));
+        }
+        if continuation != r.greedy {
+            failures.push(format!("{name}: greedy {continuation:?} != transformers {:?}", r.greedy));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn mixed_flat_batch_equals_each_sequence_alone_bitwise() {
+    let dir = fixtures_dir().join("qwen3_moe_f32");
+    let model = Model::load(&dir).unwrap();
+    let r = load_reference(&dir);
+    // Three sequences of different lengths; the third is mid-decode when batched with prefills.
+    let prompts: Vec<Vec<u32>> = vec![
+        r.tokens[..37].to_vec(),
+        r.tokens[5..12].to_vec(),
+        r.tokens[20..].to_vec(),
+    ];
+    let alone: Vec<Vec<f32>> = prompts.iter().map(|p| prefill_logits(&model, p)).collect();
+
+    let mut kv = KvCache::with_capacity(&model.config, 256);
+    let mut seqs: Vec<Sequence> = prompts.iter().map(|p| Sequence::new(p.clone())).collect();
+    // Give the third sequence a head start so the batch mixes decode-like and prefill chunks.
+    let head_start = run_step(&model, &mut kv, &mut [&mut seqs[2]], &[prompts[2].len() - 1], LogitsFor::AllTokens).unwrap();
+    let [a, b, c] = &mut seqs[..] else { unreachable!() };
+    let batched = run_step(&model, &mut kv, &mut [a, b, c], &[usize::MAX; 3], LogitsFor::AllTokens).unwrap();
+
+    let v = model.config.vocab_size;
+    let n0 = prompts[0].len();
+    let n1 = prompts[1].len();
+    assert_eq!(&batched.logits[..n0 * v], &alone[0][..], "sequence 0 differs when batched");
+    assert_eq!(&batched.logits[n0 * v..(n0 + n1) * v], &alone[1][..], "sequence 1 differs when batched");
+    let mut third = head_start.logits;
+    third.extend_from_slice(&batched.logits[(n0 + n1) * v..]);
+    assert_eq!(third, alone[2], "sequence 2 (chunked across steps) differs");
+}

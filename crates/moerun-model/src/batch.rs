@@ -1,0 +1,58 @@
+//! The unit of work: a flat batch of tokens from one or more sequences. Each sequence contributes
+//! a contiguous run of new tokens starting at some position (a whole prompt, a prefill chunk, or a
+//! single decode token) and the block table its KV lives in. Prefill, decode and mixtures of both
+//! are the same call.
+
+use moerun_core::BlockTable;
+
+/// New tokens of one sequence in this step.
+#[derive(Clone, Copy, Debug)]
+pub struct SeqChunk<'a> {
+    pub tokens: &'a [u32],
+    /// Position of `tokens[0]`; the sequence's KV already holds positions `0..start_pos`.
+    pub start_pos: usize,
+    /// Blocks for positions `0..start_pos + tokens.len()` at least.
+    pub block_table: &'a BlockTable,
+}
+
+/// Which rows of the batch need logits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogitsFor {
+    /// Every token (teacher-forced scoring, conformance tests).
+    AllTokens,
+    /// The last token of each sequence (generation).
+    LastOfEachSeq,
+}
+
+/// A flat batch of sequence chunks.
+#[derive(Clone, Debug, Default)]
+pub struct Batch<'a> {
+    pub seqs: Vec<SeqChunk<'a>>,
+}
+
+impl<'a> Batch<'a> {
+    pub fn new(seqs: Vec<SeqChunk<'a>>) -> Self {
+        Batch { seqs }
+    }
+
+    pub fn num_tokens(&self) -> usize {
+        self.seqs.iter().map(|s| s.tokens.len()).sum()
+    }
+
+    /// Row indices (into the flat batch) that `which` selects, in batch order.
+    pub fn logit_rows(&self, which: LogitsFor) -> Vec<usize> {
+        match which {
+            LogitsFor::AllTokens => (0..self.num_tokens()).collect(),
+            LogitsFor::LastOfEachSeq => {
+                let mut end = 0;
+                self.seqs
+                    .iter()
+                    .filter_map(|s| {
+                        end += s.tokens.len();
+                        (!s.tokens.is_empty()).then_some(end - 1)
+                    })
+                    .collect()
+            }
+        }
+    }
+}

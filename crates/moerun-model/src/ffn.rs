@@ -1,0 +1,150 @@
+//! Feed-forward blocks: the dense SwiGLU MLP and the sparse MoE block.
+//!
+//! MoE follows the flat-batch recipe: route every token (softmax over the router logits in f32,
+//! top-k, optional renormalisation), group the batch's (token, rank) pairs by expert, run each
+//! selected expert once over all its tokens (a GEMM when it has several), then sum each token's
+//! expert outputs in router rank order. Qwen2-MoE's shared expert, scaled by
+//! `sigmoid(shared_expert_gate(x))`, is added after the routed sum, as transformers does.
+
+use moerun_cpu::ops::{sigmoid, silu_mul_in_place, softmax_in_place};
+
+use crate::config::MoeConfig;
+use crate::linear::{apply, linear};
+use crate::weights::{ExpertWeights, MlpWeights, MoeWeights};
+
+/// Reusable buffers across layers of one forward pass.
+#[derive(Default)]
+pub struct FfnScratch {
+    gathered: Vec<f32>,
+}
+
+/// `down(silu(gate(x)) * up(x))` over `m` rows.
+pub fn mlp(w: &MlpWeights, x: &[f32], m: usize, _scratch: &mut FfnScratch) -> Vec<f32> {
+    let mut g = apply(x, m, &w.gate_proj);
+    let u = apply(x, m, &w.up_proj);
+    silu_mul_in_place(&mut g, &u);
+    apply(&g, m, &w.down_proj)
+}
+
+fn expert_mlp(w: &ExpertWeights, x: &[f32], m: usize) -> Vec<f32> {
+    let mut g = linear(x, m, &w.gate, None);
+    let u = linear(x, m, &w.up, None);
+    silu_mul_in_place(&mut g, &u);
+    linear(&g, m, &w.down, None)
+}
+
+/// One token's routing decision: experts and weights in rank order (best first).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Route {
+    pub experts: Vec<usize>,
+    pub weights: Vec<f32>,
+}
+
+/// Route one row of router logits: softmax in f32, top-k (ties broken towards the lower expert
+/// index), renormalised when the family asks.
+pub fn route(logits: &[f32], top_k: usize, norm_topk_prob: bool) -> Route {
+    let mut probs = logits.to_vec();
+    softmax_in_place(&mut probs);
+    let mut order: Vec<usize> = (0..probs.len()).collect();
+    order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));
+    order.truncate(top_k);
+    let mut weights: Vec<f32> = order.iter().map(|&e| probs[e]).collect();
+    if norm_topk_prob {
+        let sum: f32 = weights.iter().sum();
+        for w in &mut weights {
+            *w /= sum;
+        }
+    }
+    Route {
+        experts: order,
+        weights,
+    }
+}
+
+/// The MoE block over `m` rows of normed input.
+pub fn ffn_block(
+    cfg: &MoeConfig,
+    w: &MoeWeights,
+    x: &[f32],
+    m: usize,
+    scratch: &mut FfnScratch,
+) -> Vec<f32> {
+    let h = x.len() / m.max(1);
+    let k = cfg.top_k;
+    let router_logits = linear(x, m, &w.router, None);
+    let routes: Vec<Route> = router_logits
+        .chunks_exact(cfg.num_experts)
+        .map(|row| route(row, k, cfg.norm_topk_prob))
+        .collect();
+
+    // Group (token, rank) pairs by expert, keeping token order inside each group.
+    let mut groups: Vec<Vec<(usize, usize)>> = vec![Vec::new(); cfg.num_experts];
+    for (t, r) in routes.iter().enumerate() {
+        for (rank, &e) in r.experts.iter().enumerate() {
+            groups[e].push((t, rank));
+        }
+    }
+    // Each (token, rank) gets its weighted expert output here, summed in rank order below.
+    let mut per_rank = vec![0.0f32; m * k * h];
+    for (e, group) in groups.iter().enumerate() {
+        if group.is_empty() {
+            continue;
+        }
+        let gathered = &mut scratch.gathered;
+        gathered.clear();
+        for &(t, _) in group {
+            gathered.extend_from_slice(&x[t * h..(t + 1) * h]);
+        }
+        let y = expert_mlp(&w.experts[e], gathered, group.len());
+        for (row, &(t, rank)) in y.chunks_exact(h).zip(group) {
+            let weight = routes[t].weights[rank];
+            let dst = &mut per_rank[(t * k + rank) * h..][..h];
+            for (d, v) in dst.iter_mut().zip(row) {
+                *d = v * weight;
+            }
+        }
+    }
+    let mut out = vec![0.0f32; m * h];
+    for (t, o) in out.chunks_exact_mut(h).enumerate() {
+        for rank in 0..k {
+            let src = &per_rank[(t * k + rank) * h..][..h];
+            for (d, v) in o.iter_mut().zip(src) {
+                *d += v;
+            }
+        }
+    }
+    if let Some(shared) = &w.shared_expert {
+        let s = mlp(shared, x, m, scratch);
+        let gates = w
+            .shared_expert_gate
+            .as_ref()
+            .map(|g| linear(x, m, g, None));
+        for (t, o) in out.chunks_exact_mut(h).enumerate() {
+            let scale = gates.as_ref().map(|g| sigmoid(g[t])).unwrap_or(1.0);
+            for (d, v) in o.iter_mut().zip(&s[t * h..(t + 1) * h]) {
+                *d += scale * v;
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn route_picks_top_k_in_rank_order_and_renormalises() {
+        let r = route(&[0.1, 2.0, -1.0, 1.5], 2, true);
+        assert_eq!(r.experts, vec![1, 3]);
+        assert!((r.weights.iter().sum::<f32>() - 1.0).abs() < 1e-6);
+        assert!(r.weights[0] > r.weights[1]);
+    }
+
+    #[test]
+    fn route_without_renormalisation_keeps_softmax_probabilities() {
+        let r = route(&[0.0, 0.0, 0.0, 0.0], 2, false);
+        assert_eq!(r.experts, vec![0, 1], "ties go to the lower expert index");
+        assert!((r.weights[0] - 0.25).abs() < 1e-7);
+    }
+}
