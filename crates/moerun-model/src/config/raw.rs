@@ -122,6 +122,8 @@ pub(super) fn resolve(value: &Value) -> Result<ModelConfig> {
     }
     let head_dim = match f.usize_opt("head_dim")? {
         Some(d) if d > 0 => d,
+        // Qwen3Config declares `head_dim: int = 128`; the others derive it.
+        _ if family == Family::Qwen3 => 128,
         _ => {
             if hidden_size % num_heads != 0 {
                 return Err(Error::Config(format!(
