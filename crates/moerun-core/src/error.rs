@@ -11,7 +11,7 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
-    #[error("{path}: invalid checkpoint file: {reason}")]
+    #[error("{path}: invalid file: {reason}")]
     BadFile { path: PathBuf, reason: String },
     #[error("config.json: {0}")]
     Config(String),

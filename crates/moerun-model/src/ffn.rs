@@ -115,10 +115,7 @@ pub fn ffn_block(
     }
     if let Some(shared) = &w.shared_expert {
         let s = mlp(shared, x, m, scratch);
-        let gates = w
-            .shared_expert_gate
-            .as_ref()
-            .map(|g| linear(x, m, g, None));
+        let gates = w.shared_expert_gate.as_ref().map(|g| linear(x, m, g, None));
         for (t, o) in out.chunks_exact_mut(h).enumerate() {
             let scale = gates.as_ref().map(|g| sigmoid(g[t])).unwrap_or(1.0);
             for (d, v) in o.iter_mut().zip(&s[t * h..(t + 1) * h]) {

@@ -27,7 +27,11 @@ impl KvCache {
 
     /// A cache with room for `tokens` tokens (rounded up to whole blocks).
     pub fn with_capacity(cfg: &ModelConfig, tokens: usize) -> KvCache {
-        KvCache::new(cfg, tokens.div_ceil(DEFAULT_BLOCK_SIZE).max(1), DEFAULT_BLOCK_SIZE)
+        KvCache::new(
+            cfg,
+            tokens.div_ceil(DEFAULT_BLOCK_SIZE).max(1),
+            DEFAULT_BLOCK_SIZE,
+        )
     }
 
     pub fn block_size(&self) -> usize {

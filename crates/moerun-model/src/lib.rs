@@ -10,6 +10,7 @@ pub mod linear;
 pub mod model;
 pub mod npy;
 pub mod safetensors;
+pub mod stats;
 pub mod weights;
 
 pub use batch::{Batch, LogitsFor, SeqChunk};

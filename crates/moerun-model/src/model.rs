@@ -55,7 +55,12 @@ impl Model {
 
     /// Run the batch: write its K/V into `kv` at each token's position and return logits for
     /// the rows `which` selects. Every sequence's block table must cover its new positions.
-    pub fn forward(&self, batch: &Batch, kv: &mut KvCache, which: LogitsFor) -> Result<ForwardOutput> {
+    pub fn forward(
+        &self,
+        batch: &Batch,
+        kv: &mut KvCache,
+        which: LogitsFor,
+    ) -> Result<ForwardOutput> {
         let cfg = &self.config;
         let n = batch.num_tokens();
         let mut tokens = Vec::with_capacity(n);

@@ -10,10 +10,9 @@ use moerun_model::npy::{read_npy_f32, write_npy_f32};
 /// the data starts at a multiple of 64, a final newline, then `data`.
 fn numpy_style(dict: &str, version: u8, data: &[u8]) -> Vec<u8> {
     let prefix = if version == 1 { 10 } else { 12 };
+    let unpadded = prefix + dict.len() + 1;
     let mut header = dict.to_string();
-    while (prefix + header.len() + 1) % 64 != 0 {
-        header.push(' ');
-    }
+    header.push_str(&" ".repeat(unpadded.next_multiple_of(64) - unpadded));
     header.push('\n');
     let mut out = b"\x93NUMPY".to_vec();
     out.extend([version, 0]);

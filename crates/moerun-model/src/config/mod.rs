@@ -95,8 +95,8 @@ pub struct ModelConfig {
 impl ModelConfig {
     /// Parse and resolve a `config.json` text.
     pub fn from_json_str(text: &str) -> Result<ModelConfig> {
-        let value: serde_json::Value =
-            serde_json::from_str(text).map_err(|e| Error::Config(format!("not valid JSON: {e}")))?;
+        let value: serde_json::Value = serde_json::from_str(text)
+            .map_err(|e| Error::Config(format!("not valid JSON: {e}")))?;
         Self::from_json(&value)
     }
 

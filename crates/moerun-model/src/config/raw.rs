@@ -21,10 +21,9 @@ impl Fields<'_> {
     fn usize_opt(&self, key: &str) -> Result<Option<usize>> {
         match self.get(key) {
             None => Ok(None),
-            Some(v) => v
-                .as_u64()
-                .map(|n| Some(n as usize))
-                .ok_or_else(|| Error::Config(format!("'{key}' must be a non-negative integer, got {v}"))),
+            Some(v) => v.as_u64().map(|n| Some(n as usize)).ok_or_else(|| {
+                Error::Config(format!("'{key}' must be a non-negative integer, got {v}"))
+            }),
         }
     }
 
@@ -98,12 +97,11 @@ pub(super) fn resolve(value: &Value) -> Result<ModelConfig> {
     let model_type = f
         .str_opt("model_type")
         .ok_or_else(|| Error::Config("missing 'model_type'".into()))?;
-    let family = Family::from_model_type(model_type).ok_or_else(|| {
-        Error::UnsupportedArchitecture {
+    let family =
+        Family::from_model_type(model_type).ok_or_else(|| Error::UnsupportedArchitecture {
             found: model_type.to_string(),
             supported: Family::supported_list(),
-        }
-    })?;
+        })?;
 
     let act = f.str_opt("hidden_act").unwrap_or("silu");
     if act != "silu" {
@@ -144,12 +142,18 @@ pub(super) fn resolve(value: &Value) -> Result<ModelConfig> {
     let rope = RopeConfig::parse(value, head_dim, max_position_embeddings)?;
 
     let attention_bias = match family {
-        Family::Qwen2 => AttentionBias { qkv: true, o: false },
+        Family::Qwen2 => AttentionBias {
+            qkv: true,
+            o: false,
+        },
         Family::Qwen2Moe => AttentionBias {
             qkv: f.bool_or("qkv_bias", true)?,
             o: false,
         },
-        Family::Mixtral => AttentionBias { qkv: false, o: false },
+        Family::Mixtral => AttentionBias {
+            qkv: false,
+            o: false,
+        },
         Family::Qwen3 | Family::Qwen3Moe | Family::Olmoe | Family::Llama => {
             let b = f.bool_or("attention_bias", false)?;
             AttentionBias { qkv: b, o: b }
@@ -236,7 +240,11 @@ fn sliding_windows(f: &Fields, family: Family, num_layers: usize) -> Result<Vec<
                     .iter()
                     .map(|v| v.as_str().unwrap_or_default().to_string())
                     .collect(),
-                Some(v) => return Err(Error::Config(format!("'layer_types' must be a list, got {v}"))),
+                Some(v) => {
+                    return Err(Error::Config(format!(
+                        "'layer_types' must be a list, got {v}"
+                    )))
+                }
                 None => {
                     let max_window_layers = f.usize_opt("max_window_layers")?.unwrap_or(28);
                     (0..num_layers)
@@ -246,7 +254,12 @@ fn sliding_windows(f: &Fields, family: Family, num_layers: usize) -> Result<Vec<
                             } else {
                                 i >= max_window_layers
                             };
-                            if slides { "sliding_attention" } else { "full_attention" }.to_string()
+                            if slides {
+                                "sliding_attention"
+                            } else {
+                                "full_attention"
+                            }
+                            .to_string()
                         })
                         .collect()
                 }
@@ -272,7 +285,11 @@ fn sliding_windows(f: &Fields, family: Family, num_layers: usize) -> Result<Vec<
 }
 
 /// The MoE block settings and which layers use it.
-fn moe_config(f: &Fields, family: Family, num_layers: usize) -> Result<(Option<MoeConfig>, Vec<bool>)> {
+fn moe_config(
+    f: &Fields,
+    family: Family,
+    num_layers: usize,
+) -> Result<(Option<MoeConfig>, Vec<bool>)> {
     if !family.is_moe() {
         return Ok((None, vec![false; num_layers]));
     }
@@ -309,7 +326,12 @@ fn moe_config(f: &Fields, family: Family, num_layers: usize) -> Result<(Option<M
             )
         }
         // Mixtral always renormalises the top-k weights.
-        Family::Mixtral => (f.positive("intermediate_size")?, true, None, vec![true; num_layers]),
+        Family::Mixtral => (
+            f.positive("intermediate_size")?,
+            true,
+            None,
+            vec![true; num_layers],
+        ),
         Family::Olmoe => (
             f.positive("intermediate_size")?,
             f.bool_or("norm_topk_prob", false)?,

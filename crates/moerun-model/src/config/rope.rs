@@ -70,7 +70,7 @@ impl RopeConfig {
         let theta = num("rope_theta").unwrap_or(10000.0) as f32;
         let partial = num("partial_rotary_factor").unwrap_or(1.0);
         let rotary_dim = (head_dim as f64 * partial) as usize;
-        if rotary_dim == 0 || rotary_dim % 2 != 0 || rotary_dim > head_dim {
+        if rotary_dim == 0 || !rotary_dim.is_multiple_of(2) || rotary_dim > head_dim {
             return Err(Error::Config(format!(
                 "partial_rotary_factor {partial} gives an invalid rotary dimension {rotary_dim}"
             )));
@@ -82,7 +82,9 @@ impl RopeConfig {
             .unwrap_or("default");
         let need = |key: &str| -> Result<f32> {
             num(key).map(|v| v as f32).ok_or_else(|| {
-                Error::Config(format!("rope type '{kind}' needs '{key}' in its parameters"))
+                Error::Config(format!(
+                    "rope type '{kind}' needs '{key}' in its parameters"
+                ))
             })
         };
         let original = || {
@@ -132,7 +134,10 @@ impl RopeConfig {
                     beta_fast: num("beta_fast").filter(|&v| v != 0.0).unwrap_or(32.0) as f32,
                     beta_slow: num("beta_slow").filter(|&v| v != 0.0).unwrap_or(1.0) as f32,
                     attention_factor: attention_factor as f32,
-                    truncate: params.get("truncate").and_then(Value::as_bool).unwrap_or(true),
+                    truncate: params
+                        .get("truncate")
+                        .and_then(Value::as_bool)
+                        .unwrap_or(true),
                 }
             }
             other => {
@@ -211,8 +216,10 @@ impl RopeConfig {
                             .ln()
                         / (2.0 * theta.ln())
                 };
-                let (mut low, mut high) =
-                    (correction_dim(beta_fast as f64), correction_dim(beta_slow as f64));
+                let (mut low, mut high) = (
+                    correction_dim(beta_fast as f64),
+                    correction_dim(beta_slow as f64),
+                );
                 if truncate {
                     low = low.floor();
                     high = high.ceil();

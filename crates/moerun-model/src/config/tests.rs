@@ -20,9 +20,15 @@ fn qwen3_30b_a3b_resolves_to_its_published_shape() {
     assert_eq!((c.num_layers(), c.hidden_size, c.head_dim), (48, 2048, 128));
     assert_eq!((c.num_heads, c.num_kv_heads), (32, 4));
     let moe = c.moe.as_ref().unwrap();
-    assert_eq!((moe.num_experts, moe.top_k, moe.expert_intermediate), (128, 8, 768));
+    assert_eq!(
+        (moe.num_experts, moe.top_k, moe.expert_intermediate),
+        (128, 8, 768)
+    );
     assert!(moe.norm_topk_prob);
-    assert!(c.layers.iter().all(|l| l.ffn == FfnKind::Moe && l.sliding_window.is_none()));
+    assert!(c
+        .layers
+        .iter()
+        .all(|l| l.ffn == FfnKind::Moe && l.sliding_window.is_none()));
     assert_eq!(c.qk_norm, QkNorm::PerHead);
     assert_eq!(c.rope.theta, 1_000_000.0);
     assert_eq!(c.rope.scaling, RopeScaling::Default);
@@ -34,7 +40,13 @@ fn qwen2_moe_has_a_gated_shared_expert_and_qkv_bias() {
     let moe = c.moe.as_ref().unwrap();
     let shared = moe.shared_expert.as_ref().unwrap();
     assert_eq!((shared.intermediate, shared.gated), (20480, true));
-    assert_eq!(c.attention_bias, AttentionBias { qkv: true, o: false });
+    assert_eq!(
+        c.attention_bias,
+        AttentionBias {
+            qkv: true,
+            o: false
+        }
+    );
     assert!(!moe.norm_topk_prob);
 }
 
@@ -42,7 +54,10 @@ fn qwen2_moe_has_a_gated_shared_expert_and_qkv_bias() {
 fn mixtral_and_olmoe_use_intermediate_size_for_experts() {
     let m = known("mixtral-8x7b");
     assert_eq!(m.moe.as_ref().unwrap().expert_intermediate, 14336);
-    assert!(m.moe.as_ref().unwrap().norm_topk_prob, "Mixtral always renormalises");
+    assert!(
+        m.moe.as_ref().unwrap().norm_topk_prob,
+        "Mixtral always renormalises"
+    );
     let o = known("olmoe-1b-7b-0924");
     assert_eq!(o.moe.as_ref().unwrap().expert_intermediate, 1024);
     assert_eq!(o.qk_norm, QkNorm::WholeProjection);
@@ -89,7 +104,10 @@ fn mlp_only_layers_and_sparse_step_pick_dense_layers() {
 fn unknown_model_type_is_named_with_the_supported_list() {
     let err = ModelConfig::from_json_str(r#"{"model_type": "gpt_bigcode"}"#).unwrap_err();
     let msg = err.to_string();
-    assert!(msg.contains("gpt_bigcode") && msg.contains("qwen3_moe") && msg.contains("mixtral"), "{msg}");
+    assert!(
+        msg.contains("gpt_bigcode") && msg.contains("qwen3_moe") && msg.contains("mixtral"),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -99,7 +117,8 @@ fn unsupported_rope_type_and_activation_are_refused_by_name() {
     ))
     .unwrap_err();
     assert!(e.to_string().contains("longrope"), "{e}");
-    let e = ModelConfig::from_json_str(&base(r#", "num_experts": 8, "hidden_act": "gelu""#)).unwrap_err();
+    let e = ModelConfig::from_json_str(&base(r#", "num_experts": 8, "hidden_act": "gelu""#))
+        .unwrap_err();
     assert!(e.to_string().contains("gelu"), "{e}");
 }
 
@@ -124,5 +143,8 @@ fn llama3_rope_keeps_high_frequencies_and_divides_low_ones() {
     assert_eq!(scale, 1.0);
     assert_eq!(freqs[0], 1.0, "highest frequency untouched");
     let base_last = 1.0 / 500000f32.powf(62.0 / 64.0);
-    assert!((freqs[31] - base_last / 8.0).abs() < 1e-12, "lowest frequency divided by factor");
+    assert!(
+        (freqs[31] - base_last / 8.0).abs() < 1e-12,
+        "lowest frequency divided by factor"
+    );
 }
