@@ -11,7 +11,11 @@ use std::process::ExitCode;
 use clap::{Args, Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "moerun", version, about = "Fast, faithful inference for Mixture-of-Experts LLMs")]
+#[command(
+    name = "moerun",
+    version,
+    about = "Fast, faithful inference for Mixture-of-Experts LLMs"
+)]
 struct Cli {
     /// Worker threads for the CPU kernels (default: all cores).
     #[arg(long, global = true)]

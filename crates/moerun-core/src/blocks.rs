@@ -40,10 +40,10 @@ impl BlockAllocator {
 
     /// Take one free block.
     pub fn allocate(&mut self) -> Result<u32> {
-        let id = self.free.pop().ok_or(Error::OutOfKvBlocks {
-            needed: 1,
-            free: 0,
-        })?;
+        let id = self
+            .free
+            .pop()
+            .ok_or(Error::OutOfKvBlocks { needed: 1, free: 0 })?;
         self.ref_counts[id as usize] = 1;
         Ok(id)
     }
@@ -150,9 +150,7 @@ mod tests {
 
     #[test]
     fn slot_maps_positions_through_the_table() {
-        let t = BlockTable {
-            blocks: vec![7, 3],
-        };
+        let t = BlockTable { blocks: vec![7, 3] };
         assert_eq!(t.slot(0, 4), (7, 0));
         assert_eq!(t.slot(5, 4), (3, 1));
     }

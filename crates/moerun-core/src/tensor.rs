@@ -18,7 +18,11 @@ pub struct SharedBytes {
 
 impl SharedBytes {
     /// A window `[offset, offset + len)` onto `owner`. Fails if the window is out of bounds.
-    pub fn new(owner: Arc<dyn AsRef<[u8]> + Send + Sync>, offset: usize, len: usize) -> Option<Self> {
+    pub fn new(
+        owner: Arc<dyn AsRef<[u8]> + Send + Sync>,
+        offset: usize,
+        len: usize,
+    ) -> Option<Self> {
         let total = (*owner).as_ref().len();
         if offset.checked_add(len)? > total {
             return None;
@@ -121,7 +125,10 @@ impl Tensor {
             return Err(Error::InvalidArgument(format!("index {i} out of {n}")));
         }
         let stride = rest.iter().product::<usize>() * self.dtype.size();
-        let bytes = self.bytes.slice(i * stride, stride).expect("in bounds by construction");
+        let bytes = self
+            .bytes
+            .slice(i * stride, stride)
+            .expect("in bounds by construction");
         Ok(Tensor {
             dtype: self.dtype,
             shape: rest.to_vec(),

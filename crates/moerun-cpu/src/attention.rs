@@ -186,8 +186,12 @@ mod tests {
         // Non-contiguous, out-of-order blocks on purpose.
         let table = [5u32, 2, 7];
         let val = |p: usize, j: usize, salt: f32| ((p * 31 + j * 7) as f32 * salt).sin();
-        let ks: Vec<Vec<f32>> = (0..10).map(|p| (0..d).map(|j| val(p, j, 0.13)).collect()).collect();
-        let vs: Vec<Vec<f32>> = (0..10).map(|p| (0..d).map(|j| val(p, j, 0.29)).collect()).collect();
+        let ks: Vec<Vec<f32>> = (0..10)
+            .map(|p| (0..d).map(|j| val(p, j, 0.13)).collect())
+            .collect();
+        let vs: Vec<Vec<f32>> = (0..10)
+            .map(|p| (0..d).map(|j| val(p, j, 0.29)).collect())
+            .collect();
         for p in 0..10 {
             pool.write(&table, p, &ks[p], &vs[p]);
         }
@@ -210,7 +214,10 @@ mod tests {
             for h in 0..2 {
                 let want = naive(&q[h * d..(h + 1) * d], &ks[lo..], &vs[lo..], 0.5);
                 for (g, w) in out[h * d..(h + 1) * d].iter().zip(&want) {
-                    assert!((g - w).abs() < 1e-5, "window {window:?} head {h}: {g} vs {w}");
+                    assert!(
+                        (g - w).abs() < 1e-5,
+                        "window {window:?} head {h}: {g} vs {w}"
+                    );
                 }
             }
         }

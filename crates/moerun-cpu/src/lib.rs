@@ -2,8 +2,8 @@
 //! f32 accumulation), normalisations, rotary embeddings, paged attention. SIMD paths are chosen at
 //! run time (AVX-512, AVX2+FMA, scalar) and work is spread over rayon's thread pool.
 
+pub mod attention;
 pub mod bandwidth;
 pub mod linear;
-pub mod simd;
-pub mod attention;
 pub mod ops;
+pub mod simd;

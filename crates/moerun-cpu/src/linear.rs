@@ -85,8 +85,8 @@ fn task_rows(mode: Mode, n: usize, row_bytes: usize) -> usize {
     let threads = rayon::current_num_threads().max(1);
     let rows = match mode {
         Mode::Stream => {
-            let by_balance = n.div_ceil(threads * STREAM_TASKS_PER_THREAD);
-            let by_overhead = STREAM_MIN_TASK_BYTES.div_ceil(row_bytes.max(1));
+            let by_balance = n.div_ceil(threads * knob("TPT", STREAM_TASKS_PER_THREAD));
+            let by_overhead = knob("MINB", STREAM_MIN_TASK_BYTES).div_ceil(row_bytes.max(1));
             by_balance.max(by_overhead)
         }
         // Fewer rows than the panel target when that is what it takes to give every thread
@@ -117,4 +117,12 @@ fn run_tasks(
             let block = w.rows_range(t * rows, out_t.len() / m);
             simd::matmul_t_block(isa, mode, x, m, block, out_t);
         });
+}
+
+// TEMP knob
+pub(crate) fn knob(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
 }

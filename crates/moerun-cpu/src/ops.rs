@@ -146,7 +146,10 @@ mod tests {
         let (c, s) = (0.3f32.cos(), 0.3f32.sin());
         rope_rotate_half(&mut h, &[c, c], &[s, s]);
         let norm: f32 = h[..4].iter().map(|v| v * v).sum();
-        assert!((norm - 30.0).abs() < 1e-4, "rotation keeps the rotated dims' norm");
+        assert!(
+            (norm - 30.0).abs() < 1e-4,
+            "rotation keeps the rotated dims' norm"
+        );
         assert_eq!(&h[4..], &[5.0, 6.0], "dims past rotary_dim pass through");
     }
 

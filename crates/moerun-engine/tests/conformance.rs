@@ -21,7 +21,10 @@ fn fixture_names() -> Vec<String> {
         .map(|e| e.file_name().to_string_lossy().into_owned())
         .collect();
     names.sort();
-    assert!(names.len() >= 7, "expected the fixture set, found {names:?}");
+    assert!(
+        names.len() >= 7,
+        "expected the fixture set, found {names:?}"
+    );
     names
 }
 
@@ -71,9 +74,15 @@ fn relative_error(got: &[f32], want: &[f32]) -> f64 {
 fn prefill_logits(model: &Model, tokens: &[u32]) -> Vec<f32> {
     let mut kv = KvCache::with_capacity(&model.config, tokens.len());
     let mut seq = Sequence::new(tokens.to_vec());
-    run_step(model, &mut kv, &mut [&mut seq], &[usize::MAX], LogitsFor::AllTokens)
-        .unwrap()
-        .logits
+    run_step(
+        model,
+        &mut kv,
+        &mut [&mut seq],
+        &[usize::MAX],
+        LogitsFor::AllTokens,
+    )
+    .unwrap()
+    .logits
 }
 
 fn incremental_logits(model: &Model, tokens: &[u32]) -> Vec<f32> {
@@ -81,7 +90,13 @@ fn incremental_logits(model: &Model, tokens: &[u32]) -> Vec<f32> {
     let mut seq = Sequence::new(tokens.to_vec());
     let mut all = Vec::new();
     for _ in 0..tokens.len() {
-        let out = run_step(model, &mut kv, &mut [&mut seq], &[1], LogitsFor::LastOfEachSeq);
+        let out = run_step(
+            model,
+            &mut kv,
+            &mut [&mut seq],
+            &[1],
+            LogitsFor::LastOfEachSeq,
+        );
         all.extend(out.unwrap().logits);
     }
     all
@@ -102,7 +117,13 @@ fn greedy(model: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
     let mut seq = Sequence::new(prompt.to_vec());
     let mut out = Vec::new();
     for _ in 0..n {
-        let step = run_step(model, &mut kv, &mut [&mut seq], &[usize::MAX], LogitsFor::LastOfEachSeq);
+        let step = run_step(
+            model,
+            &mut kv,
+            &mut [&mut seq],
+            &[usize::MAX],
+            LogitsFor::LastOfEachSeq,
+        );
         let next = argmax(&step.unwrap().logits);
         out.push(next);
         seq.tokens.push(next);
@@ -120,12 +141,21 @@ fn every_fixture_matches_transformers_prefill_incremental_and_greedy() {
         let prefill = relative_error(&prefill_logits(&model, &r.tokens), &r.logits);
         let incremental = relative_error(&incremental_logits(&model, &r.tokens), &r.logits);
         let continuation = greedy(&model, &r.tokens, r.greedy.len());
-        println!("{name:36} prefill {prefill:.2e}  incremental {incremental:.2e}  tol {:.0e}", r.tolerance);
+        println!(
+            "{name:36} prefill {prefill:.2e}  incremental {incremental:.2e}  tol {:.0e}",
+            r.tolerance
+        );
         if prefill > r.tolerance || incremental > r.tolerance {
-            failures.push(format!("{name}: prefill {prefill:.3e}, incremental {incremental:.3e} > {}", r.tolerance));
+            failures.push(format!(
+                "{name}: prefill {prefill:.3e}, incremental {incremental:.3e} > {}",
+                r.tolerance
+            ));
         }
         if continuation != r.greedy {
-            failures.push(format!("{name}: greedy {continuation:?} != transformers {:?}", r.greedy));
+            failures.push(format!(
+                "{name}: greedy {continuation:?} != transformers {:?}",
+                r.greedy
+            ));
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
@@ -147,15 +177,39 @@ fn mixed_flat_batch_equals_each_sequence_alone_bitwise() {
     let mut kv = KvCache::with_capacity(&model.config, 256);
     let mut seqs: Vec<Sequence> = prompts.iter().map(|p| Sequence::new(p.clone())).collect();
     // Give the third sequence a head start so the batch mixes decode-like and prefill chunks.
-    let head_start = run_step(&model, &mut kv, &mut [&mut seqs[2]], &[prompts[2].len() - 1], LogitsFor::AllTokens).unwrap();
-    let [a, b, c] = &mut seqs[..] else { unreachable!() };
-    let batched = run_step(&model, &mut kv, &mut [a, b, c], &[usize::MAX; 3], LogitsFor::AllTokens).unwrap();
+    let head_start = run_step(
+        &model,
+        &mut kv,
+        &mut [&mut seqs[2]],
+        &[prompts[2].len() - 1],
+        LogitsFor::AllTokens,
+    )
+    .unwrap();
+    let [a, b, c] = &mut seqs[..] else {
+        unreachable!()
+    };
+    let batched = run_step(
+        &model,
+        &mut kv,
+        &mut [a, b, c],
+        &[usize::MAX; 3],
+        LogitsFor::AllTokens,
+    )
+    .unwrap();
 
     let v = model.config.vocab_size;
     let n0 = prompts[0].len();
     let n1 = prompts[1].len();
-    assert_eq!(&batched.logits[..n0 * v], &alone[0][..], "sequence 0 differs when batched");
-    assert_eq!(&batched.logits[n0 * v..(n0 + n1) * v], &alone[1][..], "sequence 1 differs when batched");
+    assert_eq!(
+        &batched.logits[..n0 * v],
+        &alone[0][..],
+        "sequence 0 differs when batched"
+    );
+    assert_eq!(
+        &batched.logits[n0 * v..(n0 + n1) * v],
+        &alone[1][..],
+        "sequence 1 differs when batched"
+    );
     let mut third = head_start.logits;
     third.extend_from_slice(&batched.logits[(n0 + n1) * v..]);
     assert_eq!(third, alone[2], "sequence 2 (chunked across steps) differs");

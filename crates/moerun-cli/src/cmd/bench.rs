@@ -1,1 +1,293 @@
-//! (being written)
+//! `moerun bench`: prefill and decode speed on the CPU, judged against this machine's measured
+//! memory read bandwidth. Decode at batch 1 reads every active weight byte once per token, so
+//! `active bytes per token × decode tok/s` is the weight traffic decode achieves, and its share of
+//! the measured bandwidth says how close the kernels are to the roofline.
+//!
+//! The weights are mmapped: before timing, every page is touched and a short forward runs, so
+//! neither disk reads nor page faults nor thread start-up are timed. Each of `--repeat` runs uses a
+//! fresh KV cache; the best prefill and the best decode are reported.
+
+use std::time::Instant;
+
+use moerun_core::DType;
+use moerun_cpu::bandwidth::measure_read_bandwidth;
+use moerun_engine::{run_step, Sequence};
+use moerun_model::stats::{human_count, ParamStats};
+use moerun_model::{KvCache, LogitsFor, Model};
+use rayon::prelude::*;
+use serde_json::json;
+
+use super::inspect::StoredDtypes;
+use super::synth::SplitMix64;
+use super::CliResult;
+use crate::BenchArgs;
+
+/// Bandwidth probe buffer: far above any last-level cache, so DRAM is what gets measured.
+const PROBE_BYTES: usize = 1 << 30;
+/// Seed of the random prompt: the same prompt on every run and every machine.
+const PROMPT_SEED: u64 = 0x0062_656e_6368;
+/// Page stride for touching the mapped weights (the smallest page size in use).
+const PAGE: usize = 4096;
+
+/// Wall-clock times of one prefill and the decode steps that follow it.
+#[derive(Clone, Copy)]
+struct Timing {
+    prefill_s: f64,
+    decode_s: f64,
+}
+
+pub fn run(args: &BenchArgs, threads: Option<usize>) -> CliResult {
+    for (flag, v) in [
+        ("--prompt", args.prompt),
+        ("--gen", args.gen),
+        ("--repeat", args.repeat),
+    ] {
+        if v == 0 {
+            return Err(format!("{flag} must be at least 1").into());
+        }
+    }
+    let model = Model::load(&args.model)?;
+    let cfg = &model.config;
+    let stats = ParamStats::from_config(cfg);
+    let stored = StoredDtypes::of(&model);
+    let dtype = stored.main()?;
+    let workers = rayon::current_num_threads();
+
+    eprintln!("bench: measuring read bandwidth with {workers} thread(s)...");
+    let bandwidth = measure_read_bandwidth(PROBE_BYTES, workers);
+    eprintln!(
+        "bench: touching {} of mapped weights...",
+        decimal_bytes(model.checkpoint().weight_bytes() as f64)
+    );
+    touch_weights(&model);
+    let prompt = random_prompt(args.prompt, cfg.vocab_size);
+    // A short forward and a decode step: warms threads, allocator and caches.
+    measure(&model, &prompt[..prompt.len().min(16)], 1)?;
+
+    let mut best: Option<Timing> = None;
+    for r in 1..=args.repeat {
+        let t = measure(&model, &prompt, args.gen)?;
+        eprintln!(
+            "bench: run {r}/{}: prefill {:.2} tok/s, decode {:.2} tok/s",
+            args.repeat,
+            args.prompt as f64 / t.prefill_s,
+            args.gen as f64 / t.decode_s
+        );
+        best = Some(match best {
+            None => t,
+            Some(b) => Timing {
+                prefill_s: b.prefill_s.min(t.prefill_s),
+                decode_s: b.decode_s.min(t.decode_s),
+            },
+        });
+    }
+    let best = best.ok_or("no run completed")?;
+
+    let prefill_tps = args.prompt as f64 / best.prefill_s;
+    let decode_tps = args.gen as f64 / best.decode_s;
+    let active_bytes = stats.active_bytes(dtype);
+    let achieved = active_bytes as f64 * decode_tps;
+    let report = Report {
+        args,
+        threads,
+        workers,
+        dtype,
+        stats,
+        bandwidth,
+        best,
+        prefill_tps,
+        decode_tps,
+        active_bytes,
+        achieved,
+        pct: 100.0 * achieved / bandwidth,
+        roofline_tps: bandwidth / active_bytes as f64,
+    };
+    if args.json {
+        println!("{}", report.json(&model));
+    } else {
+        report.print(&model);
+    }
+    Ok(())
+}
+
+/// One prefill of `prompt` (logits of its last position only, as generation needs), then `gen`
+/// decode steps at batch 1 feeding back the argmax, in a KV cache sized for both.
+fn measure(model: &Model, prompt: &[u32], gen: usize) -> CliResult<Timing> {
+    let mut kv = KvCache::with_capacity(&model.config, prompt.len() + gen);
+    let mut seq = Sequence::new(prompt.to_vec());
+    let start = Instant::now();
+    let out = run_step(
+        model,
+        &mut kv,
+        &mut [&mut seq],
+        &[usize::MAX],
+        LogitsFor::LastOfEachSeq,
+    )?;
+    let prefill_s = start.elapsed().as_secs_f64();
+    let mut next = argmax(&out.logits);
+    let start = Instant::now();
+    for _ in 0..gen {
+        seq.tokens.push(next);
+        let out = run_step(
+            model,
+            &mut kv,
+            &mut [&mut seq],
+            &[1],
+            LogitsFor::LastOfEachSeq,
+        )?;
+        next = argmax(&out.logits);
+    }
+    let decode_s = start.elapsed().as_secs_f64();
+    Ok(Timing {
+        prefill_s,
+        decode_s,
+    })
+}
+
+/// Index of the largest logit (the greedy next token).
+fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in logits.iter().enumerate() {
+        if v > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// `n` token ids below `vocab`, the same for a given `n` and `vocab` every time.
+fn random_prompt(n: usize, vocab: usize) -> Vec<u32> {
+    let mut rng = SplitMix64::new(PROMPT_SEED);
+    (0..n).map(|_| rng.below(vocab as u64) as u32).collect()
+}
+
+/// Read one byte of every page of every weight, so the file is resident and mapped before timing
+/// (a decode step only touches the experts it routes to; the rest would fault in mid-measurement).
+fn touch_weights(model: &Model) {
+    let ckpt = model.checkpoint();
+    let names: Vec<&str> = ckpt.names().collect();
+    let sum: u64 = names
+        .par_iter()
+        .filter_map(|n| ckpt.get(n))
+        .map(|t| {
+            t.bytes()
+                .iter()
+                .step_by(PAGE)
+                .map(|&b| b as u64)
+                .sum::<u64>()
+        })
+        .sum();
+    std::hint::black_box(sum);
+}
+
+/// A byte count in decimal units, matching the GB/s of bandwidth figures: `6.08 GB`, `332.8 KB`.
+fn decimal_bytes(n: f64) -> String {
+    match n {
+        n if n >= 1e9 => format!("{:.3} GB", n / 1e9),
+        n if n >= 1e6 => format!("{:.1} MB", n / 1e6),
+        n if n >= 1e3 => format!("{:.1} KB", n / 1e3),
+        n => format!("{n} B"),
+    }
+}
+
+/// Every figure of a bench, for either output form.
+struct Report<'a> {
+    args: &'a BenchArgs,
+    threads: Option<usize>,
+    workers: usize,
+    dtype: DType,
+    stats: ParamStats,
+    bandwidth: f64,
+    best: Timing,
+    prefill_tps: f64,
+    decode_tps: f64,
+    active_bytes: u64,
+    /// Weight bytes per second decode streams.
+    achieved: f64,
+    /// `achieved` as a percentage of `bandwidth`.
+    pct: f64,
+    /// Decode tok/s if weights streamed at the measured bandwidth.
+    roofline_tps: f64,
+}
+
+impl Report<'_> {
+    fn json(&self, model: &Model) -> serde_json::Value {
+        let cfg = &model.config;
+        json!({
+            "model": self.args.model.display().to_string(),
+            "family": cfg.family.to_string(),
+            "layers": cfg.num_layers(),
+            "dtype": self.dtype.to_string(),
+            "isa": moerun_cpu::simd::active_isa(),
+            "threads": self.workers,
+            "params_total": self.stats.total,
+            "params_active": self.stats.active,
+            "active_bytes_per_token": self.active_bytes,
+            "read_bandwidth_bytes_per_s": self.bandwidth,
+            "prompt_tokens": self.args.prompt,
+            "prefill_seconds": self.best.prefill_s,
+            "prefill_tok_per_s": self.prefill_tps,
+            "gen_tokens": self.args.gen,
+            "decode_seconds": self.best.decode_s,
+            "decode_tok_per_s": self.decode_tps,
+            "decode_weight_bytes_per_s": self.achieved,
+            "decode_bandwidth_pct": self.pct,
+            "decode_roofline_tok_per_s": self.roofline_tps,
+            "repeat": self.args.repeat,
+        })
+    }
+
+    fn print(&self, model: &Model) {
+        let cfg = &model.config;
+        let how = match self.threads {
+            Some(n) => format!("--threads {n}"),
+            None => "all cores".into(),
+        };
+        println!("model      {}", self.args.model.display());
+        println!(
+            "           {}, {} layers, {}, {} params ({} active per token)",
+            cfg.family,
+            cfg.num_layers(),
+            self.dtype,
+            human_count(self.stats.total),
+            human_count(self.stats.active)
+        );
+        println!(
+            "cpu        {}, {} threads ({how})",
+            moerun_cpu::simd::active_isa(),
+            self.workers
+        );
+        println!(
+            "memory     {:.2} GB/s read bandwidth (measured)",
+            self.bandwidth / 1e9
+        );
+        println!();
+        println!(
+            "{:<18} {:>8} {:>10} {:>10}",
+            "phase", "tokens", "seconds", "tok/s"
+        );
+        println!(
+            "{:<18} {:>8} {:>10.3} {:>10.2}",
+            "prefill", self.args.prompt, self.best.prefill_s, self.prefill_tps
+        );
+        println!(
+            "{:<18} {:>8} {:>10.3} {:>10.2}",
+            "decode (batch 1)", self.args.gen, self.best.decode_s, self.decode_tps
+        );
+        println!();
+        println!(
+            "decode weight traffic  {}/token x {:.2} tok/s = {:.2} GB/s, {:.1}% of measured bandwidth",
+            decimal_bytes(self.active_bytes as f64),
+            self.decode_tps,
+            self.achieved / 1e9,
+            self.pct
+        );
+        println!(
+            "decode roofline        {:.2} tok/s at the measured bandwidth",
+            self.roofline_tps
+        );
+        if self.args.repeat > 1 {
+            println!("(best of {} runs per phase)", self.args.repeat);
+        }
+    }
+}

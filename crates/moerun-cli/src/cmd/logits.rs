@@ -21,12 +21,24 @@ pub fn compute(model: &Model, tokens: &[u32], incremental: bool) -> CliResult<Ve
     let mut kv = KvCache::with_capacity(&model.config, tokens.len());
     let mut seq = Sequence::new(tokens.to_vec());
     if !incremental {
-        let out = run_step(model, &mut kv, &mut [&mut seq], &[usize::MAX], LogitsFor::AllTokens)?;
+        let out = run_step(
+            model,
+            &mut kv,
+            &mut [&mut seq],
+            &[usize::MAX],
+            LogitsFor::AllTokens,
+        )?;
         return Ok(out.logits);
     }
     let mut logits = Vec::with_capacity(tokens.len() * model.config.vocab_size);
     for _ in 0..tokens.len() {
-        let out = run_step(model, &mut kv, &mut [&mut seq], &[1], LogitsFor::LastOfEachSeq)?;
+        let out = run_step(
+            model,
+            &mut kv,
+            &mut [&mut seq],
+            &[1],
+            LogitsFor::LastOfEachSeq,
+        )?;
         logits.extend_from_slice(&out.logits);
     }
     Ok(logits)

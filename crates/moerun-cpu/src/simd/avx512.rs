@@ -82,17 +82,19 @@ impl Simd for Avx512 {
         let lo = _mm512_castps512_ps256(v);
         let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
         let s8 = _mm256_add_ps(lo, hi);
-        let s4 = _mm_add_ps(
-            _mm256_castps256_ps128(s8),
-            _mm256_extractf128_ps::<1>(s8),
-        );
+        let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps::<1>(s8));
         let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
         let s1 = _mm_add_ss(s2, _mm_shuffle_ps::<1>(s2, s2));
         _mm_cvtss_f32(s1)
     }
     #[inline(always)]
     unsafe fn prefetch(p: *const u8) {
-        _mm_prefetch::<_MM_HINT_T0>(p.cast());
+        match HINT.load(std::sync::atomic::Ordering::Relaxed) {
+            0 => _mm_prefetch::<_MM_HINT_T0>(p.cast()),
+            1 => _mm_prefetch::<_MM_HINT_T1>(p.cast()),
+            2 => _mm_prefetch::<_MM_HINT_T2>(p.cast()),
+            _ => _mm_prefetch::<_MM_HINT_NTA>(p.cast()),
+        }
     }
 }
 
@@ -119,7 +121,20 @@ pub(crate) unsafe fn matmul_t_block(mode: Mode, dtype: DType, a: Args) {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 unsafe fn block<F: Format>(mode: Mode, a: Args) {
     match mode {
-        Mode::Stream if a.m == 1 => kernels::stream::<Avx512, F, 1, 8>(a, true),
+        Mode::Stream if a.m == 1 => {
+            let pf = crate::linear::knob("PF", 1) == 1;
+            HINT.store(
+                crate::linear::knob("PFH", 0),
+                std::sync::atomic::Ordering::Relaxed,
+            );
+            match crate::linear::knob("NR1", 8) {
+                4 => kernels::stream::<Avx512, F, 1, 4>(a, pf),
+                6 => kernels::stream::<Avx512, F, 1, 6>(a, pf),
+                12 => kernels::stream::<Avx512, F, 1, 12>(a, pf),
+                16 => kernels::stream::<Avx512, F, 1, 16>(a, pf),
+                _ => kernels::stream::<Avx512, F, 1, 8>(a, pf),
+            }
+        }
         Mode::Stream => kernels::stream::<Avx512, F, 4, 6>(a, true),
         Mode::Packed => kernels::packed::<Avx512, F, 4, 6>(a),
     }
@@ -133,3 +148,5 @@ unsafe fn block<F: Format>(mode: Mode, a: Args) {
 pub(crate) unsafe fn read_sum(p: *const f32, n: usize) -> f32 {
     kernels::read_sum::<Avx512>(p, n)
 }
+
+pub(crate) static HINT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);

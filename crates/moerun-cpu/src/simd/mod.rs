@@ -112,7 +112,10 @@ fn detect() -> Isa {
 
 /// Every path this CPU supports, lowest first (what the tests iterate over).
 pub fn available_isas() -> Vec<Isa> {
-    Isa::ALL.into_iter().filter(|isa| isa.is_supported()).collect()
+    Isa::ALL
+        .into_iter()
+        .filter(|isa| isa.is_supported())
+        .collect()
 }
 
 /// 0 = no override, otherwise `1 + Isa as u8`.
