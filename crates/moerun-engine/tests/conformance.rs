@@ -46,7 +46,7 @@ fn load_reference(dir: &Path) -> Reference {
             .map(|v| v.as_u64().unwrap() as u32)
             .collect()
     };
-    let (_, logits) = read_npy_f32(&dir.join("logits.npy")).unwrap();
+    let (_, logits) = read_npy_f32(dir.join("logits.npy")).unwrap();
     // The bar: 1e-4 for f32 weights, 1e-3 for bf16 weights.
     let tolerance = match json["dtype"].as_str().unwrap() {
         "float32" => 1e-4,

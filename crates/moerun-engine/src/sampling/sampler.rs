@@ -10,7 +10,9 @@ use super::truncate::kept_tokens;
 use super::{SamplingParams, TokenLogprob};
 
 /// Turns a sequence's logits into its next token, step after step. Owns its random generator,
-/// so a seeded sequence draws the same tokens whatever else shares its batch.
+/// so a seeded sequence draws the same tokens whatever else shares its batch. The generator is
+/// rand's `StdRng`: reproducible for a given build, though rand may change its algorithm in a
+/// new major version.
 ///
 /// Memory: besides the parameters, up to 8 bytes per vocabulary entry of scratch (allocated on
 /// the first call that needs it and reused; greedy decoding without logprobs needs none) plus
@@ -74,7 +76,7 @@ impl Sampler {
     /// Choose the next token. `history` is the prompt followed by every token generated so far.
     ///
     /// `logits` (one per vocabulary entry) is used as scratch: on return it holds the penalised,
-    /// temperature-scaled logits (only penalised when greedy).
+    /// temperature-scaled logits with NaN turned into -inf (when greedy: only penalised).
     ///
     /// # Panics
     /// If `logits` is empty, which no model produces.
@@ -88,9 +90,10 @@ impl Sampler {
     ///
     /// Logprobs are `log_softmax` over the whole vocabulary of the logits after penalties and
     /// temperature, before top-k, top-p and min-p: the distribution the truncation starts from,
-    /// so a token outside the nucleus still has its real, finite logprob (vLLM's V0 sampler and
-    /// its "processed_logprobs" mode report the same). With temperature 0 there is no scaled
-    /// distribution; the penalised logits are taken at temperature 1.
+    /// so a token outside the nucleus still has its real, finite logprob. vLLM's V0 sampler
+    /// reported the same; V1 by default reports the raw model logits' log_softmax instead. With
+    /// temperature 0 there is no scaled distribution; the penalised logits are taken at
+    /// temperature 1.
     pub fn sample_with_logprobs(
         &mut self,
         logits: &mut [f32],
