@@ -26,6 +26,12 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Generate text from a prompt, streamed as it is produced.
+    Generate(GenerateArgs),
+    /// An interactive conversation using the model's chat template.
+    Chat(ChatArgs),
+    /// Teacher-forced perplexity of a text file.
+    Perplexity(PerplexityArgs),
     /// Write float32 logits for every position of a token sequence to a .npy file.
     Logits(LogitsArgs),
     /// Describe a checkpoint: family, layers, experts, parameters, bytes.
@@ -34,6 +40,86 @@ enum Command {
     Synth(SynthArgs),
     /// Measure prefill and decode speed against this machine's memory bandwidth.
     Bench(BenchArgs),
+}
+
+/// Sampling flags shared by generate and chat; unset ones come from generation_config.json.
+#[derive(Args, Clone, Default)]
+pub struct SamplingFlags {
+    /// Sampling temperature; 0 decodes greedily.
+    #[arg(long)]
+    pub temperature: Option<f32>,
+    /// Keep only the K most likely tokens (0 = off).
+    #[arg(long)]
+    pub top_k: Option<i32>,
+    /// Nucleus sampling: keep the smallest set of tokens with this much probability.
+    #[arg(long)]
+    pub top_p: Option<f32>,
+    /// Drop tokens less likely than this fraction of the most likely one.
+    #[arg(long)]
+    pub min_p: Option<f32>,
+    /// Penalise tokens already in the prompt or output (1 = off).
+    #[arg(long)]
+    pub repetition_penalty: Option<f32>,
+    /// Random seed: the same seed gives the same text.
+    #[arg(long)]
+    pub seed: Option<u64>,
+}
+
+#[derive(Args)]
+pub struct GenerateArgs {
+    /// Checkpoint directory (default: the embedded default model).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// The prompt; read from standard input when absent.
+    pub prompt: Option<String>,
+    /// Wrap the prompt in the model's chat template as a user message.
+    #[arg(long)]
+    pub chat: bool,
+    /// A system message (requires --chat).
+    #[arg(long, requires = "chat")]
+    pub system: Option<String>,
+    /// Most tokens to generate.
+    #[arg(long)]
+    pub max_tokens: Option<usize>,
+    #[command(flatten)]
+    pub sampling: SamplingFlags,
+    /// Stop when this text is generated (repeatable); it is not printed.
+    #[arg(long)]
+    pub stop: Vec<String>,
+    /// Print one JSON object with the text and statistics instead of streaming.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args)]
+pub struct ChatArgs {
+    /// Checkpoint directory (default: the embedded default model).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// A system message that starts the conversation.
+    #[arg(long)]
+    pub system: Option<String>,
+    /// Most tokens per reply.
+    #[arg(long)]
+    pub max_tokens: Option<usize>,
+    #[command(flatten)]
+    pub sampling: SamplingFlags,
+    /// Stop a reply when this text is generated (repeatable).
+    #[arg(long)]
+    pub stop: Vec<String>,
+}
+
+#[derive(Args)]
+pub struct PerplexityArgs {
+    /// Checkpoint directory (default: the embedded default model).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// The text file to score.
+    #[arg(long)]
+    pub file: PathBuf,
+    /// Tokens per window (default 512, at most the model's context).
+    #[arg(long)]
+    pub context: Option<usize>,
 }
 
 #[derive(Args)]
@@ -108,6 +194,9 @@ fn main() -> ExitCode {
         return ExitCode::FAILURE;
     }
     let result = match cli.command {
+        Command::Generate(a) => cmd::generate::run(&a),
+        Command::Chat(a) => cmd::chat::run(&a),
+        Command::Perplexity(a) => cmd::perplexity::run(&a),
         Command::Logits(a) => cmd::logits::run(&a),
         Command::Inspect(a) => cmd::inspect::run(&a),
         Command::Synth(a) => cmd::synth::run(&a),

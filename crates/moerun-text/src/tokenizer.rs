@@ -88,14 +88,10 @@ impl Tokenizer {
     }
 
     /// The text of `ids`, leaving out special tokens if asked. Bytes that do not form a
-    /// character decode to U+FFFD, as in Python.
+    /// character decode to U+FFFD, as in Python. Ids the vocabulary does not have (models pad
+    /// their embedding past the tokenizer's vocabulary, e.g. Qwen's 151936 rows for 151669
+    /// tokens) decode to nothing, exactly as Hugging Face `tokenizers` does.
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
-        let vocab = self.vocab_size();
-        if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
-            return Err(TextError::Tokenize(format!(
-                "token id {bad} is outside the vocabulary of {vocab}"
-            )));
-        }
         self.inner
             .decode(ids, skip_special_tokens)
             .map_err(|e| TextError::Tokenize(e.to_string()))

@@ -1,0 +1,72 @@
+//! A model with its tokenizer, generation defaults and KV sizing: what the text commands
+//! (generate, chat, perplexity) share.
+
+use std::path::{Path, PathBuf};
+
+use moerun_engine::generation_config::GenerationConfig;
+use moerun_engine::stop::StopTokens;
+use moerun_model::{KvCache, Model};
+use moerun_text::Tokenizer;
+
+use super::CliResult;
+
+/// A loaded checkpoint ready for text in, text out.
+pub struct TextModel {
+    pub dir: PathBuf,
+    pub model: Model,
+    pub tokenizer: Tokenizer,
+    pub generation: GenerationConfig,
+}
+
+impl TextModel {
+    /// Load the checkpoint at `--model`, or the embedded default model when none is given.
+    pub fn load(model: Option<&Path>) -> CliResult<TextModel> {
+        let dir = super::default_model::resolve(model)?;
+        let model = Model::load(&dir)?;
+        let tokenizer = Tokenizer::from_dir(&dir)?;
+        let generation = GenerationConfig::load(&dir)?;
+        Ok(TextModel {
+            dir,
+            model,
+            tokenizer,
+            generation,
+        })
+    }
+
+    /// Longest sequence (prompt + generated) this model takes.
+    pub fn context_len(&self) -> usize {
+        self.model.config.max_position_embeddings
+    }
+
+    /// EOS ids from generation_config.json, else the config's, else the tokenizer's.
+    pub fn stop_tokens(&self) -> StopTokens {
+        let mut ids = self.generation.eos_token_ids.clone();
+        if ids.is_empty() {
+            ids = self.model.config.eos_token_ids.clone();
+        }
+        if ids.is_empty() {
+            ids.extend(self.tokenizer.eos_token_id());
+        }
+        StopTokens::new(&ids, &[], false)
+    }
+
+    /// A KV cache for sequences of up to `tokens` tokens.
+    pub fn kv_cache(&self, tokens: usize) -> KvCache {
+        KvCache::with_capacity(&self.model.config, tokens)
+    }
+
+    /// Refuse a prompt that leaves no room to generate.
+    pub fn check_prompt_len(&self, prompt_tokens: usize) -> CliResult {
+        if prompt_tokens == 0 {
+            return Err("the prompt is empty".into());
+        }
+        if prompt_tokens >= self.context_len() {
+            return Err(format!(
+                "the prompt has {prompt_tokens} tokens but the model's context is {} tokens",
+                self.context_len()
+            )
+            .into());
+        }
+        Ok(())
+    }
+}
