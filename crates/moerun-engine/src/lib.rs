@@ -2,10 +2,10 @@
 //! the shared KV cache; a step reserves blocks for its new tokens and runs them as one flat batch.
 
 pub mod block_manager;
+pub mod generate;
 pub mod generation_config;
 pub mod sampling;
 pub mod scheduler;
-pub mod generate;
 pub mod sequence;
 pub mod stop;
 
