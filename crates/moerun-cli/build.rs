@@ -29,12 +29,17 @@ fn main() {
             hash = hash.wrapping_mul(0x100_0000_01b3);
         }
         let abs = fs::canonicalize(path).unwrap();
-        items.push_str(&format!("    ({name:?}, include_bytes!({:?})),\n", abs.display().to_string()));
+        items.push_str(&format!(
+            "    ({name:?}, include_bytes!({:?})),\n",
+            abs.display().to_string()
+        ));
     }
     let out = Path::new(&std::env::var("OUT_DIR").unwrap()).join("default_model.rs");
     fs::write(
         out,
-        format!("pub const FILES: &[(&str, &[u8])] = &[\n{items}];\npub const HASH: u64 = {hash:#x};\n"),
+        format!(
+            "pub const FILES: &[(&str, &[u8])] = &[\n{items}];\npub const HASH: u64 = {hash:#x};\n"
+        ),
     )
     .unwrap();
 }

@@ -40,6 +40,10 @@ enum Command {
     Synth(SynthArgs),
     /// Measure prefill and decode speed against this machine's memory bandwidth.
     Bench(BenchArgs),
+    /// Serve an OpenAI-compatible HTTP API with continuous batching.
+    Serve(ServeArgs),
+    /// Measure a server under concurrent streamed requests (a concurrency sweep).
+    BenchServe(BenchServeArgs),
 }
 
 /// Sampling flags shared by generate and chat; unset ones come from generation_config.json.
@@ -187,6 +191,73 @@ pub struct BenchArgs {
     pub json: bool,
 }
 
+#[derive(Args, Clone)]
+pub struct ServeArgs {
+    /// Checkpoint directory (default: the embedded default model).
+    #[arg(long)]
+    pub model: Option<std::path::PathBuf>,
+    /// Address to listen on (loopback unless told otherwise).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on.
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Require `Authorization: Bearer KEY` on /v1/* requests.
+    #[arg(long)]
+    pub api_key: Option<String>,
+    /// Device to run on: cpu (cuda is not built yet).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Most sequences running at once.
+    #[arg(long, default_value_t = 256)]
+    pub max_num_seqs: usize,
+    /// Most tokens computed in one step (decodes plus prefill chunks).
+    #[arg(long, default_value_t = 2048)]
+    pub max_num_batched_tokens: usize,
+    /// Longest prompt + completion (default: the model's context).
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
+    /// Bytes of KV cache (default: what max-num-seqs full-length sequences need, at most 1 GiB).
+    #[arg(long)]
+    pub kv_cache_memory: Option<u64>,
+    /// Requests allowed to wait for admission; more are answered 503.
+    #[arg(long, default_value_t = 1024)]
+    pub max_waiting: usize,
+    /// Do not reuse the KV of prompt prefixes across requests.
+    #[arg(long)]
+    pub no_enable_prefix_caching: bool,
+    /// The model name clients use (default: the --model path as given, or "default").
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+}
+
+#[derive(Args)]
+pub struct BenchServeArgs {
+    /// A running server to measure (default: start one in this process with the serve flags).
+    #[arg(long)]
+    pub url: Option<String>,
+    /// Prompt tokens per request (random token ids).
+    #[arg(long, default_value_t = 128)]
+    pub input_len: usize,
+    /// Tokens generated per request (EOS ignored).
+    #[arg(long, default_value_t = 64)]
+    pub output_len: usize,
+    /// Comma-separated concurrency levels.
+    #[arg(long, default_value = "1,4,16,64")]
+    pub concurrency: String,
+    /// Requests per level (default: 4 per concurrent client, at least 16).
+    #[arg(long)]
+    pub num_prompts: Option<usize>,
+    /// Seed of the random prompts.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub serve: ServeArgs,
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     if let Err(e) = configure_threads(cli.threads) {
@@ -201,6 +272,8 @@ fn main() -> ExitCode {
         Command::Inspect(a) => cmd::inspect::run(&a),
         Command::Synth(a) => cmd::synth::run(&a),
         Command::Bench(a) => cmd::bench::run(&a, cli.threads),
+        Command::Serve(a) => cmd::serve::run(&a),
+        Command::BenchServe(a) => cmd::bench_serve::run(&a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -6,10 +6,10 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use moerun_engine::{run_step, Sequence};
+use moerun_engine::{run_step, Sequence, SequenceKv};
 use moerun_model::config::FfnKind;
 use moerun_model::stats::ParamStats;
-use moerun_model::{KvCache, LogitsFor, Model};
+use moerun_model::{LogitsFor, Model};
 
 fn fixture_config(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -54,7 +54,7 @@ fn assert_clean_error(out: &Output, needle: &str) {
 
 /// Last-position logits of a 5-token prefill followed by one decode step.
 fn run_forward(model: &Model) -> Vec<f32> {
-    let mut kv = KvCache::with_capacity(&model.config, 6);
+    let mut kv = SequenceKv::with_capacity(&model.config, 6);
     let mut seq = Sequence::new(vec![1, 2, 3, 4, 5]);
     run_step(
         model,

@@ -6,10 +6,10 @@
 use std::time::{Duration, Instant};
 
 use moerun_core::Result;
-use moerun_model::{KvCache, LogitsFor, Model};
+use moerun_model::{LogitsFor, Model};
 
 use crate::sampling::Sampler;
-use crate::sequence::{run_step, Sequence};
+use crate::sequence::{run_step, Sequence, SequenceKv};
 use crate::stop::StopTokens;
 
 /// Why generation ended.
@@ -77,7 +77,7 @@ pub enum Control {
 /// `seq` and passed to `on_token`.
 pub fn generate(
     model: &Model,
-    kv: &mut KvCache,
+    kv: &mut SequenceKv,
     seq: &mut Sequence,
     sampler: &mut Sampler,
     options: &GenerateOptions,
@@ -90,7 +90,13 @@ pub fn generate(
     let mut time_to_first_token = Duration::ZERO;
     let mut decode_start = start;
     while tokens.len() < options.max_new_tokens {
-        let out = run_step(model, kv, &mut [&mut *seq], &[usize::MAX], LogitsFor::LastOfEachSeq)?;
+        let out = run_step(
+            model,
+            kv,
+            &mut [&mut *seq],
+            &[usize::MAX],
+            LogitsFor::LastOfEachSeq,
+        )?;
         let mut logits = out.logits;
         let next = sampler.sample(&mut logits, &seq.tokens);
         if tokens.is_empty() {

@@ -9,4 +9,4 @@ pub mod scheduler;
 pub mod sequence;
 pub mod stop;
 
-pub use sequence::{run_step, Sequence};
+pub use sequence::{run_step, Sequence, SequenceKv};

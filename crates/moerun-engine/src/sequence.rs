@@ -1,7 +1,64 @@
-//! A sequence being processed, and one forward step over several of them.
+//! A sequence being processed, and one forward step over several of them, for callers that drive
+//! a few sequences by hand (generate, chat, perplexity, logits, bench, the conformance tests).
+//! Their KV lives in a [`SequenceKv`]: storage plus the one simple allocator that decides its
+//! blocks. The serving engine does not use this path: its scheduler's block manager is the only
+//! allocator of its storage.
 
-use moerun_core::{BlockTable, Result};
-use moerun_model::{Batch, ForwardOutput, KvCache, LogitsFor, Model, SeqChunk};
+use moerun_core::{BlockAllocator, BlockTable, Result};
+use moerun_model::{Batch, ForwardOutput, KvCache, LogitsFor, Model, ModelConfig, SeqChunk};
+
+/// KV storage whose blocks are handed out by its own [`BlockAllocator`], and only by it.
+pub struct SequenceKv {
+    cache: KvCache,
+    allocator: BlockAllocator,
+}
+
+impl SequenceKv {
+    /// `num_blocks` blocks of `block_size` tokens for every layer of `cfg`.
+    pub fn new(cfg: &ModelConfig, num_blocks: usize, block_size: usize) -> Self {
+        Self::from_cache(KvCache::new(cfg, num_blocks, block_size))
+    }
+
+    /// Room for `tokens` tokens (rounded up to whole blocks).
+    pub fn with_capacity(cfg: &ModelConfig, tokens: usize) -> Self {
+        Self::from_cache(KvCache::with_capacity(cfg, tokens))
+    }
+
+    fn from_cache(cache: KvCache) -> Self {
+        let allocator = BlockAllocator::new(cache.num_blocks(), cache.block_size());
+        SequenceKv { cache, allocator }
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        self.cache.block_size()
+    }
+
+    /// Grow `table` to hold `num_tokens` tokens; all or nothing.
+    pub fn reserve(&mut self, table: &mut BlockTable, num_tokens: usize) -> Result<()> {
+        self.allocator.reserve(table, num_tokens)
+    }
+
+    /// Return a sequence's blocks.
+    pub fn free(&mut self, table: &mut BlockTable) {
+        self.allocator.free_table(table)
+    }
+
+    /// Blocks not held by any sequence.
+    pub fn num_free_blocks(&self) -> usize {
+        self.allocator.num_free()
+    }
+
+    /// The storage, for a forward pass.
+    pub fn cache_mut(&mut self) -> &mut KvCache {
+        &mut self.cache
+    }
+
+    /// Bytes of KV storage.
+    pub fn bytes(&self) -> usize {
+        self.cache.bytes()
+    }
+}
 
 /// A sequence whose first `cached` tokens are in the KV cache.
 #[derive(Debug, Default)]
@@ -25,7 +82,7 @@ impl Sequence {
     }
 
     /// Give the sequence's blocks back to the cache.
-    pub fn release(&mut self, kv: &mut KvCache) {
+    pub fn release(&mut self, kv: &mut SequenceKv) {
         kv.free(&mut self.table);
         self.cached = 0;
     }
@@ -35,7 +92,7 @@ impl Sequence {
 /// cached. Blocks are reserved first, all or nothing per sequence.
 pub fn run_step(
     model: &Model,
-    kv: &mut KvCache,
+    kv: &mut SequenceKv,
     seqs: &mut [&mut Sequence],
     max_tokens: &[usize],
     which: LogitsFor,
@@ -56,7 +113,7 @@ pub fn run_step(
                 block_table: &s.table,
             })
             .collect();
-        model.forward(&Batch::new(chunks), kv, which)?
+        model.forward(&Batch::new(chunks), kv.cache_mut(), which)?
     };
     for (s, n) in seqs.iter_mut().zip(counts) {
         s.cached += n;

@@ -5,9 +5,9 @@
 
 use std::path::{Path, PathBuf};
 
-use moerun_engine::{run_step, Sequence};
+use moerun_engine::{run_step, Sequence, SequenceKv};
 use moerun_model::npy::read_npy_f32;
-use moerun_model::{KvCache, LogitsFor, Model};
+use moerun_model::{LogitsFor, Model};
 
 fn fixtures_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
@@ -72,7 +72,7 @@ fn relative_error(got: &[f32], want: &[f32]) -> f64 {
 }
 
 fn prefill_logits(model: &Model, tokens: &[u32]) -> Vec<f32> {
-    let mut kv = KvCache::with_capacity(&model.config, tokens.len());
+    let mut kv = SequenceKv::with_capacity(&model.config, tokens.len());
     let mut seq = Sequence::new(tokens.to_vec());
     run_step(
         model,
@@ -86,7 +86,7 @@ fn prefill_logits(model: &Model, tokens: &[u32]) -> Vec<f32> {
 }
 
 fn incremental_logits(model: &Model, tokens: &[u32]) -> Vec<f32> {
-    let mut kv = KvCache::with_capacity(&model.config, tokens.len());
+    let mut kv = SequenceKv::with_capacity(&model.config, tokens.len());
     let mut seq = Sequence::new(tokens.to_vec());
     let mut all = Vec::new();
     for _ in 0..tokens.len() {
@@ -113,7 +113,7 @@ fn argmax(row: &[f32]) -> u32 {
 }
 
 fn greedy(model: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
-    let mut kv = KvCache::with_capacity(&model.config, prompt.len() + n);
+    let mut kv = SequenceKv::with_capacity(&model.config, prompt.len() + n);
     let mut seq = Sequence::new(prompt.to_vec());
     let mut out = Vec::new();
     for _ in 0..n {
@@ -174,7 +174,7 @@ fn mixed_flat_batch_equals_each_sequence_alone_bitwise() {
     ];
     let alone: Vec<Vec<f32>> = prompts.iter().map(|p| prefill_logits(&model, p)).collect();
 
-    let mut kv = KvCache::with_capacity(&model.config, 256);
+    let mut kv = SequenceKv::with_capacity(&model.config, 256);
     let mut seqs: Vec<Sequence> = prompts.iter().map(|p| Sequence::new(p.clone())).collect();
     // Give the third sequence a head start so the batch mixes decode-like and prefill chunks.
     let head_start = run_step(

@@ -1,7 +1,8 @@
-//! The KV cache of a model on the CPU: one [`KvPool`] per layer, all indexed by the same block ids
-//! that a [`BlockAllocator`] hands out to sequences.
+//! The KV storage of a model on the CPU: one [`KvPool`] per layer, all indexed by the same block
+//! ids. Storage only: which blocks a sequence owns is decided by exactly one allocator outside
+//! this type (the serving engine's block manager, or the single-sequence path's
+//! `BlockAllocator`), so two allocators never hand out the same pool's blocks.
 
-use moerun_core::{BlockAllocator, BlockTable, Result};
 use moerun_cpu::attention::KvPool;
 
 use crate::config::ModelConfig;
@@ -9,23 +10,29 @@ use crate::config::ModelConfig;
 /// Default tokens per KV block.
 pub const DEFAULT_BLOCK_SIZE: usize = 16;
 
+/// Bytes per stored K or V value (the pools keep f32).
+pub const KV_BYTES_PER_VALUE: usize = 4;
+
+/// Paged K/V for every layer of a model: `num_blocks` blocks of `block_size` tokens.
 pub struct KvCache {
-    pub allocator: BlockAllocator,
+    block_size: usize,
+    num_blocks: usize,
     pub(crate) pools: Vec<KvPool>,
 }
 
 impl KvCache {
-    /// A cache of `num_blocks` blocks of `block_size` tokens for every layer of `cfg`.
+    /// Storage for `num_blocks` blocks of `block_size` tokens for every layer of `cfg`.
     pub fn new(cfg: &ModelConfig, num_blocks: usize, block_size: usize) -> KvCache {
         KvCache {
-            allocator: BlockAllocator::new(num_blocks, block_size),
+            block_size,
+            num_blocks,
             pools: (0..cfg.num_layers())
                 .map(|_| KvPool::new(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim))
                 .collect(),
         }
     }
 
-    /// A cache with room for `tokens` tokens (rounded up to whole blocks).
+    /// Storage with room for `tokens` tokens (rounded up to whole blocks of the default size).
     pub fn with_capacity(cfg: &ModelConfig, tokens: usize) -> KvCache {
         KvCache::new(
             cfg,
@@ -34,18 +41,14 @@ impl KvCache {
         )
     }
 
+    /// Tokens per block.
     pub fn block_size(&self) -> usize {
-        self.allocator.block_size()
+        self.block_size
     }
 
-    /// Grow `table` to hold `num_tokens` tokens.
-    pub fn reserve(&mut self, table: &mut BlockTable, num_tokens: usize) -> Result<()> {
-        self.allocator.reserve(table, num_tokens)
-    }
-
-    /// Return a sequence's blocks.
-    pub fn free(&mut self, table: &mut BlockTable) {
-        self.allocator.free_table(table)
+    /// Blocks in every layer's pool; valid block ids are `0..num_blocks`.
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
     }
 
     /// Bytes of KV storage.

@@ -11,9 +11,9 @@ use std::time::Instant;
 
 use moerun_core::DType;
 use moerun_cpu::bandwidth::measure_read_bandwidth;
-use moerun_engine::{run_step, Sequence};
+use moerun_engine::{run_step, Sequence, SequenceKv};
 use moerun_model::stats::{human_count, ParamStats};
-use moerun_model::{KvCache, LogitsFor, Model};
+use moerun_model::{LogitsFor, Model};
 use rayon::prelude::*;
 use serde_json::json;
 
@@ -113,7 +113,7 @@ pub fn run(args: &BenchArgs, threads: Option<usize>) -> CliResult {
 /// One prefill of `prompt` (logits of its last position only, as generation needs), then `gen`
 /// decode steps at batch 1 feeding back the argmax, in a KV cache sized for both.
 fn measure(model: &Model, prompt: &[u32], gen: usize) -> CliResult<Timing> {
-    let mut kv = KvCache::with_capacity(&model.config, prompt.len() + gen);
+    let mut kv = SequenceKv::with_capacity(&model.config, prompt.len() + gen);
     let mut seq = Sequence::new(prompt.to_vec());
     let start = Instant::now();
     let out = run_step(

@@ -44,7 +44,11 @@ fn unpack() -> CliResult<PathBuf> {
         return Ok(dir);
     }
     std::fs::create_dir_all(&root).map_err(|e| format!("{}: {e}", root.display()))?;
-    let tmp = root.join(format!(".default-{:016x}-{}", embedded::HASH, std::process::id()));
+    let tmp = root.join(format!(
+        ".default-{:016x}-{}",
+        embedded::HASH,
+        std::process::id()
+    ));
     std::fs::create_dir_all(&tmp).map_err(|e| format!("{}: {e}", tmp.display()))?;
     for (name, bytes) in embedded::FILES {
         let path = tmp.join(name);

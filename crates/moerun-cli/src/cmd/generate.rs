@@ -6,8 +6,7 @@ use std::io::{IsTerminal, Read, Write};
 use moerun_engine::generate::{generate, Control, GenerateOptions, Generation};
 use moerun_engine::sampling::{Sampler, SamplingParams};
 use moerun_engine::stop::StopMatcher;
-use moerun_engine::Sequence;
-use moerun_model::KvCache;
+use moerun_engine::{Sequence, SequenceKv};
 use moerun_text::template::{ChatArgs, TemplateValue};
 
 use super::text_model::TextModel;
@@ -109,7 +108,7 @@ pub fn run_generation(
 /// already in `kv` (chat turns reuse the previous turns' KV).
 pub fn continue_generation(
     tm: &TextModel,
-    kv: &mut KvCache,
+    kv: &mut SequenceKv,
     seq: &mut Sequence,
     params: SamplingParams,
     max_new: usize,

@@ -1,9 +1,9 @@
 //! `moerun logits`: float32 logits for every position, by one prefill or token by token through
 //! the KV cache, written as `.npy` for comparison with transformers.
 
-use moerun_engine::{run_step, Sequence};
+use moerun_engine::{run_step, Sequence, SequenceKv};
 use moerun_model::npy::write_npy_f32;
-use moerun_model::{KvCache, LogitsFor, Model};
+use moerun_model::{LogitsFor, Model};
 
 use super::CliResult;
 use crate::LogitsArgs;
@@ -18,7 +18,7 @@ pub fn run(args: &LogitsArgs) -> CliResult {
 
 /// Logits `[tokens.len(), vocab]`, via one prefill or one step per token.
 pub fn compute(model: &Model, tokens: &[u32], incremental: bool) -> CliResult<Vec<f32>> {
-    let mut kv = KvCache::with_capacity(&model.config, tokens.len());
+    let mut kv = SequenceKv::with_capacity(&model.config, tokens.len());
     let mut seq = Sequence::new(tokens.to_vec());
     if !incremental {
         let out = run_step(

@@ -1,12 +1,14 @@
 //! The subcommands. Each returns `CliResult`; `main` prints the error as one line.
 
 pub mod bench;
+pub mod bench_serve;
 pub mod chat;
 pub mod default_model;
 pub mod generate;
 pub mod inspect;
 pub mod logits;
 pub mod perplexity;
+pub mod serve;
 pub mod synth;
 pub mod text_model;
 

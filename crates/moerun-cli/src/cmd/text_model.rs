@@ -5,7 +5,8 @@ use std::path::{Path, PathBuf};
 
 use moerun_engine::generation_config::GenerationConfig;
 use moerun_engine::stop::StopTokens;
-use moerun_model::{KvCache, Model};
+use moerun_engine::SequenceKv;
+use moerun_model::Model;
 use moerun_text::Tokenizer;
 
 use super::CliResult;
@@ -51,8 +52,8 @@ impl TextModel {
     }
 
     /// A KV cache for sequences of up to `tokens` tokens.
-    pub fn kv_cache(&self, tokens: usize) -> KvCache {
-        KvCache::with_capacity(&self.model.config, tokens)
+    pub fn kv_cache(&self, tokens: usize) -> SequenceKv {
+        SequenceKv::with_capacity(&self.model.config, tokens)
     }
 
     /// Refuse a prompt that leaves no room to generate.

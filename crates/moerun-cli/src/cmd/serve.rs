@@ -1,0 +1,91 @@
+//! `moerun serve`: the OpenAI-compatible HTTP server (`moerun_server`) over a checkpoint or the
+//! embedded default model, with vLLM's flag names. Binds loopback unless told otherwise and
+//! serves until Ctrl-C.
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::Path;
+
+use moerun_server::{ServedModel, Server, ServerOptions};
+
+use super::CliResult;
+use crate::ServeArgs;
+
+pub fn run(args: &ServeArgs) -> CliResult {
+    check_device(&args.device)?;
+    let options = server_options(args, true)?;
+    let model = load_model(args.model.as_deref(), args.served_model_name.clone())?;
+    let name = model.name.clone();
+    let server = Server::start(model, &options)?;
+    let s = &server.scheduler;
+    eprintln!(
+        "moerun: serving '{name}' at {} (max {} sequences, {} tokens per step, context {}, \
+         {} KV blocks of {} tokens{}); Ctrl-C stops",
+        server.url(),
+        s.max_num_seqs,
+        s.max_num_batched_tokens,
+        s.max_model_len,
+        s.num_blocks,
+        s.block_size,
+        if options.api_key.is_some() {
+            ", API key required"
+        } else {
+            ""
+        },
+    );
+    server.wait()?;
+    Ok(())
+}
+
+/// Only the CPU backend exists; CUDA is refused by name rather than silently run on the CPU.
+pub fn check_device(device: &str) -> CliResult {
+    match device {
+        "cpu" => Ok(()),
+        "cuda" => Err("--device cuda: the CUDA backend is not built yet; use --device cpu".into()),
+        other => Err(format!("--device {other}: unknown device (supported: cpu)").into()),
+    }
+}
+
+/// The checkpoint at `--model` (served under its path as given, as vLLM does, unless
+/// `--served-model-name` says otherwise), or the embedded default model (served as `default`).
+pub fn load_model(model: Option<&Path>, served_name: Option<String>) -> CliResult<ServedModel> {
+    let dir = super::default_model::resolve(model)?;
+    let name = served_name.unwrap_or_else(|| match model {
+        Some(path) => path.display().to_string(),
+        None => "default".to_string(),
+    });
+    Ok(ServedModel::load(&dir, name)?)
+}
+
+/// The server options the flags describe. `ctrl_c`: stop on Ctrl-C.
+pub fn server_options(args: &ServeArgs, ctrl_c: bool) -> CliResult<ServerOptions> {
+    let host: IpAddr = args
+        .host
+        .parse()
+        .map_err(|_| format!("--host {}: not an IP address", args.host))?;
+    let defaults = ServerOptions::default();
+    Ok(ServerOptions {
+        addr: SocketAddr::new(host, args.port),
+        api_key: args.api_key.clone(),
+        max_num_seqs: args.max_num_seqs,
+        max_num_batched_tokens: args.max_num_batched_tokens,
+        max_model_len: args.max_model_len,
+        kv_cache_bytes: args.kv_cache_memory,
+        max_waiting: args.max_waiting,
+        enable_prefix_caching: !args.no_enable_prefix_caching,
+        max_body_bytes: defaults.max_body_bytes,
+        handle_ctrl_c: ctrl_c,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cuda_is_refused_by_name_and_cpu_accepted() {
+        assert!(check_device("cpu").is_ok());
+        let e = check_device("cuda").unwrap_err().to_string();
+        assert!(e.contains("CUDA backend is not built yet"), "{e}");
+        assert!(check_device("metal").is_err());
+    }
+}

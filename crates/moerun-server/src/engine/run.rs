@@ -1,0 +1,281 @@
+//! The engine loop. Each iteration: take in new requests, drop those whose clients left, ask the
+//! scheduler for a step, run it as one flat batch, sample one token for every sequence whose
+//! chunk reached its end, and report the step back to the scheduler. Requests join and leave the
+//! batch between any two steps.
+//!
+//! Greedy output does not depend on the batch: the forward pass is bitwise batch-invariant, each
+//! request samples from its own logits row with its own sampler, and prefix-cache hits reuse KV
+//! computed by the same arithmetic.
+
+use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::time::{Duration, Instant};
+
+use moerun_engine::scheduler::{
+    FinishReason as SchedReason, Request, RequestId, Scheduler, SchedulerOutput,
+};
+use moerun_model::{Batch, KvCache, LogitsFor, SeqChunk};
+use tokio::sync::mpsc;
+use tokio::sync::mpsc::error::TryRecvError;
+
+use super::live::Live;
+use super::{Command, EngineConfig, FinishReason};
+use crate::metrics::Metrics;
+use crate::served::ServedModel;
+
+/// Run until every [`super::EngineHandle`] is dropped and no request is left.
+pub(super) fn engine_loop(
+    model: &ServedModel,
+    config: &EngineConfig,
+    mut commands: mpsc::Receiver<Command>,
+    metrics: &Metrics,
+) {
+    let sched_config = &config.scheduler;
+    let mut scheduler = match Scheduler::new(sched_config.clone()) {
+        Ok(s) => s,
+        // Validated in `Engine::start`; nothing to serve with otherwise.
+        Err(_) => return,
+    };
+    // The scheduler's block manager is the only allocator of this storage.
+    let mut kv = KvCache::new(
+        &model.model.config,
+        sched_config.num_blocks,
+        sched_config.block_size,
+    );
+    let mut live: HashMap<RequestId, Live<'_>> = HashMap::new();
+    let mut next_id: RequestId = 0;
+    let mut open = true;
+    while open || scheduler.has_unfinished() {
+        if !scheduler.has_unfinished() {
+            // Idle: sleep until a request (or the end) comes.
+            match commands.blocking_recv() {
+                Some(c) => admit(c, model, &mut scheduler, &mut live, &mut next_id, metrics),
+                None => open = false,
+            }
+        }
+        loop {
+            match commands.try_recv() {
+                Ok(c) => admit(c, model, &mut scheduler, &mut live, &mut next_id, metrics),
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => {
+                    open = false;
+                    break;
+                }
+            }
+        }
+        cancel_departed(&mut scheduler, &mut live, metrics);
+        if scheduler.has_unfinished() {
+            step(model, &mut kv, &mut scheduler, &mut live, metrics);
+        }
+        metrics.set_scheduler_stats(&scheduler.stats());
+    }
+}
+
+/// Hand a new request to the scheduler and answer the submitter.
+fn admit<'m>(
+    command: Command,
+    model: &'m ServedModel,
+    scheduler: &mut Scheduler,
+    live: &mut HashMap<RequestId, Live<'m>>,
+    next_id: &mut RequestId,
+    metrics: &Metrics,
+) {
+    let Command::Add {
+        request,
+        events,
+        accepted,
+    } = command;
+    let state = match Live::new(model, &request, events) {
+        Ok(s) => s,
+        Err((message, events)) => {
+            // Validated by the HTTP layer; report rather than trust that.
+            let _ = accepted.send(Ok(()));
+            let _ = events.send(super::Event::Failed(message));
+            metrics.count_failed();
+            return;
+        }
+    };
+    let prompt_len = request.prompt_tokens.len();
+    let id = *next_id;
+    *next_id += 1;
+    let added = scheduler.add_request(Request {
+        id,
+        prompt_tokens: request.prompt_tokens,
+        max_new_tokens: request.max_new_tokens,
+    });
+    match added {
+        Ok(()) => {
+            // A submitter that stopped waiting is a client gone; the next step aborts it.
+            let _ = accepted.send(Ok(()));
+            metrics.add_prompt_tokens(prompt_len);
+            live.insert(id, state);
+        }
+        Err(e) => {
+            metrics.count_rejected(e.is_overload());
+            let _ = accepted.send(Err(e));
+        }
+    }
+}
+
+/// Abort every request whose client went away: its blocks are freed now, not at its end.
+fn cancel_departed(
+    scheduler: &mut Scheduler,
+    live: &mut HashMap<RequestId, Live<'_>>,
+    metrics: &Metrics,
+) {
+    let gone: Vec<RequestId> = live
+        .iter()
+        .filter(|(_, l)| l.is_cancelled())
+        .map(|(&id, _)| id)
+        .collect();
+    for id in gone {
+        scheduler.abort(id);
+        live.remove(&id);
+        metrics.count_aborted();
+    }
+}
+
+/// One scheduler step: forward, sample, update, stream.
+fn step<'m>(
+    model: &'m ServedModel,
+    kv: &mut KvCache,
+    scheduler: &mut Scheduler,
+    live: &mut HashMap<RequestId, Live<'m>>,
+    metrics: &Metrics,
+) {
+    let plan = scheduler.schedule();
+    if plan.is_empty() {
+        // Cannot happen with a live request (the oldest always fits); do not spin if it does.
+        std::thread::sleep(Duration::from_millis(1));
+        return;
+    }
+    let logits = match forward(model, kv, scheduler, &plan) {
+        Ok(l) => l,
+        Err(message) => return fail_step(&plan, scheduler, live, metrics, &message),
+    };
+    let vocab = model.vocab_size();
+    let now = Instant::now();
+    let mut results = Vec::with_capacity(plan.chunks.len());
+    let mut sampled = Vec::new();
+    let mut stopped_by_token = Vec::new();
+    for (row, chunk) in plan.chunks.iter().enumerate() {
+        if !chunk.needs_logits {
+            continue;
+        }
+        let (Some(state), Some(history)) = (live.get_mut(&chunk.id), scheduler.tokens(chunk.id))
+        else {
+            continue;
+        };
+        let mut row_logits = logits[row * vocab..(row + 1) * vocab].to_vec();
+        let drawn = catch_unwind(AssertUnwindSafe(|| state.sample(&mut row_logits, history)));
+        let Ok((token, logprobs)) = drawn else {
+            stopped_by_token.push((chunk.id, None));
+            continue;
+        };
+        state.record_timing(now, metrics);
+        if state.is_stop_token(token) {
+            stopped_by_token.push((chunk.id, Some(FinishReason::Stop)));
+        } else {
+            results.push((chunk.id, Some(token)));
+            sampled.push((chunk.id, token, logprobs));
+        }
+    }
+    // Sequences that sampled EOS end now, without the token: the scheduler never sees it.
+    for (id, reason) in stopped_by_token {
+        scheduler.finish(id, SchedReason::Stop);
+        if let Some(state) = live.remove(&id) {
+            match reason {
+                Some(r) => state.finish(r, metrics),
+                None => {
+                    metrics.count_failed();
+                    state.fail("internal error while sampling".into());
+                }
+            }
+        }
+    }
+    let finished_by_length = match scheduler.update(&results) {
+        Ok(f) => f,
+        Err(e) => return fail_step(&plan, scheduler, live, metrics, &e.to_string()),
+    };
+    metrics.add_generated_tokens(sampled.len());
+    // Text first: a stop string completed by the last allowed token still reports "stop".
+    for (id, token, logprobs) in sampled {
+        let Some(state) = live.get_mut(&id) else {
+            continue;
+        };
+        match state.accept(token, logprobs) {
+            Ok(false) => {}
+            Ok(true) => {
+                scheduler.finish(id, SchedReason::Stop);
+                if let Some(state) = live.remove(&id) {
+                    state.finish(FinishReason::Stop, metrics);
+                }
+            }
+            Err(message) => {
+                scheduler.abort(id);
+                if let Some(state) = live.remove(&id) {
+                    metrics.count_failed();
+                    state.fail(message);
+                }
+            }
+        }
+    }
+    for f in finished_by_length {
+        if let Some(state) = live.remove(&f.id) {
+            state.finish(FinishReason::Length, metrics);
+        }
+    }
+}
+
+/// Run the planned chunks as one flat batch; logits of each chunk's last token, in plan order.
+/// A panic in the model is caught and reported like an error.
+fn forward(
+    model: &ServedModel,
+    kv: &mut KvCache,
+    scheduler: &Scheduler,
+    plan: &SchedulerOutput,
+) -> Result<Vec<f32>, String> {
+    let mut chunks = Vec::with_capacity(plan.chunks.len());
+    for c in &plan.chunks {
+        let tokens = scheduler.chunk_tokens(c);
+        let table = scheduler.block_table(c.id);
+        let (Some(tokens), Some(block_table)) = (tokens, table) else {
+            return Err(format!(
+                "request {} was scheduled without tokens or blocks",
+                c.id
+            ));
+        };
+        chunks.push(SeqChunk {
+            tokens,
+            start_pos: c.start_pos,
+            block_table,
+        });
+    }
+    let batch = Batch::new(chunks);
+    let result = catch_unwind(AssertUnwindSafe(|| {
+        model.model.forward(&batch, kv, LogitsFor::LastOfEachSeq)
+    }));
+    match result {
+        Ok(Ok(out)) => Ok(out.logits),
+        Ok(Err(e)) => Err(format!("forward pass failed: {e}")),
+        Err(_) => Err("forward pass panicked".into()),
+    }
+}
+
+/// A step failed as a whole: fail the requests it involved (their KV may be half written) and
+/// keep serving the others.
+fn fail_step(
+    plan: &SchedulerOutput,
+    scheduler: &mut Scheduler,
+    live: &mut HashMap<RequestId, Live<'_>>,
+    metrics: &Metrics,
+    message: &str,
+) {
+    for chunk in &plan.chunks {
+        scheduler.abort(chunk.id);
+        if let Some(state) = live.remove(&chunk.id) {
+            metrics.count_failed();
+            state.fail(format!("internal error: {message}"));
+        }
+    }
+}

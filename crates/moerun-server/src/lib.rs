@@ -1,0 +1,256 @@
+//! moerun's OpenAI-compatible HTTP server: `POST /v1/chat/completions` and `/v1/completions`
+//! (whole or streamed as Server-Sent Events), `GET /v1/models`, `/health` and `/metrics`, over
+//! an engine thread that batches every live request into each forward pass (iteration-level
+//! continuous batching with chunked prefill, a paged KV cache with prefix caching, and
+//! preemption by recompute; see `moerun_engine::scheduler`).
+//!
+//! [`Server::start`] binds, starts the engine thread and serves on a runtime of its own, so the
+//! CLI, the benchmark and the tests all run the very same stack. Clients never see a panic:
+//! every failure is an OpenAI-style error body with a meaningful status.
+
+pub mod api;
+pub mod bench;
+pub mod client;
+pub mod engine;
+pub mod error;
+pub mod metrics;
+pub mod routes;
+pub mod served;
+pub mod sse;
+
+use std::net::{SocketAddr, TcpListener};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use axum::serve::ListenerExt;
+use moerun_engine::scheduler::SchedulerConfig;
+use moerun_model::kv::{DEFAULT_BLOCK_SIZE, KV_BYTES_PER_VALUE};
+use moerun_model::ModelConfig;
+use tokio::sync::oneshot;
+
+pub use engine::{EngineConfig, EngineHandle};
+pub use error::ApiError;
+pub use served::ServedModel;
+
+/// Everything the operator decides (the `moerun serve` flags).
+#[derive(Clone, Debug)]
+pub struct ServerOptions {
+    pub addr: SocketAddr,
+    pub api_key: Option<String>,
+    /// Most sequences running at once (`--max-num-seqs`).
+    pub max_num_seqs: usize,
+    /// Token budget of one step (`--max-num-batched-tokens`).
+    pub max_num_batched_tokens: usize,
+    /// Longest prompt + completion (`--max-model-len`); `None`: the model's context.
+    pub max_model_len: Option<usize>,
+    /// Bytes of KV cache (`--kv-cache-memory`); `None`: what `max_num_seqs` full-length
+    /// sequences need, at most [`DEFAULT_KV_CACHE_BYTES`].
+    pub kv_cache_bytes: Option<u64>,
+    /// Requests allowed to wait for admission; more get a 503.
+    pub max_waiting: usize,
+    pub enable_prefix_caching: bool,
+    /// Largest request body accepted (413 past it).
+    pub max_body_bytes: usize,
+    /// Shut down gracefully on Ctrl-C (the CLI); tests stop the server by hand.
+    pub handle_ctrl_c: bool,
+}
+
+/// KV cache size when none is given.
+pub const DEFAULT_KV_CACHE_BYTES: u64 = 1 << 30;
+
+impl Default for ServerOptions {
+    fn default() -> Self {
+        ServerOptions {
+            addr: SocketAddr::from(([127, 0, 0, 1], 8000)),
+            api_key: None,
+            max_num_seqs: 256,
+            max_num_batched_tokens: 2048,
+            max_model_len: None,
+            kv_cache_bytes: None,
+            max_waiting: 1024,
+            enable_prefix_caching: true,
+            max_body_bytes: 8 << 20,
+            handle_ctrl_c: false,
+        }
+    }
+}
+
+/// Why the server could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("{0}")]
+    Config(String),
+    #[error("cannot start the HTTP runtime: {0}")]
+    Runtime(std::io::Error),
+}
+
+impl ServerOptions {
+    /// The scheduler's limits for `model`, with the KV cache sized from the options.
+    pub fn scheduler_config(&self, model: &ModelConfig) -> Result<SchedulerConfig, StartError> {
+        let context = model.max_position_embeddings;
+        let max_model_len = self.max_model_len.unwrap_or(context);
+        if max_model_len > context {
+            return Err(StartError::Config(format!(
+                "--max-model-len {max_model_len} exceeds the model's context of {context} tokens"
+            )));
+        }
+        let per_token = model.kv_bytes_per_token(KV_BYTES_PER_VALUE) as u64;
+        let per_block = per_token * DEFAULT_BLOCK_SIZE as u64;
+        let bytes = self.kv_cache_bytes.unwrap_or_else(|| {
+            let wanted = per_token * (self.max_num_seqs as u64) * (max_model_len as u64);
+            wanted.min(DEFAULT_KV_CACHE_BYTES)
+        });
+        let num_blocks = usize::try_from(bytes / per_block.max(1)).unwrap_or(usize::MAX);
+        if num_blocks == 0 {
+            return Err(StartError::Config(format!(
+                "--kv-cache-memory {bytes} bytes holds no KV block ({per_block} bytes each)"
+            )));
+        }
+        let config = SchedulerConfig {
+            max_num_seqs: self.max_num_seqs,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            max_model_len,
+            block_size: DEFAULT_BLOCK_SIZE,
+            num_blocks,
+            enable_prefix_caching: self.enable_prefix_caching,
+            max_waiting: self.max_waiting,
+        };
+        config
+            .validate()
+            .map_err(|e| StartError::Config(e.to_string()))?;
+        Ok(config)
+    }
+}
+
+/// A running server: its address, and the way to stop it.
+pub struct Server {
+    pub addr: SocketAddr,
+    /// The scheduler limits it runs with (KV blocks included).
+    pub scheduler: SchedulerConfig,
+    shutdown: Option<oneshot::Sender<()>>,
+    http: Option<JoinHandle<Result<(), std::io::Error>>>,
+    engine: Option<engine::Engine>,
+}
+
+impl Server {
+    /// Bind `options.addr`, start the engine thread over `model` and serve on a background
+    /// runtime. Returns once the socket accepts connections.
+    pub fn start(model: ServedModel, options: &ServerOptions) -> Result<Server, StartError> {
+        let scheduler = options.scheduler_config(&model.model.config)?;
+        let listener = TcpListener::bind(options.addr).map_err(|source| StartError::Bind {
+            addr: options.addr,
+            source,
+        })?;
+        let addr = listener.local_addr().map_err(|source| StartError::Bind {
+            addr: options.addr,
+            source,
+        })?;
+        listener
+            .set_nonblocking(true)
+            .map_err(StartError::Runtime)?;
+        let model = Arc::new(model);
+        let metrics = Arc::new(metrics::Metrics::default());
+        let engine_config = EngineConfig {
+            scheduler: scheduler.clone(),
+        };
+        let (engine, handle) = engine::Engine::start(model.clone(), engine_config, metrics.clone())
+            .map_err(StartError::Config)?;
+        let state = Arc::new(routes::AppState {
+            model,
+            engine: handle,
+            metrics,
+            api_key: options.api_key.clone(),
+            max_model_len: scheduler.max_model_len,
+            max_body_bytes: options.max_body_bytes,
+            started: routes::unix_now(),
+        });
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("moerun-http")
+            .enable_all()
+            .build()
+            .map_err(StartError::Runtime)?;
+        let (shutdown, stop) = oneshot::channel::<()>();
+        let ctrl_c = options.handle_ctrl_c;
+        let http = std::thread::Builder::new()
+            .name("moerun-http-main".into())
+            .spawn(move || {
+                runtime.block_on(async move {
+                    // Without TCP_NODELAY, Nagle's algorithm holds back each small SSE chunk
+                    // until the previous one is acknowledged: tens of milliseconds per token.
+                    let listener = tokio::net::TcpListener::from_std(listener)?.tap_io(|tcp| {
+                        let _ = tcp.set_nodelay(true);
+                    });
+                    let app = routes::router(state);
+                    let signal = async move {
+                        if ctrl_c {
+                            tokio::select! {
+                                _ = stop => {}
+                                _ = tokio::signal::ctrl_c() => {}
+                            }
+                        } else {
+                            let _ = stop.await;
+                        }
+                    };
+                    axum::serve(listener, app)
+                        .with_graceful_shutdown(signal)
+                        .await
+                })
+            })
+            .map_err(StartError::Runtime)?;
+        Ok(Server {
+            addr,
+            scheduler,
+            shutdown: Some(shutdown),
+            http: Some(http),
+            engine: Some(engine),
+        })
+    }
+
+    /// `http://addr`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Serve until the server stops (Ctrl-C with `handle_ctrl_c`), then clean up.
+    pub fn wait(mut self) -> Result<(), std::io::Error> {
+        let result = self.join_http();
+        if let Some(engine) = self.engine.take() {
+            engine.join();
+        }
+        result
+    }
+
+    /// Stop accepting, let open responses finish, stop the engine, and wait for all of it.
+    pub fn shutdown(mut self) -> Result<(), std::io::Error> {
+        if let Some(s) = self.shutdown.take() {
+            let _ = s.send(());
+        }
+        self.wait()
+    }
+
+    fn join_http(&mut self) -> Result<(), std::io::Error> {
+        match self.http.take().map(JoinHandle::join) {
+            Some(Ok(result)) => result,
+            Some(Err(_)) => Err(std::io::Error::other("the HTTP thread panicked")),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(s) = self.shutdown.take() {
+            let _ = s.send(());
+        }
+        let _ = self.join_http();
+        if let Some(engine) = self.engine.take() {
+            engine.join();
+        }
+    }
+}
