@@ -87,6 +87,35 @@ impl Checkpoint {
         &self.dir
     }
 
+    /// Read one byte of every page of every tensor, so the mapped weights are resident before
+    /// anything is timed or served (a decode step touches only the experts it routes to; the
+    /// rest would otherwise fault in mid-generation). `progress` is called with the bytes done
+    /// so far, from worker threads, after each tensor.
+    pub fn prefault(&self, progress: impl Fn(u64) + Sync) {
+        use rayon::prelude::*;
+        use std::sync::atomic::{AtomicU64, Ordering};
+        const PAGE: usize = 4096;
+        let done = AtomicU64::new(0);
+        let names: Vec<&str> = self.names().collect();
+        let sum: u64 = names
+            .par_iter()
+            .filter_map(|n| self.get(n))
+            .map(|t| {
+                let s = t
+                    .bytes()
+                    .iter()
+                    .step_by(PAGE)
+                    .map(|&b| b as u64)
+                    .sum::<u64>();
+                progress(
+                    done.fetch_add(t.byte_len() as u64, Ordering::Relaxed) + t.byte_len() as u64,
+                );
+                s
+            })
+            .sum();
+        std::hint::black_box(sum);
+    }
+
     /// Paths of the weight files, in the order they were opened.
     pub fn files(&self) -> impl Iterator<Item = &Path> + '_ {
         self.files.iter().map(SafetensorsFile::path)

@@ -14,7 +14,6 @@ use moerun_cpu::bandwidth::measure_read_bandwidth;
 use moerun_engine::{run_step, Sequence, SequenceKv};
 use moerun_model::stats::{human_count, ParamStats};
 use moerun_model::{LogitsFor, Model};
-use rayon::prelude::*;
 use serde_json::json;
 
 use super::inspect::StoredDtypes;
@@ -26,8 +25,6 @@ use crate::BenchArgs;
 const PROBE_BYTES: usize = 1 << 30;
 /// Seed of the random prompt: the same prompt on every run and every machine.
 const PROMPT_SEED: u64 = 0x0062_656e_6368;
-/// Page stride for touching the mapped weights (the smallest page size in use).
-const PAGE: usize = 4096;
 
 /// Wall-clock times of one prefill and the decode steps that follow it.
 #[derive(Clone, Copy)]
@@ -59,7 +56,7 @@ pub fn run(args: &BenchArgs, threads: Option<usize>) -> CliResult {
         "bench: touching {} of mapped weights...",
         decimal_bytes(model.checkpoint().weight_bytes() as f64)
     );
-    touch_weights(&model);
+    model.checkpoint().prefault(|_| {});
     let prompt = random_prompt(args.prompt, cfg.vocab_size);
     // A short forward and a decode step: warms threads, allocator and caches.
     measure(&model, &prompt[..prompt.len().min(16)], 1)?;
@@ -159,25 +156,6 @@ fn argmax(logits: &[f32]) -> u32 {
 fn random_prompt(n: usize, vocab: usize) -> Vec<u32> {
     let mut rng = SplitMix64::new(PROMPT_SEED);
     (0..n).map(|_| rng.below(vocab as u64) as u32).collect()
-}
-
-/// Read one byte of every page of every weight, so the file is resident and mapped before timing
-/// (a decode step only touches the experts it routes to; the rest would fault in mid-measurement).
-fn touch_weights(model: &Model) {
-    let ckpt = model.checkpoint();
-    let names: Vec<&str> = ckpt.names().collect();
-    let sum: u64 = names
-        .par_iter()
-        .filter_map(|n| ckpt.get(n))
-        .map(|t| {
-            t.bytes()
-                .iter()
-                .step_by(PAGE)
-                .map(|&b| b as u64)
-                .sum::<u64>()
-        })
-        .sum();
-    std::hint::black_box(sum);
 }
 
 /// A byte count in decimal units, matching the GB/s of bandwidth figures: `6.08 GB`, `332.8 KB`.

@@ -8,6 +8,7 @@ pub mod generate;
 pub mod inspect;
 pub mod logits;
 pub mod perplexity;
+pub mod progress;
 pub mod serve;
 pub mod synth;
 pub mod text_model;

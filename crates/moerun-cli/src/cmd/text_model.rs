@@ -24,7 +24,9 @@ impl TextModel {
     pub fn load(model: Option<&Path>) -> CliResult<TextModel> {
         let dir = super::default_model::resolve(model)?;
         let model = Model::load(&dir)?;
+        // The tokenizer first: a missing file is reported before any slow paging in.
         let tokenizer = Tokenizer::from_dir(&dir)?;
+        super::progress::load_weights_with_progress(&model);
         let generation = GenerationConfig::load(&dir)?;
         Ok(TextModel {
             dir,
