@@ -1,0 +1,41 @@
+// Helpers shared by every kernel file. compile.rs prepends this text to each .cu file before
+// handing it to NVRTC, so the kernels need no include path and no CUDA headers at run time:
+// bf16/f16 are handled as raw 16-bit patterns and widened with bit shifts or one PTX cvt.
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+// bf16 -> f32 is exact: a bf16 is the top half of an f32.
+__device__ __forceinline__ float bf16_to_f32(u16 h) { return __uint_as_float(((u32)h) << 16); }
+
+// f16 -> f32 is exact; one hardware conversion.
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+// f32 -> bf16, round to nearest even (NaN stays NaN), as half::bf16::from_f32 does on the CPU.
+__device__ __forceinline__ u16 f32_to_bf16(float f) {
+    u16 h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Widening of stored weights, one element at a time.
+struct WidenBf16 { __device__ static float at(const u16* p, u64 i) { return bf16_to_f32(p[i]); } };
+struct WidenF16 { __device__ static float at(const u16* p, u64 i) { return f16_to_f32(p[i]); } };
+struct WidenF32 { __device__ static float at(const float* p, u64 i) { return p[i]; } };

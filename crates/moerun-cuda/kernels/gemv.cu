@@ -1,0 +1,227 @@
+// Decode GEMV: y[m, n] = x[m, k] . W[n, k]^T with W row-major in its stored dtype (bf16, f16, f32)
+// and f32 activations, f32 accumulation. Bound by reading W once: lanes stream 16-byte chunks of
+// weight rows (ld.global.nc, no L1 allocation: W is read once, x stays in L1), several chunks in
+// flight per thread, and each chunk is used for all M (<= 8) rows of x.
+// Needs k % (16 / sizeof(element)) == 0 (rows stay 16-byte aligned); the wrapper checks it.
+//
+// Two layouts (gemv.rs chooses; docs/perf/cuda-ops.md has their speeds):
+// - warp per row (gemv_<dt>_m<M>): block 256 = 8 warps, grid ceil(n / 8); warp w of block b owns
+//   row 8b + w, lanes stride over its chunks, 4 in flight per lane; one butterfly reduction.
+// - block per rows (gemv_rows_<dt>_m<M>): block 256, grid ceil(n / 4); block b owns rows 4b..4b+3,
+//   its 256 threads stride over the chunks of all four rows (4 or 8 chunks in flight per thread),
+//   so each x chunk read from L1 serves four rows and short rows need no serial loop; a butterfly
+//   per warp, then the 8 warps' partials are added in warp order through shared memory.
+// Summation order of an output: per thread over its chunks in order, then fixed trees. It depends
+// on k and the layout, never on M: rows of a batch equal the same rows run alone, bit for bit.
+
+#define GEMV_WARPS 8
+#define GEMV_UNROLL 4
+
+__device__ __forceinline__ uint4 load_stream(const uint4* p) {
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+    return r;
+}
+
+// A 16-byte chunk of weights widened to f32.
+struct ChunkBf16 {
+    static constexpr int N = 8;
+    __device__ static void widen(uint4 c, float* f) {
+        const u32 w[4] = {c.x, c.y, c.z, c.w};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            f[2 * q] = __uint_as_float(w[q] << 16);
+            f[2 * q + 1] = __uint_as_float(w[q] & 0xffff0000u);
+        }
+    }
+};
+struct ChunkF16 {
+    static constexpr int N = 8;
+    __device__ static void widen(uint4 c, float* f) {
+        const u32 w[4] = {c.x, c.y, c.z, c.w};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            f[2 * q] = f16_to_f32((u16)(w[q] & 0xffffu));
+            f[2 * q + 1] = f16_to_f32((u16)(w[q] >> 16));
+        }
+    }
+};
+struct ChunkF32 {
+    static constexpr int N = 4;
+    __device__ static void widen(uint4 c, float* f) {
+        f[0] = __uint_as_float(c.x);
+        f[1] = __uint_as_float(c.y);
+        f[2] = __uint_as_float(c.z);
+        f[3] = __uint_as_float(c.w);
+    }
+};
+
+template <typename C, int M>
+__device__ __forceinline__ void fma_chunk(uint4 q, const float* __restrict__ x, int k, int c,
+                                          float* acc) {
+    float f[C::N];
+    C::widen(q, f);
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+        const float4* xv = reinterpret_cast<const float4*>(x + (u64)m * k + (u64)c * C::N);
+#pragma unroll
+        for (int v = 0; v < C::N / 4; ++v) {
+            const float4 xx = xv[v];
+            acc[m] += f[4 * v] * xx.x + f[4 * v + 1] * xx.y + f[4 * v + 2] * xx.z + f[4 * v + 3] * xx.w;
+        }
+    }
+}
+
+template <typename C, int M>
+__device__ __forceinline__ void gemv_warp_row(const void* __restrict__ w_raw, const float* __restrict__ x,
+                                          float* __restrict__ y, int n, int k) {
+    const int lane = threadIdx.x & 31;
+    const int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    if (row >= n) return;
+    const int chunks = k / C::N;
+    const uint4* w = reinterpret_cast<const uint4*>(w_raw) + (u64)row * chunks;
+    float acc[M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[m] = 0.0f;
+    int c = lane;
+    for (; c + 32 * (GEMV_UNROLL - 1) < chunks; c += 32 * GEMV_UNROLL) {
+        uint4 q[GEMV_UNROLL];
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; ++u) q[u] = load_stream(w + c + 32 * u);
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; ++u) fma_chunk<C, M>(q[u], x, k, c + 32 * u, acc);
+    }
+    for (; c < chunks; c += 32) fma_chunk<C, M>(load_stream(w + c), x, k, c, acc);
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[m] = warp_sum(acc[m]);
+    if (lane == 0) {
+#pragma unroll
+        for (int m = 0; m < M; ++m) y[(u64)m * n + row] = acc[m];
+    }
+}
+
+#define GEMV_KERNEL(NAME, CHUNK, M)                                                             \
+    extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)                               \
+        NAME(const void* w, const float* x, float* y, int n, int k) {                           \
+        gemv_warp_row<CHUNK, M>(w, x, y, n, k);                                                   \
+    }
+
+GEMV_KERNEL(gemv_bf16_m1, ChunkBf16, 1)
+GEMV_KERNEL(gemv_bf16_m2, ChunkBf16, 2)
+GEMV_KERNEL(gemv_bf16_m4, ChunkBf16, 4)
+GEMV_KERNEL(gemv_bf16_m8, ChunkBf16, 8)
+GEMV_KERNEL(gemv_f16_m1, ChunkF16, 1)
+GEMV_KERNEL(gemv_f16_m2, ChunkF16, 2)
+GEMV_KERNEL(gemv_f16_m4, ChunkF16, 4)
+GEMV_KERNEL(gemv_f16_m8, ChunkF16, 8)
+GEMV_KERNEL(gemv_f32_m1, ChunkF32, 1)
+GEMV_KERNEL(gemv_f32_m2, ChunkF32, 2)
+GEMV_KERNEL(gemv_f32_m4, ChunkF32, 4)
+GEMV_KERNEL(gemv_f32_m8, ChunkF32, 8)
+
+// ---- block per rows ----
+
+#define ROWS_THREADS 256
+#define ROWS_WARPS (ROWS_THREADS / 32)
+#define ROWS_PER_BLOCK 4
+
+// acc[m][r] += chunk r of the weights . chunk c of x row m, for R rows at once: each x chunk is
+// read once for all R rows.
+template <typename C, int M, int R>
+__device__ __forceinline__ void fma_rows(const uint4* q, const float* __restrict__ x, int k, int c,
+                                         float (&acc)[M][R]) {
+    float f[R][C::N];
+#pragma unroll
+    for (int r = 0; r < R; ++r) C::widen(q[r], f[r]);
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+        const float4* xv = reinterpret_cast<const float4*>(x + (u64)m * k + (u64)c * C::N);
+#pragma unroll
+        for (int v = 0; v < C::N / 4; ++v) {
+            const float4 xx = xv[v];
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                acc[m][r] += f[r][4 * v] * xx.x + f[r][4 * v + 1] * xx.y + f[r][4 * v + 2] * xx.z +
+                             f[r][4 * v + 3] * xx.w;
+            }
+        }
+    }
+}
+
+template <typename C, int M, int U>
+__device__ __forceinline__ void gemv_block_rows(const void* __restrict__ w_raw,
+                                                const float* __restrict__ x, float* __restrict__ y,
+                                                int n, int k) {
+    constexpr int R = ROWS_PER_BLOCK;
+    __shared__ float partial[ROWS_WARPS][M * R];
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int row0 = blockIdx.x * R;
+    const int rows_here = min(R, n - row0);  // block-uniform
+    const int chunks = k / C::N;
+    const uint4* w = reinterpret_cast<const uint4*>(w_raw) + (u64)row0 * chunks;
+    float acc[M][R];
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[m][r] = 0.0f;
+    int c = tid;
+    for (; c + ROWS_THREADS * (U - 1) < chunks; c += ROWS_THREADS * U) {
+        uint4 q[U][R];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+                q[u][r] = r < rows_here ? load_stream(w + (u64)r * chunks + c + ROWS_THREADS * u)
+                                        : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+        for (int u = 0; u < U; ++u) fma_rows<C, M, R>(q[u], x, k, c + ROWS_THREADS * u, acc);
+    }
+    for (; c < chunks; c += ROWS_THREADS) {
+        uint4 q[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+            q[r] = r < rows_here ? load_stream(w + (u64)r * chunks + c) : make_uint4(0u, 0u, 0u, 0u);
+        fma_rows<C, M, R>(q, x, k, c, acc);
+    }
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const float v = warp_sum(acc[m][r]);
+            if (lane == 0) partial[warp][m * R + r] = v;
+        }
+    __syncthreads();
+    if (tid < M * R) {
+        const int m = tid / R;
+        const int r = tid - m * R;
+        if (r < rows_here) {
+            float s = 0.0f;
+#pragma unroll
+            for (int i = 0; i < ROWS_WARPS; ++i) s += partial[i][tid];
+            y[(u64)m * n + row0 + r] = s;
+        }
+    }
+}
+
+#define GEMV_ROWS_KERNEL(NAME, CHUNK, M, U)                                                     \
+    extern "C" __global__ void __launch_bounds__(ROWS_THREADS)                                  \
+        NAME(const void* w, const float* x, float* y, int n, int k) {                           \
+        gemv_block_rows<CHUNK, M, U>(w, x, y, n, k);                                            \
+    }
+
+GEMV_ROWS_KERNEL(gemv_rows_bf16_m1, ChunkBf16, 1, 2)
+GEMV_ROWS_KERNEL(gemv_rows_bf16_m2, ChunkBf16, 2, 2)
+GEMV_ROWS_KERNEL(gemv_rows_bf16_m4, ChunkBf16, 4, 1)
+GEMV_ROWS_KERNEL(gemv_rows_bf16_m8, ChunkBf16, 8, 1)
+GEMV_ROWS_KERNEL(gemv_rows_f16_m1, ChunkF16, 1, 2)
+GEMV_ROWS_KERNEL(gemv_rows_f16_m2, ChunkF16, 2, 2)
+GEMV_ROWS_KERNEL(gemv_rows_f16_m4, ChunkF16, 4, 1)
+GEMV_ROWS_KERNEL(gemv_rows_f16_m8, ChunkF16, 8, 1)
+GEMV_ROWS_KERNEL(gemv_rows_f32_m1, ChunkF32, 1, 2)
+GEMV_ROWS_KERNEL(gemv_rows_f32_m2, ChunkF32, 2, 2)
+GEMV_ROWS_KERNEL(gemv_rows_f32_m4, ChunkF32, 4, 1)
+GEMV_ROWS_KERNEL(gemv_rows_f32_m8, ChunkF32, 8, 1)

@@ -1,0 +1,258 @@
+//! Run-time compilation of the kernel files with NVRTC, and the on-disk cache of the results.
+//!
+//! Each `.cu` file under `kernels/` is one kernel family. Its text (with `kernels/common.cuh`
+//! prepended) is embedded in the binary, compiled by NVRTC for the device's real architecture
+//! (`sm_90` on an H100/H200) straight to a **cubin**, and cached as
+//! `<cache>/moerun/cuda/<file>-<arch>-<hash>.cubin`, where `<cache>` is `$XDG_CACHE_HOME` or
+//! `$HOME/.cache`. The hash covers the source text, the NVRTC options, the architecture and the
+//! NVRTC version, so an edited kernel, another GPU or another toolkit never loads a stale file.
+//!
+//! Why cubin rather than PTX: a cubin is machine code for exactly this architecture, so the driver
+//! loads it without a second (JIT) compilation, and it does not depend on the driver accepting the
+//! PTX version of a possibly newer NVRTC. The cost is one cached file per architecture, which is
+//! what the key already separates. A cache that cannot be read or written is not an error: the
+//! kernels are compiled in memory and the engine runs, only its start is slower.
+
+use std::ffi::CString;
+use std::path::{Path, PathBuf};
+
+use cudarc::nvrtc::result as nvrtc;
+use cudarc::nvrtc::sys;
+
+use crate::error::{CudaError, Result};
+
+/// Text prepended to every kernel file: typedefs, bf16/f16 widening, warp reductions.
+const PRELUDE: &str = include_str!("../kernels/common.cuh");
+
+/// One kernel family: a `.cu` file and the `extern "C"` entry points it defines.
+#[derive(Clone, Copy, Debug)]
+pub struct KernelFile {
+    /// File name under `kernels/`, without `.cu`.
+    pub name: &'static str,
+    /// The file's text.
+    pub source: &'static str,
+}
+
+/// Every kernel family of the backend, in the order [`crate::CudaDevice::open`] loads them.
+pub const KERNEL_FILES: &[KernelFile] = &[
+    KernelFile {
+        name: "norm",
+        source: include_str!("../kernels/norm.cu"),
+    },
+    KernelFile {
+        name: "rope",
+        source: include_str!("../kernels/rope.cu"),
+    },
+    KernelFile {
+        name: "activation",
+        source: include_str!("../kernels/activation.cu"),
+    },
+    KernelFile {
+        name: "convert",
+        source: include_str!("../kernels/convert.cu"),
+    },
+    KernelFile {
+        name: "embedding",
+        source: include_str!("../kernels/embedding.cu"),
+    },
+    KernelFile {
+        name: "router",
+        source: include_str!("../kernels/router.cu"),
+    },
+    KernelFile {
+        name: "gemv",
+        source: include_str!("../kernels/gemv.cu"),
+    },
+];
+
+/// The NVRTC target name of a compute capability, e.g. `sm_90` for (9, 0).
+pub fn arch_name(major: u32, minor: u32) -> String {
+    format!("sm_{major}{minor}")
+}
+
+/// A compiled kernel file.
+#[derive(Debug)]
+pub struct Compiled {
+    /// The cubin image.
+    pub cubin: Vec<u8>,
+    /// NVRTC's log (empty unless it warned, or `verbose` asked for ptxas' resource report).
+    pub log: String,
+}
+
+/// Where the kernels came from on this open: how many files were read from the cache and how
+/// many were compiled (and where the cache lives, if anywhere).
+#[derive(Clone, Debug, Default)]
+pub struct CacheReport {
+    pub dir: Option<PathBuf>,
+    pub hits: usize,
+    pub compiled: usize,
+}
+
+/// The options every kernel is compiled with. No include path: the kernels need no headers.
+fn options(arch: &str, verbose: bool) -> Vec<String> {
+    let mut o = vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()];
+    if verbose {
+        o.push("--ptxas-options=-v".into());
+    }
+    o
+}
+
+/// NVRTC's version as (major, minor).
+pub fn nvrtc_version() -> Result<(i32, i32)> {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: FFI call writing two ints through valid pointers.
+    unsafe { sys::nvrtcVersion(&mut major, &mut minor) }
+        .result()
+        .map_err(|e| CudaError::Unavailable(format!("NVRTC does not answer: {e:?}")))?;
+    Ok((major, minor))
+}
+
+/// Compile one kernel file for `arch` with NVRTC, without touching the cache. Needs only the NVRTC
+/// library, no GPU: tests use it to check every kernel compiles. `verbose` adds ptxas' register
+/// and spill report to the log.
+pub fn compile(file: &KernelFile, arch: &str, verbose: bool) -> Result<Compiled> {
+    let full = format!("{PRELUDE}\n{}", file.source);
+    let fail = |source, log: String| CudaError::Compile {
+        file: format!("{}.cu", file.name),
+        arch: arch.to_string(),
+        source,
+        log,
+    };
+    let src = CString::new(full).map_err(|_| CudaError::InvalidArgument("NUL in kernel".into()))?;
+    let name = CString::new(format!("{}.cu", file.name))
+        .map_err(|_| CudaError::InvalidArgument("NUL in kernel name".into()))?;
+    let prog = nvrtc::create_program(&src, Some(&name)).map_err(|e| fail(e, String::new()))?;
+    let opts = options(arch, verbose);
+    // SAFETY: `prog` was just created and is destroyed exactly once below; `src` and `name`
+    // outlive it.
+    let compiled = unsafe { nvrtc::compile_program(prog, &opts) };
+    // SAFETY: as above; the log is readable whether or not compilation succeeded.
+    let log = unsafe { nvrtc::get_program_log(prog) }
+        .map(|raw| c_chars_to_string(&raw))
+        .unwrap_or_default();
+    let result = compiled
+        .map_err(|e| fail(e, log.clone()))
+        // SAFETY: `prog` compiled successfully, so its cubin can be read.
+        .and_then(|()| unsafe { read_cubin(prog) }.map_err(|e| fail(e, log.clone())));
+    // SAFETY: `prog` came from create_program and is not used after this.
+    let _ = unsafe { nvrtc::destroy_program(prog) };
+    Ok(Compiled {
+        cubin: result?,
+        log,
+    })
+}
+
+/// Read the cubin of a compiled program.
+///
+/// # Safety
+/// `prog` must be a live, successfully compiled NVRTC program for a real architecture.
+unsafe fn read_cubin(prog: sys::nvrtcProgram) -> Result<Vec<u8>, nvrtc::NvrtcError> {
+    let mut size = 0usize;
+    // SAFETY: the caller guarantees `prog`; `size` is a valid out pointer.
+    unsafe { sys::nvrtcGetCUBINSize(prog, &mut size) }.result()?;
+    let mut cubin = vec![0u8; size];
+    // SAFETY: `cubin` holds exactly the `size` bytes NVRTC reported.
+    unsafe { sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr().cast()) }.result()?;
+    Ok(cubin)
+}
+
+fn c_chars_to_string(raw: &[std::ffi::c_char]) -> String {
+    let bytes: Vec<u8> = raw
+        .iter()
+        .map(|&c| c as u8)
+        .take_while(|&b| b != 0)
+        .collect();
+    String::from_utf8_lossy(&bytes).trim().to_string()
+}
+
+/// The cache folder: `$XDG_CACHE_HOME/moerun/cuda` or `$HOME/.cache/moerun/cuda`.
+pub fn cache_dir() -> Option<PathBuf> {
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
+    Some(base.join("moerun").join("cuda"))
+}
+
+/// The cache file name of `file` for `arch`: the hash covers everything that shapes the cubin.
+pub fn cache_file_name(file: &KernelFile, arch: &str, nvrtc: (i32, i32)) -> String {
+    let mut h = Fnv64::new();
+    for part in [PRELUDE, file.source, arch, &options(arch, false).join(" ")] {
+        h.write(part.as_bytes());
+        h.write(&[0xff]);
+    }
+    h.write(&nvrtc.0.to_le_bytes());
+    h.write(&nvrtc.1.to_le_bytes());
+    format!("{}-{arch}-{:016x}.cubin", file.name, h.finish())
+}
+
+/// The cubin of `file` for `arch`: from the cache when present, else compiled and stored there
+/// (written to a temporary name, then renamed, so concurrent processes never read half a file).
+pub(crate) fn cubin(file: &KernelFile, arch: &str, report: &mut CacheReport) -> Result<Vec<u8>> {
+    let path = match &report.dir {
+        Some(dir) => Some(dir.join(cache_file_name(file, arch, nvrtc_version()?))),
+        None => None,
+    };
+    if let Some(bytes) = path.as_deref().and_then(|p| std::fs::read(p).ok()) {
+        if !bytes.is_empty() {
+            report.hits += 1;
+            return Ok(bytes);
+        }
+    }
+    let compiled = compile(file, arch, false)?;
+    report.compiled += 1;
+    if let Some(path) = path {
+        store(&path, &compiled.cubin);
+    }
+    Ok(compiled.cubin)
+}
+
+/// Best effort: a cache that cannot be written only costs a recompilation next time.
+fn store(path: &Path, bytes: &[u8]) {
+    let Some(dir) = path.parent() else { return };
+    if std::fs::create_dir_all(dir).is_err() {
+        return;
+    }
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    if std::fs::write(&tmp, bytes).is_ok() && std::fs::rename(&tmp, path).is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+}
+
+/// FNV-1a, 64 bits: a stable hash for cache keys (std's hashers may change between releases).
+struct Fnv64(u64);
+
+impl Fnv64 {
+    fn new() -> Self {
+        Fnv64(0xcbf2_9ce4_8422_2325)
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 ^= b as u64;
+            self.0 = self.0.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cache_key_changes_with_arch_source_and_nvrtc_version() {
+        let f = KERNEL_FILES[0];
+        let g = KernelFile {
+            name: f.name,
+            source: "// edited",
+        };
+        let a = cache_file_name(&f, "sm_90", (13, 0));
+        assert_ne!(a, cache_file_name(&f, "sm_80", (13, 0)));
+        assert_ne!(a, cache_file_name(&g, "sm_90", (13, 0)));
+        assert_ne!(a, cache_file_name(&f, "sm_90", (13, 1)));
+        assert_eq!(a, cache_file_name(&f, "sm_90", (13, 0)), "stable");
+        assert!(a.starts_with("norm-sm_90-") && a.ends_with(".cubin"));
+    }
+}

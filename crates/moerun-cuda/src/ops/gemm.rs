@@ -1,0 +1,166 @@
+//! Prefill GEMM through cuBLAS: `out[m, n] = x[m, k] · wᵀ` with w row-major `[n, k]`.
+//!
+//! bf16 weights: the f32 activations are first **rounded to bf16** (`kernels/convert.cu`), then
+//! cuBLAS multiplies bf16 × bf16 on the tensor cores with f32 accumulation (`CUBLAS_COMPUTE_32F`)
+//! into f32 (or bf16) outputs. The rounding of x is the main error against the CPU's f32 path:
+//! about 2⁻⁹ relative per element, ~1e-3..1e-2 on a product, so a token's outputs differ between
+//! this path and the GEMV (which keeps x in f32). f32 weights: a plain f32 SGEMM (no TF32), no
+//! rounding. f16 weights are refused (f16 activations could overflow); convert them at load.
+//!
+//! Layout: cuBLAS is column-major, so the row-major `out[m, n]` is computed as the column-major
+//! `outᵀ[n, m] = w[n, k] · xᵀ[k, m]`: `A = w` read transposed (lda = k), `B = x` (ldb = k).
+
+use std::ffi::c_void;
+
+use cudarc::cublas::result::gemm_ex;
+use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
+use cudarc::driver::{DevicePtr, DevicePtrMut};
+use moerun_core::DType;
+
+use super::to_i32;
+use crate::error::{ensure, CudaError, DriverContext, Result};
+use crate::{CudaDevice, DeviceMatrix};
+
+/// The output of a bf16 GEMM: f32, or bf16 bit patterns.
+pub enum GemmOut<'a> {
+    F32(&'a mut dyn DevicePtrMut<f32>),
+    Bf16(&'a mut dyn DevicePtrMut<u16>),
+}
+
+/// Operands of one cuBLAS call, as raw device addresses.
+struct GemmCall {
+    m: i32,
+    n: i32,
+    k: i32,
+    w: u64,
+    x: u64,
+    out: u64,
+    in_type: cudaDataType,
+    out_type: cudaDataType,
+}
+
+impl CudaDevice {
+    /// `out[m, w.rows()] = x[m, w.cols()] · wᵀ` on cuBLAS. bf16 weights round x to bf16 first
+    /// (see the module doc); f32 weights run an exact f32 SGEMM.
+    pub fn gemm(
+        &self,
+        x: &impl DevicePtr<f32>,
+        m: usize,
+        w: &DeviceMatrix,
+        out: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        let (n, k) = (w.rows(), w.cols());
+        ensure(x.len() == m * k, || {
+            format!("gemm: x holds {}, expected {m} x {k}", x.len())
+        })?;
+        ensure(out.len() == m * n, || {
+            format!("gemm: out holds {}, expected {m} x {n}", out.len())
+        })?;
+        match w.dtype() {
+            DType::BF16 => {
+                // SAFETY: uninitialised device memory, but to_bf16 writes all m * k elements
+                // before the GEMM (later on the same stream) reads any.
+                let mut xb = unsafe { self.stream.alloc::<u16>(m * k) }.ctx("allocating")?;
+                self.to_bf16(x, &mut xb)?;
+                self.gemm_bf16(&xb, m, w, GemmOut::F32(out))
+            }
+            DType::F32 => {
+                let call = GemmCall {
+                    m: to_i32(m, "m")?,
+                    n: to_i32(n, "n")?,
+                    k: to_i32(k, "k")?,
+                    w: self.ptr(w.data(), "gemm w")?,
+                    x: self.ptr(x, "gemm x")?,
+                    out: self.ptr_mut(out, "gemm out")?,
+                    in_type: cudaDataType::CUDA_R_32F,
+                    out_type: cudaDataType::CUDA_R_32F,
+                };
+                self.cublas_gemm(&call)
+            }
+            DType::F16 => Err(CudaError::Unsupported(
+                "GEMM with f16 weights (convert them to bf16 at load)".into(),
+            )),
+        }
+    }
+
+    /// `out[m, w.rows()] = x[m, w.cols()] · wᵀ` with x already bf16 and bf16 weights, f32
+    /// accumulation, f32 or bf16 output.
+    pub fn gemm_bf16(
+        &self,
+        x: &impl DevicePtr<u16>,
+        m: usize,
+        w: &DeviceMatrix,
+        out: GemmOut<'_>,
+    ) -> Result<()> {
+        let (n, k) = (w.rows(), w.cols());
+        if w.dtype() != DType::BF16 {
+            return Err(CudaError::Unsupported(format!(
+                "gemm_bf16 with {} weights",
+                w.dtype()
+            )));
+        }
+        ensure(x.len() == m * k, || {
+            format!("gemm_bf16: x holds {}, expected {m} x {k}", x.len())
+        })?;
+        let (out, out_type, out_len) = match out {
+            GemmOut::F32(o) => {
+                let len = o.len();
+                (self.ptr_mut(o, "gemm out")?, cudaDataType::CUDA_R_32F, len)
+            }
+            GemmOut::Bf16(o) => {
+                let len = o.len();
+                (self.ptr_mut(o, "gemm out")?, cudaDataType::CUDA_R_16BF, len)
+            }
+        };
+        ensure(out_len == m * n, || {
+            format!("gemm_bf16: out holds {out_len}, expected {m} x {n}")
+        })?;
+        let call = GemmCall {
+            m: to_i32(m, "m")?,
+            n: to_i32(n, "n")?,
+            k: to_i32(k, "k")?,
+            w: self.ptr(w.data(), "gemm w")?,
+            x: self.ptr(x, "gemm x")?,
+            out,
+            in_type: cudaDataType::CUDA_R_16BF,
+            out_type,
+        };
+        self.cublas_gemm(&call)
+    }
+
+    fn cublas_gemm(&self, c: &GemmCall) -> Result<()> {
+        if c.m == 0 || c.n == 0 {
+            return Ok(());
+        }
+        // cuBLAS calls run on the thread's current context.
+        self.ctx.bind_to_thread().ctx("binding the context")?;
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // SAFETY: w holds n * k, x m * k and out m * n elements of the given types (checked by
+        // the callers); alpha and beta are host f32, as CUBLAS_COMPUTE_32F with the default host
+        // pointer mode expects; the handle is bound to this device's stream.
+        unsafe {
+            gemm_ex(
+                *self.blas.handle(),
+                cublasOperation_t::CUBLAS_OP_T,
+                cublasOperation_t::CUBLAS_OP_N,
+                c.n,
+                c.m,
+                c.k,
+                (&alpha as *const f32).cast::<c_void>(),
+                c.w as *const c_void,
+                c.in_type,
+                c.k,
+                c.x as *const c_void,
+                c.in_type,
+                c.k,
+                (&beta as *const f32).cast::<c_void>(),
+                c.out as *mut c_void,
+                c.out_type,
+                c.n,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .ctx("cublasGemmEx")
+    }
+}

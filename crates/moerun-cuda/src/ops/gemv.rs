@@ -1,0 +1,122 @@
+//! Decode GEMV (`kernels/gemv.cu`): `out[m, n] = x[m, k] · wᵀ` for a few rows of f32 activations
+//! against a weight matrix in its stored dtype (bf16, f16 or f32), f32 accumulation.
+//!
+//! Bound by reading the weights once. Two launch layouts, both block 256:
+//! - [`GemvLayout::WarpPerRow`]: grid ceil(n / 8); one warp per weight row, each lane streaming
+//!   16-byte chunks, 4 in flight, each chunk applied to up to 8 rows of x.
+//! - [`GemvLayout::BlockPerRows`]: grid ceil(n / 4); one block per 4 weight rows, its 256 threads
+//!   striding over the chunks of all four (8 or 4 in flight per thread), so each x chunk read from
+//!   L1 serves four rows and rows of a few KiB need no serial loop; partial sums meet in shared
+//!   memory.
+//!
+//! A batch of m rows runs as launches of 8, 4, 2 and 1 rows (m = 3 is a 2-row and a 1-row
+//! launch), each reading the weights once. Each output is summed in an order fixed by k and the
+//! layout, never by m or the other rows, so GEMV results are batch invariant among themselves (but
+//! not bit-equal to the CPU's or to the cuBLAS GEMM's).
+
+use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+
+use super::{blocks, to_i32};
+use crate::device::{dtype_slot, GEMV_ROWS};
+use crate::error::{ensure, DriverContext, Result};
+use crate::{CudaDevice, DeviceMatrix};
+
+/// How the GEMV kernel maps weight rows to threads (see the module doc).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemvLayout {
+    WarpPerRow,
+    BlockPerRows,
+}
+
+impl GemvLayout {
+    /// The layout [`CudaDevice::gemv`] uses: the faster of the two on every shape measured
+    /// (docs/perf/cuda-ops.md).
+    pub const DEFAULT: GemvLayout = GemvLayout::BlockPerRows;
+
+    /// Weight rows per block.
+    fn rows_per_block(self) -> usize {
+        match self {
+            GemvLayout::WarpPerRow => 8,
+            GemvLayout::BlockPerRows => 4,
+        }
+    }
+
+    /// Index of the layout's kernels in the device's table.
+    fn slot(self) -> usize {
+        match self {
+            GemvLayout::WarpPerRow => 0,
+            GemvLayout::BlockPerRows => 1,
+        }
+    }
+}
+
+impl CudaDevice {
+    /// `out[m, w.rows()] = x[m, w.cols()] · wᵀ`, streaming the weights once per launch of up to 8
+    /// rows of x, in [`GemvLayout::DEFAULT`]. Needs `w.cols()` to be a multiple of 8 (bf16/f16)
+    /// or 4 (f32), true of every real model's projection.
+    pub fn gemv(
+        &self,
+        x: &impl DevicePtr<f32>,
+        m: usize,
+        w: &DeviceMatrix,
+        out: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        self.gemv_with(GemvLayout::DEFAULT, x, m, w, out)
+    }
+
+    /// [`CudaDevice::gemv`] in an explicit layout (tests and the bench cover both).
+    pub fn gemv_with(
+        &self,
+        layout: GemvLayout,
+        x: &impl DevicePtr<f32>,
+        m: usize,
+        w: &DeviceMatrix,
+        out: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        let (n, k) = (w.rows(), w.cols());
+        let per_chunk = 16 / w.dtype().size();
+        ensure(x.len() == m * k, || {
+            format!("gemv: x holds {}, expected {m} x {k}", x.len())
+        })?;
+        ensure(out.len() == m * n, || {
+            format!("gemv: out holds {}, expected {m} x {n}", out.len())
+        })?;
+        ensure(k.is_multiple_of(per_chunk), || {
+            format!(
+                "gemv: k = {k} must be a multiple of {per_chunk} for {} weights",
+                w.dtype()
+            )
+        })?;
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        let xp = self.ptr(x, "gemv x")?;
+        let wp = self.ptr(w.data(), "gemv w")?;
+        let op = self.ptr_mut(out, "gemv out")?;
+        ensure(xp.is_multiple_of(16) && wp.is_multiple_of(16), || {
+            "gemv: x and w must start 16-byte aligned".to_string()
+        })?;
+        let (n_i, k_i) = (to_i32(n, "n")?, to_i32(k, "k")?);
+        let cfg = LaunchConfig {
+            grid_dim: (blocks(n, layout.rows_per_block())?, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let kernels = &self.kernels.gemv[layout.slot()][dtype_slot(w.dtype())];
+        let mut row = 0;
+        while row < m {
+            let slot = GEMV_ROWS.iter().rposition(|&r| r <= m - row).unwrap_or(0);
+            let xr = xp + (row * k * 4) as u64;
+            let or = op + (row * n * 4) as u64;
+            let mut b = self.stream.launch_builder(&kernels[slot]);
+            b.arg(&wp).arg(&xr).arg(&or).arg(&n_i).arg(&k_i);
+            // SAFETY: w holds n * k elements of the kernel's dtype with k a multiple of the
+            // 16-byte chunk; rows row..row + GEMV_ROWS[slot] of x (k f32 each, 16-byte aligned as
+            // k is a multiple of 4) and of out (n f32 each) are in bounds since that is <= m; the
+            // grid covers n rows at the layout's rows per block.
+            unsafe { b.launch(cfg) }.ctx("gemv")?;
+            row += GEMV_ROWS[slot];
+        }
+        Ok(())
+    }
+}

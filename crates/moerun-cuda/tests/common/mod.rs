@@ -1,0 +1,71 @@
+//! Shared by the GPU test binaries: one device per process (or the reason there is none), fresh
+//! random inputs with a printed seed, the norm-wise relative error, and the `RESULT` line that
+//! scripts/gpu-check.sh collects into its table.
+
+use std::sync::OnceLock;
+
+use moerun_cuda::CudaDevice;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+/// The device every test of this binary shares, or `None` after printing why the test is
+/// skipped. Without a GPU every test passes by skipping.
+pub fn device() -> Option<&'static CudaDevice> {
+    static DEVICE: OnceLock<Result<CudaDevice, String>> = OnceLock::new();
+    match DEVICE.get_or_init(|| CudaDevice::open(0).map_err(|e| e.to_string())) {
+        Ok(d) => Some(d),
+        Err(reason) => {
+            println!("skipped: {reason}");
+            None
+        }
+    }
+}
+
+/// A generator seeded from the clock (fresh inputs every run), printing its seed so a failure
+/// can be replayed with `MOERUN_TEST_SEED`.
+pub fn rng(test: &str) -> StdRng {
+    let seed = std::env::var("MOERUN_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(1)
+        });
+    println!("{test}: seed {seed}");
+    StdRng::seed_from_u64(seed)
+}
+
+/// `n` values uniform in `[lo, hi)`.
+pub fn uniform(rng: &mut StdRng, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(lo..hi)).collect()
+}
+
+/// A host buffer of NaNs: outputs start poisoned, so an element the kernel never wrote fails.
+#[allow(dead_code)] // not every test binary writes f32 outputs through it
+pub fn poison(n: usize) -> Vec<f32> {
+    vec![f32::NAN; n]
+}
+
+/// `‖out − want‖₂ / ‖want‖₂`, in f64; NaN anywhere gives NaN (which never passes).
+pub fn rel_err(out: &[f32], want: &[f64]) -> f64 {
+    assert_eq!(out.len(), want.len(), "lengths");
+    let (mut num, mut den) = (0.0f64, 0.0f64);
+    for (&o, &w) in out.iter().zip(want) {
+        num += (o as f64 - w) * (o as f64 - w);
+        den += w * w;
+    }
+    if den == 0.0 {
+        num.sqrt()
+    } else {
+        (num / den).sqrt()
+    }
+}
+
+/// Print the `RESULT` line for the summary table, then assert `err <= tol` (NaN fails).
+pub fn check(op: &str, err: f64, tol: f64) {
+    let verdict = if err <= tol { "PASS" } else { "FAIL" };
+    println!("RESULT|{op}|{err:.3e}|{tol:.0e}|{verdict}");
+    assert!(err <= tol, "{op}: relative error {err:e} over {tol:e}");
+}

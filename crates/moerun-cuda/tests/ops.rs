@@ -1,0 +1,232 @@
+//! The row-wise ops on the GPU against their CPU references (moerun-cpu's kernels, or the same
+//! steps written out where the CPU version lives in moerun-model), on fresh random inputs.
+//!
+//! Thresholds (norm-wise relative error, f32 arithmetic on both sides, only the summation order
+//! and 1-2 ulp differences of expf/sincosf separating them): rms_norm, rope, silu_mul and the
+//! router's weights 1e-5; embedding gathers and the router's expert choices must be exact.
+//! Without a GPU every test prints "skipped: CUDA is unavailable: <reason>" and passes.
+
+mod common;
+
+use common::{check, device, poison, rel_err, rng, uniform};
+use half::{bf16, f16};
+use moerun_core::{DType, MatRef};
+use moerun_cpu::ops::{rms_norm_rows, rope_rotate_half, silu_mul_in_place, softmax_in_place};
+use moerun_cuda::{CudaError, RouterShape};
+
+fn widen(v: &[f32]) -> Vec<f64> {
+    v.iter().map(|&x| x as f64).collect()
+}
+
+#[test]
+fn rms_norm_matches_cpu_on_hidden_rows_and_per_head_rows() {
+    let Some(dev) = device() else { return };
+    let mut r = rng("rms_norm");
+    for (rows, width) in [(7usize, 2048usize), (40, 128), (3, 5000)] {
+        let x = uniform(&mut r, rows * width, -2.0, 2.0);
+        let w = uniform(&mut r, width, 0.5, 1.5);
+        let mut want = x.clone();
+        rms_norm_rows(&mut want, &w, 1e-6);
+
+        let (xd, wd) = (dev.upload(&x).unwrap(), dev.upload(&w).unwrap());
+        let mut out = dev.upload(&poison(x.len())).unwrap();
+        dev.rms_norm(&xd, &wd, 1e-6, &mut out).unwrap();
+        let got = dev.download(&out).unwrap();
+        check(
+            &format!("rms_norm {rows}x{width}"),
+            rel_err(&got, &widen(&want)),
+            1e-5,
+        );
+
+        let mut inplace = dev.upload(&x).unwrap();
+        dev.rms_norm_in_place(&mut inplace, &wd, 1e-6).unwrap();
+        assert_eq!(
+            dev.download(&inplace).unwrap(),
+            got,
+            "in place equals out of place"
+        );
+    }
+}
+
+/// moerun-model's Rope, written out: angle = inv_freq * pos in f32, cos/sin scaled by the
+/// attention factor, then moerun-cpu's rotate-half on the first rotary_dim dims of each head.
+fn rope_cpu(x: &mut [f32], pos: &[u32], inv_freq: &[f32], factor: f32, heads: usize, dim: usize) {
+    let half = inv_freq.len();
+    for (row, &p) in x.chunks_exact_mut(heads * dim).zip(pos) {
+        let angles: Vec<f32> = inv_freq.iter().map(|f| f * p as f32).collect();
+        let cos: Vec<f32> = angles.iter().map(|a| a.cos() * factor).collect();
+        let sin: Vec<f32> = angles.iter().map(|a| a.sin() * factor).collect();
+        for head in row.chunks_exact_mut(dim) {
+            rope_rotate_half(&mut head[..2 * half], &cos, &sin);
+        }
+    }
+}
+
+#[test]
+fn rope_matches_cpu_for_full_and_partial_rotary_and_far_positions() {
+    let Some(dev) = device() else { return };
+    let mut r = rng("rope");
+    let positions: Vec<u32> = vec![0, 1, 17, 4095, 32768, 131071];
+    for (heads, dim, rotary, factor) in [(4usize, 128usize, 128usize, 1.0f32), (6, 128, 64, 1.2)] {
+        let half = rotary / 2;
+        let inv_freq: Vec<f32> = (0..half)
+            .map(|i| 1.0 / 1e6f32.powf(2.0 * i as f32 / rotary as f32))
+            .collect();
+        let x = uniform(&mut r, positions.len() * heads * dim, -1.0, 1.0);
+        let mut want = x.clone();
+        rope_cpu(&mut want, &positions, &inv_freq, factor, heads, dim);
+
+        let rope = dev.upload_rope(&inv_freq, factor).unwrap();
+        let pos = dev.upload(&positions).unwrap();
+        let mut xd = dev.upload(&x).unwrap();
+        dev.rope(&mut xd, &pos, &rope, heads, dim).unwrap();
+        let got = dev.download(&xd).unwrap();
+        check(
+            &format!("rope rotary {rotary}/{dim}"),
+            rel_err(&got, &widen(&want)),
+            1e-5,
+        );
+        for (t, (g, w)) in got
+            .chunks_exact(heads * dim)
+            .zip(x.chunks_exact(heads * dim))
+            .enumerate()
+        {
+            for h in 0..heads {
+                let tail = h * dim + rotary..(h + 1) * dim;
+                assert_eq!(
+                    &g[tail.clone()],
+                    &w[tail],
+                    "token {t} head {h}: pass-through"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn silu_mul_matches_cpu() {
+    let Some(dev) = device() else { return };
+    let mut r = rng("silu_mul");
+    let n = 3 * 6144 + 5;
+    let gate = uniform(&mut r, n, -8.0, 8.0);
+    let up = uniform(&mut r, n, -2.0, 2.0);
+    let mut want = gate.clone();
+    silu_mul_in_place(&mut want, &up);
+    let (mut g, u) = (dev.upload(&gate).unwrap(), dev.upload(&up).unwrap());
+    dev.silu_mul(&mut g, &u).unwrap();
+    check(
+        "silu_mul",
+        rel_err(&dev.download(&g).unwrap(), &widen(&want)),
+        1e-5,
+    );
+}
+
+#[test]
+fn embedding_gathers_rows_exactly_for_every_dtype_and_refuses_bad_ids() {
+    let Some(dev) = device() else { return };
+    let mut r = rng("embed");
+    let (vocab, hidden) = (1000usize, 96usize);
+    let values = uniform(&mut r, vocab * hidden, -1.0, 1.0);
+    let ids: Vec<u32> = vec![0, 999, 5, 5, 123, 777, 1];
+    for dtype in [DType::BF16, DType::F16, DType::F32] {
+        let bytes: Vec<u8> = match dtype {
+            DType::BF16 => values
+                .iter()
+                .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
+                .collect(),
+            DType::F16 => values
+                .iter()
+                .flat_map(|&v| f16::from_f32(v).to_le_bytes())
+                .collect(),
+            DType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        };
+        let table = MatRef {
+            dtype,
+            rows: vocab,
+            cols: hidden,
+            data: &bytes,
+        };
+        let mut want = vec![0.0f32; ids.len() * hidden];
+        for (row, &id) in want.chunks_exact_mut(hidden).zip(&ids) {
+            moerun_core::tensor::widen_into(dtype, table.row(id as usize), row);
+        }
+        let td = dev.upload_matrix(table).unwrap();
+        let mut out = dev.upload(&poison(want.len())).unwrap();
+        dev.embed(&td, &ids, &mut out).unwrap();
+        let got = dev.download(&out).unwrap();
+        let exact = got
+            .iter()
+            .zip(&want)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        check(
+            &format!("embed {dtype}"),
+            if exact { 0.0 } else { 1.0 },
+            0.0,
+        );
+
+        let mut two = dev.zeros::<f32>(2 * hidden).unwrap();
+        let err = dev.embed(&td, &[3, 1000], &mut two).unwrap_err();
+        assert!(
+            matches!(err, CudaError::InvalidArgument(ref m) if m.contains("1000")),
+            "{err}"
+        );
+    }
+}
+
+/// moerun-model's `route`, written out: softmax in f32, order by probability then lower index.
+fn route_cpu(logits: &[f32], k: usize, renormalise: bool) -> (Vec<u32>, Vec<f32>) {
+    let mut p = logits.to_vec();
+    softmax_in_place(&mut p);
+    let mut order: Vec<usize> = (0..p.len()).collect();
+    order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+    order.truncate(k);
+    let mut w: Vec<f32> = order.iter().map(|&e| p[e]).collect();
+    if renormalise {
+        let sum: f32 = w.iter().sum();
+        w.iter_mut().for_each(|v| *v /= sum);
+    }
+    (order.into_iter().map(|e| e as u32).collect(), w)
+}
+
+#[test]
+fn router_picks_the_cpu_experts_in_rank_order_with_ties_to_the_lower_index() {
+    let Some(dev) = device() else { return };
+    let mut r = rng("router");
+    for (tokens, experts, top_k, renormalise) in [
+        (33usize, 128usize, 8usize, true),
+        (9, 60, 4, false),
+        (5, 64, 8, false),
+        (4, 256, 8, true),
+    ] {
+        let mut logits = uniform(&mut r, tokens * experts, -4.0, 4.0);
+        // Token 0: all equal (ties everywhere); token 1: a repeated maximum.
+        logits[..experts].fill(0.25);
+        logits[experts + 3] = 9.0;
+        logits[experts + 1] = 9.0;
+        let (mut want_e, mut want_w) = (Vec::new(), Vec::new());
+        for row in logits.chunks_exact(experts) {
+            let (e, w) = route_cpu(row, top_k, renormalise);
+            want_e.extend(e);
+            want_w.extend(w);
+        }
+        let shape = RouterShape {
+            experts,
+            top_k,
+            renormalise,
+        };
+        let ld = dev.upload(&logits).unwrap();
+        let mut ed = dev.upload(&vec![u32::MAX; tokens * top_k]).unwrap();
+        let mut wd = dev.upload(&poison(tokens * top_k)).unwrap();
+        dev.route_topk(&ld, shape, &mut ed, &mut wd).unwrap();
+        let (got_e, got_w) = (dev.download(&ed).unwrap(), dev.download(&wd).unwrap());
+        let name = format!("router {experts}e top{top_k} renorm={renormalise}");
+        assert_eq!(got_e, want_e, "{name}: experts");
+        assert_eq!(&got_e[..top_k], &(0..top_k as u32).collect::<Vec<_>>()[..]);
+        assert_eq!(
+            &got_e[top_k..top_k + 2],
+            &[1, 3],
+            "repeated max: lower index first"
+        );
+        check(&name, rel_err(&got_w, &widen(&want_w)), 1e-5);
+    }
+}
