@@ -138,12 +138,18 @@ fn every_batch_size_from_1_to_40_and_130_is_accurate() {
 
 #[test]
 fn gemm_rows_match_gemv_bitwise() {
-    // Row i of an m = 37 product (packed GEMM path) equals the m = 1 product of x row i
-    // (streaming GEMV path), bit for bit.
-    let m = 37;
+    // Row i of an m = 37 or m = 100 product (packed GEMM path; 100 rows span several x blocks)
+    // equals the m = 1 product of x row i (streaming GEMV path), bit for bit. k = 2048 and 1000
+    // take several passes over k with parked accumulators; 77 and 5 leave a ragged tail.
     for isa in available_isas() {
         for dtype in DTYPES {
-            for (n, k) in [(53, 1000), (29, 77), (100, 2048), (8, 5)] {
+            for (m, n, k) in [
+                (37, 53, 1000),
+                (37, 29, 77),
+                (37, 100, 2048),
+                (37, 8, 5),
+                (100, 30, 1100),
+            ] {
                 let data = weights(dtype, n, k, (n * k) as u64);
                 let w = mat(dtype, n, k, &data);
                 let x = Rng::new(3).vec(m * k);

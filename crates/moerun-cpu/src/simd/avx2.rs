@@ -10,6 +10,7 @@ use std::arch::x86_64::*;
 
 use moerun_core::DType;
 
+use super::gemm;
 use super::kernels::{self, Args, Bf16, Format, Simd, F16, F32};
 use super::Mode;
 
@@ -95,7 +96,7 @@ impl Simd for Avx2 {
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C, and `a` must describe valid buffers: `x` with
-/// `m * k` f32, `w` with `n * k` elements of `dtype`, `out_t` with `n * m` f32.
+/// `m * k` f32, `w` with `n * k` elements of `dtype`, `out` with `m * n` f32.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn matmul_t_block(mode: Mode, dtype: DType, a: Args) {
     match dtype {
@@ -110,7 +111,7 @@ unsafe fn block<F: Format>(mode: Mode, a: Args) {
     match mode {
         Mode::Stream if a.m == 1 => kernels::stream::<Avx2, F, 1, 4>(a, true),
         Mode::Stream => kernels::stream::<Avx2, F, 2, 4>(a, true),
-        Mode::Packed => kernels::packed::<Avx2, F, 3, 4>(a),
+        Mode::Packed => gemm::packed::<Avx2, F, 2, 6>(a),
     }
 }
 

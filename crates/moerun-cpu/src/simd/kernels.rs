@@ -6,25 +6,26 @@
 //! Every output `dot(x[i, ..], w[j, ..])` is computed the same way, whichever driver runs it:
 //! one accumulator vector of `S::LANES` lanes starts at zero; chunk `c` of k (elements
 //! `c * LANES ..`) adds `x_chunk * w_chunk` into it with one (fused, where the ISA has it)
-//! multiply-add; a final short chunk is loaded with the missing lanes set to zero on both sides;
-//! then [`Simd::reduce`] folds the lanes with a fixed tree. Widening bf16/f16 to f32 is exact, so
-//! whether a weight chunk is widened in registers ([`Raw`]) or was widened earlier into a panel
-//! ([`Panel`]) does not change any value. A register tile ([`tile`]) only computes several such
-//! dot products side by side, sharing loads; nothing about one output depends on the tile shape,
-//! on the other rows of `x`, or on which thread ran it. That is what makes decode (GEMV) and
-//! prefill (GEMM) results bitwise identical.
+//! multiply-add, `x` as the first operand; a final short chunk has the missing lanes set to zero
+//! on both sides; then [`Simd::reduce`] folds the lanes with a fixed tree. Widening bf16/f16 to
+//! f32 is exact, so whether a weight chunk is widened in registers (here) or was widened earlier
+//! into a panel ([`super::gemm`]) does not change any value. A register tile only computes
+//! several such dot products side by side, sharing loads; nothing about one output depends on
+//! the tile shape, on the other rows of `x`, or on which thread ran it. That is what makes
+//! decode (GEMV) and prefill (GEMM) results bitwise identical. (NaN payloads are the one thing
+//! not pinned down: LLVM does not preserve them.)
 //!
-//! # Drivers
+//! # The decode driver
 //!
-//! * [`stream`] (decode, small m): weight rows are read straight from storage, `NR` rows at a
-//!   time (several independent accumulator chains in flight), each byte read once when
-//!   `m <= MR`. A software prefetch runs one row group ahead.
-//! * [`packed`] (prefill): a block of weight rows is widened once into an f32 panel buffer laid
-//!   out chunk-major (`[panel][chunk][NR][LANES]`) so the microkernel reads it sequentially; then
-//!   every `MR`-row tile of `x` is multiplied against every panel. The `x` tile (`MR` rows) is the
-//!   operand that stays hot in L1 while panels stream from L2.
-
-use std::cell::Cell;
+//! [`stream`] reads weight rows straight from storage and widens them in registers. A tile
+//! covers `NR` weight rows (independent accumulator chains, enough to hide FMA latency) and up
+//! to `MR` rows of `x`; with `m <= MR` every weight byte is read exactly once. The `NR` rows of a
+//! tile are taken from `NR` equal *segments* of the block (rows `j, j + seg, j + 2 seg, ..`), so
+//! the tile reads `NR` sequential streams of memory that each run through many consecutive
+//! rows. Taking `NR` adjacent rows instead means short interleaved runs inside the same pages,
+//! which the hardware prefetcher follows poorly: on the development machine that ran at 75-95%
+//! of the segmented speed, worst for short rows (k = 768). A software prefetch 1 KiB ahead in
+//! each stream covers the start of every run.
 
 // The kernels read stored little-endian weights with native loads.
 const _: () = assert!(
@@ -62,6 +63,15 @@ pub(crate) trait Simd {
     unsafe fn add(a: Self::V, b: Self::V) -> Self::V;
     /// Sum of the lanes, by the ISA's fixed tree.
     unsafe fn reduce(v: Self::V) -> f32;
+    /// `out[i] = reduce(accs[i])` for every accumulator. An ISA may override this to reduce
+    /// several accumulators at once with shared shuffles, but each sum must be formed by the very
+    /// same additions as [`Simd::reduce`] (so values are bitwise equal).
+    #[inline(always)]
+    unsafe fn reduce_all(accs: &[Self::V], out: &mut [f32]) {
+        for (o, &a) in out.iter_mut().zip(accs) {
+            *o = Self::reduce(a);
+        }
+    }
     /// Hint that the cache line at `p` will be read soon (never faults, any address).
     unsafe fn prefetch(p: *const u8);
 }
@@ -116,8 +126,8 @@ impl Format for F16 {
     }
 }
 
-/// A product to compute: `out_t[j * m + i] = dot(x[i, ..k], w[j, ..k])` for `i < m`, `j < n`.
-/// `x` is `[m, k]` f32, `w` is `[n, k]` in the stored dtype, `out_t` is `[n, m]`.
+/// A product to compute: `out[i * n + j] = dot(x[i, ..k], w[j, ..k])` for `i < m`, `j < n`.
+/// `x` is `[m, k]` f32, `w` is `[n, k]` in the stored dtype, `out` is `[m, n]` f32.
 #[derive(Clone, Copy)]
 pub(crate) struct Args {
     pub x: *const f32,
@@ -125,7 +135,7 @@ pub(crate) struct Args {
     pub k: usize,
     pub w: *const u8,
     pub n: usize,
-    pub out_t: *mut f32,
+    pub out: *mut f32,
 }
 
 /// Where a tile reads its weight chunks from.
@@ -139,8 +149,7 @@ trait Source<S: Simd> {
 }
 
 /// Weight rows in their stored dtype, `ld` elements apart, widened as they are loaded. With
-/// `PREFETCH`, loading chunk `c` of row `r` also prefetches the element `ahead` further on (the
-/// same column of the next row group: the next bytes this thread will need).
+/// `PREFETCH`, each new cache line of a row also prefetches the line `ahead` elements further on.
 struct Raw<F: Format, const PREFETCH: bool> {
     base: *const F::Elem,
     ld: usize,
@@ -158,12 +167,11 @@ impl<S: Simd, F: Format, const PREFETCH: bool> Source<S> for Raw<F, PREFETCH> {
     }
     #[inline(always)]
     unsafe fn prefetch(&self, r: usize, c: usize) {
-        if PREFETCH
-            && (c * S::LANES * std::mem::size_of::<F::Elem>()) % 64
-                < S::LANES * std::mem::size_of::<F::Elem>() * crate::linear::knob("PFL", 1)
-        {
-            // `wrapping_add`: past the last group this points beyond the matrix, which a
-            // prefetch tolerates but `add` would make undefined behaviour.
+        let chunk_bytes = S::LANES * std::mem::size_of::<F::Elem>();
+        // Once per 64-byte line: chunks smaller than a line only prefetch when they start one.
+        if PREFETCH && (c * chunk_bytes) % 64 < chunk_bytes {
+            // `wrapping_add`: near the end this points past the matrix, which a prefetch
+            // tolerates but `add` would make undefined behaviour.
             let p = self
                 .base
                 .wrapping_add(r * self.ld + c * S::LANES + self.ahead);
@@ -172,28 +180,9 @@ impl<S: Simd, F: Format, const PREFETCH: bool> Source<S> for Raw<F, PREFETCH> {
     }
 }
 
-/// One widened panel: `[chunk][NR][LANES]` f32, rows past the matrix and lanes past k zero.
-struct Panel<const NR: usize> {
-    base: *const f32,
-}
-
-impl<S: Simd, const NR: usize> Source<S> for Panel<NR> {
-    #[inline(always)]
-    unsafe fn load(&self, r: usize, c: usize) -> S::V {
-        S::load(self.base.add((c * NR + r) * S::LANES))
-    }
-    #[inline(always)]
-    unsafe fn load_tail(&self, r: usize, c: usize, _n: usize) -> S::V {
-        // Zero-padded when packed, so this equals what `Raw::load_tail` yields.
-        S::load(self.base.add((c * NR + r) * S::LANES))
-    }
-    #[inline(always)]
-    unsafe fn prefetch(&self, _r: usize, _c: usize) {}
-}
-
-/// The register tile: `MR` rows of `x` (at `x`, `k` apart) times `NR` weight rows of `w`, over all
-/// of k. Returns the `MR x NR` dot products. This loop *is* the summation order (see the module
-/// comment); every driver goes through it.
+/// The decode register tile: `MR` rows of `x` (at `x`, `k` apart) times `NR` weight rows of `w`,
+/// over all of k. Returns the `MR x NR` dot products, each summed in the order the module comment
+/// fixes (the GEMM microkernel in [`super::gemm`] is the same loop over packed operands).
 #[inline(always)]
 unsafe fn tile<S: Simd, W: Source<S>, const MR: usize, const NR: usize>(
     x: *const f32,
@@ -229,37 +218,35 @@ unsafe fn tile<S: Simd, W: Source<S>, const MR: usize, const NR: usize>(
         }
     }
     let mut out = [[0.0; NR]; MR];
-    for (out_i, acc_i) in out.iter_mut().zip(&acc) {
-        for (o, &a) in out_i.iter_mut().zip(acc_i) {
-            *o = S::reduce(a);
-        }
-    }
+    S::reduce_all(acc.as_flattened(), out.as_flattened_mut());
     out
 }
 
-/// Write a tile's results for x rows `i..` and weight rows `j..j + nr` into `out_t`.
+/// Write a tile's results for x rows `i..` and weight rows `j, j + rs, ..` (`nr` of them) into `out`.
 #[inline(always)]
-unsafe fn put<const MR: usize, const NR: usize>(
+pub(crate) unsafe fn put<const MR: usize, const NR: usize>(
     a: Args,
     i: usize,
     j: usize,
+    rs: usize,
     nr: usize,
     t: &[[f32; NR]; MR],
 ) {
     for (ii, t_i) in t.iter().enumerate() {
         for (r, &v) in t_i.iter().enumerate().take(nr) {
-            *a.out_t.add((j + r) * a.m + i + ii) = v;
+            *a.out.add((i + ii) * a.n + j + r * rs) = v;
         }
     }
 }
 
-/// All `m` rows of `x` against one source of `NR` weight rows starting at weight row `j`, in
+/// All `m` rows of `x` against one source of `NR` weight rows (weight rows `j, j + rs, ..`), in
 /// tiles of at most `MR <= 4` x rows. Only the first `nr` tile rows are written out.
 #[inline(always)]
 unsafe fn all_x_rows<S: Simd, W: Source<S>, const MR: usize, const NR: usize>(
     a: Args,
     w: &W,
     j: usize,
+    rs: usize,
     nr: usize,
 ) {
     let mut i = 0;
@@ -268,128 +255,61 @@ unsafe fn all_x_rows<S: Simd, W: Source<S>, const MR: usize, const NR: usize>(
         let mr = (a.m - i).min(MR);
         // The guards are constants after inlining, so unused tile heights compile away.
         match mr {
-            4 if MR >= 4 => put(a, i, j, nr, &tile::<S, W, 4, NR>(x, a.k, w)),
-            3 if MR >= 3 => put(a, i, j, nr, &tile::<S, W, 3, NR>(x, a.k, w)),
-            2 if MR >= 2 => put(a, i, j, nr, &tile::<S, W, 2, NR>(x, a.k, w)),
-            _ => put(a, i, j, nr, &tile::<S, W, 1, NR>(x, a.k, w)),
+            4 if MR >= 4 => put(a, i, j, rs, nr, &tile::<S, W, 4, NR>(x, a.k, w)),
+            3 if MR >= 3 => put(a, i, j, rs, nr, &tile::<S, W, 3, NR>(x, a.k, w)),
+            2 if MR >= 2 => put(a, i, j, rs, nr, &tile::<S, W, 2, NR>(x, a.k, w)),
+            _ => put(a, i, j, rs, nr, &tile::<S, W, 1, NR>(x, a.k, w)),
         }
         i += mr;
     }
 }
 
-/// Decode driver: weight rows read from storage in groups of `NR`, each group against all rows of
-/// `x` (`MR` at a time). With `m <= MR` every weight byte is read exactly once. With `prefetch`,
-/// each load also prefetches the same column of the next group (`NR` rows further on).
+/// How far ahead of its loads each weight stream prefetches.
+const STREAM_PREFETCH_BYTES: usize = 1024;
+
+/// Decode driver (see the module comment): tiles of `NR` weight rows, one from each of `NR`
+/// segments of the block, against all rows of `x` (`MR <= 4` at a time).
+///
+/// # Safety
+/// `a` must describe valid buffers (see [`Args`]) and the CPU must support `S`'s instructions.
 #[inline(always)]
 pub(crate) unsafe fn stream<S: Simd, F: Format, const MR: usize, const NR: usize>(
     a: Args,
     prefetch: bool,
 ) {
     let w = a.w.cast::<F::Elem>();
-    let mut j = 0;
-    while j + NR <= a.n {
-        let (base, ld, ahead) = (
-            w.add(j * a.k),
-            a.k,
-            NR * a.k * crate::linear::knob("PFD", 1) + crate::linear::knob("PFE", 0),
-        );
+    let seg = a.n / NR;
+    let (ld, ahead) = (
+        seg * a.k,
+        STREAM_PREFETCH_BYTES / std::mem::size_of::<F::Elem>(),
+    );
+    for j in 0..seg {
+        let base = w.add(j * a.k);
         if prefetch {
-            all_x_rows::<S, _, MR, NR>(a, &Raw::<F, true> { base, ld, ahead }, j, NR);
+            all_x_rows::<S, _, MR, NR>(a, &Raw::<F, true> { base, ld, ahead }, j, seg, NR);
         } else {
-            all_x_rows::<S, _, MR, NR>(a, &Raw::<F, false> { base, ld, ahead }, j, NR);
+            all_x_rows::<S, _, MR, NR>(a, &Raw::<F, false> { base, ld, ahead }, j, seg, NR);
         }
-        j += NR;
     }
-    // Leftover rows one at a time: same per-output order, just a narrower tile.
-    while j < a.n {
+    // The `n % NR` rows left over, one at a time: same per-output order, a narrower tile.
+    for j in seg * NR..a.n {
         let src = Raw::<F, false> {
             base: w.add(j * a.k),
             ld: a.k,
             ahead: 0,
         };
-        all_x_rows::<S, _, MR, 1>(a, &src, j, 1);
-        j += 1;
-    }
-}
-
-thread_local! {
-    /// Per-thread panel buffer of [`packed`], kept between calls so prefill does not pay for
-    /// allocating and faulting in fresh pages on every matrix product.
-    static PANELS: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
-}
-
-/// Prefill driver: widen all `n` weight rows of the block into panels of `NR` rows once, then
-/// run every `MR`-row tile of `x` against every panel.
-#[inline(always)]
-pub(crate) unsafe fn packed<S: Simd, F: Format, const MR: usize, const NR: usize>(a: Args) {
-    let lanes = S::LANES;
-    let chunks = a.k.div_ceil(lanes);
-    let panels = a.n.div_ceil(NR);
-    let panel_len = chunks * NR * lanes;
-    let mut buf = PANELS.take();
-    // 16 spare floats so the panels can start on a 64-byte boundary.
-    let need = panels * panel_len + 16;
-    if buf.len() < need {
-        buf.resize(need, 0.0);
-    }
-    let offset = buf.as_ptr().align_offset(64).min(16);
-    let base = buf.as_mut_ptr().add(offset);
-
-    pack::<S, F, NR>(a, base, chunks);
-    let mut i = 0;
-    while i < a.m {
-        let x = a.x.add(i * a.k);
-        let mr = (a.m - i).min(MR);
-        for p in 0..panels {
-            let src = Panel::<NR> {
-                base: base.add(p * panel_len),
-            };
-            let j = p * NR;
-            let nr = (a.n - j).min(NR);
-            match mr {
-                4 if MR >= 4 => put(a, i, j, nr, &tile::<S, _, 4, NR>(x, a.k, &src)),
-                3 if MR >= 3 => put(a, i, j, nr, &tile::<S, _, 3, NR>(x, a.k, &src)),
-                2 if MR >= 2 => put(a, i, j, nr, &tile::<S, _, 2, NR>(x, a.k, &src)),
-                _ => put(a, i, j, nr, &tile::<S, _, 1, NR>(x, a.k, &src)),
-            }
-        }
-        i += mr;
-    }
-    PANELS.set(buf);
-}
-
-/// Widen the block's weight rows into `[panel][chunk][NR][LANES]` at `dst`, zero-padding rows
-/// past `n` and lanes past `k` (so panel tiles need no tail handling of their own).
-#[inline(always)]
-unsafe fn pack<S: Simd, F: Format, const NR: usize>(a: Args, dst: *mut f32, chunks: usize) {
-    let lanes = S::LANES;
-    let full = a.k / lanes;
-    let rem = a.k % lanes;
-    let w = a.w.cast::<F::Elem>();
-    let mut out = dst;
-    for p in 0..a.n.div_ceil(NR) {
-        for c in 0..chunks {
-            for r in 0..NR {
-                let row = p * NR + r;
-                let v = if row >= a.n {
-                    S::zero()
-                } else if c < full {
-                    F::load::<S>(w.add(row * a.k + c * lanes))
-                } else {
-                    F::load_partial::<S>(w.add(row * a.k + c * lanes), rem)
-                };
-                S::store(out, v);
-                out = out.add(lanes);
-            }
-        }
+        all_x_rows::<S, _, MR, 1>(a, &src, j, 1, 1);
     }
 }
 
 /// Sum of `n` f32 at `p`: the bandwidth probe's inner loop. The data is read as 8 interleaved
 /// sub-streams (one block of 4 vectors from each in turn), which keeps more cache-line requests in
-/// flight than one sequential stream: on the development machine 8 streams read about 2x as
-/// fast per core as 1, and the GEMV kernels also read 6-8 rows at once, so this is the
-/// bandwidth they can actually reach.
+/// flight than one sequential stream: on the development machine 8 streams read 10-40% faster
+/// per core than 1. The GEMV kernels read 6-8 streams at once the same way, so this is the
+/// bandwidth they can actually reach, and the fair roofline to compare them with.
+///
+/// # Safety
+/// `p` must be valid for `n` reads and the CPU must support `S`'s instructions.
 #[inline(always)]
 pub(crate) unsafe fn read_sum<S: Simd>(p: *const f32, n: usize) -> f32 {
     const STREAMS: usize = 8;

@@ -5,11 +5,11 @@
 //! and for comparing paths). Tests call the kernels with an explicit [`Isa`] instead, so that
 //! tests running in parallel never race on the global override.
 //!
-//! Layout: [`kernels`] holds the ISA-generic matrix-product code (written once against the
-//! [`kernels::Simd`] vector abstraction, so GEMV and GEMM share one dot-product structure), and
-//! `avx512`, `avx2` and `scalar` implement that abstraction and expose `#[target_feature]` entry
-//! points. Only this module calls those entry points, and only for an ISA whose support has been
-//! checked.
+//! Layout: `kernels` (the decode GEMV and the summation order every product follows) and `gemm`
+//! (the packed prefill GEMM) are written once against the `kernels::Simd` vector abstraction,
+//! so both drivers share one dot-product structure; `avx512`, `avx2` and `scalar` implement that
+//! abstraction and expose `#[target_feature]` entry points. Only this module calls those entry
+//! points, and only for an ISA whose support has been checked.
 
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::OnceLock;
@@ -20,6 +20,7 @@ use moerun_core::{Error, Result};
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+mod gemm;
 pub(crate) mod kernels;
 mod scalar;
 
@@ -60,14 +61,6 @@ impl Isa {
     /// Whether this CPU can run the path. The answer is cached, so this is cheap.
     pub fn is_supported(self) -> bool {
         self <= detected()
-    }
-
-    /// Lanes of one accumulator, i.e. how the path splits a dot product over k.
-    pub fn lanes(self) -> usize {
-        match self {
-            Isa::Avx512 => 16,
-            Isa::Avx2 | Isa::Scalar => 8,
-        }
     }
 }
 
@@ -150,7 +143,7 @@ pub fn active_isa() -> &'static str {
     active().name()
 }
 
-/// How a block of output rows is computed; see [`kernels`] for both.
+/// How a block of output rows is computed (see `kernels` and `gemm`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Mode {
     /// Weights read straight from storage and widened in registers (decode, small m).
@@ -159,20 +152,20 @@ pub(crate) enum Mode {
     Packed,
 }
 
-/// One block of a transposed product: `out_t[j * m + i] = dot(x[i, ..], w[j, ..])` for all rows `j`
-/// of `w` and all `m` rows of `x`. Panics if `isa` is not supported or the lengths disagree.
+/// One block of a product: `out[i * n + j] = dot(x[i, ..], w[j, ..])` for all `n` rows of `w` and
+/// all `m` rows of `x`, on one thread. Panics if `isa` is not supported or the lengths disagree.
 pub(crate) fn matmul_t_block(
     isa: Isa,
     mode: Mode,
     x: &[f32],
     m: usize,
     w: moerun_core::MatRef<'_>,
-    out_t: &mut [f32],
+    out: &mut [f32],
 ) {
     let (n, k) = (w.rows, w.cols);
     assert!(isa.is_supported(), "SIMD path {isa} is not supported here");
     assert_eq!(x.len(), m * k, "x must be [m, k]");
-    assert_eq!(out_t.len(), m * n, "out_t must be [n, m]");
+    assert_eq!(out.len(), m * n, "out must be [m, n]");
     assert_eq!(w.data.len(), n * k * w.dtype.size(), "weight bytes");
     let args = kernels::Args {
         x: x.as_ptr(),
@@ -180,7 +173,7 @@ pub(crate) fn matmul_t_block(
         k,
         w: w.data.as_ptr(),
         n,
-        out_t: out_t.as_mut_ptr(),
+        out: out.as_mut_ptr(),
     };
     match isa {
         // SAFETY: the assertions above make every pointer in `args` valid for the extents it

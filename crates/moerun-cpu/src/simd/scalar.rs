@@ -5,6 +5,7 @@
 
 use moerun_core::DType;
 
+use super::gemm;
 use super::kernels::{self, Args, Bf16, Format, Simd, F16, F32};
 use super::Mode;
 
@@ -102,7 +103,7 @@ impl Simd for Scalar {
 ///
 /// # Safety
 /// `a` must describe valid buffers: `x` with `m * k` f32, `w` with `n * k` elements of `dtype`,
-/// `out_t` with `n * m` f32.
+/// `out` with `m * n` f32.
 pub(crate) unsafe fn matmul_t_block(mode: Mode, dtype: DType, a: Args) {
     match dtype {
         DType::F32 => block::<F32>(mode, a),
@@ -115,7 +116,7 @@ unsafe fn block<F: Format>(mode: Mode, a: Args) {
     match mode {
         Mode::Stream if a.m == 1 => kernels::stream::<Scalar, F, 1, 4>(a, false),
         Mode::Stream => kernels::stream::<Scalar, F, 2, 4>(a, false),
-        Mode::Packed => kernels::packed::<Scalar, F, 2, 4>(a),
+        Mode::Packed => gemm::packed::<Scalar, F, 4, 1>(a),
     }
 }
 
