@@ -143,6 +143,18 @@ fn stats_agree_with_transformers_checkpoints() {
             "3 (3 MoE, 0 dense)",
             "f32",
         ),
+        (
+            "qwen3_5_moe_text_f32",
+            "qwen3_5_moe",
+            "4 (4 MoE, 0 dense)",
+            "f32",
+        ),
+        (
+            "qwen3_5_moe_text_f32_fused",
+            "qwen3_5_moe",
+            "4 (4 MoE, 0 dense)",
+            "f32",
+        ),
     ] {
         let report = inspect(&fixture(name));
         assert!(!report.contains("note"), "{name}:\n{report}");
@@ -166,6 +178,44 @@ fn sliding_window_and_shared_expert_are_described() {
         "{report}"
     );
     assert_eq!(row(&report, "tied embeddings"), "yes");
+}
+
+#[test]
+fn hybrid_layers_state_and_ignored_vision_tower_are_described() {
+    let report = inspect(&fixture("qwen3_5_moe_text_f32"));
+    assert_eq!(
+        row(&report, "token mixers"),
+        "3 Gated DeltaNet (2 key / 4 value heads of 16/24, conv 4), 1 full attention (gated output)"
+    );
+    // K/V of the one attention layer; (3 * 160 + 4 * 16 * 24) f32 per Gated DeltaNet layer.
+    assert_eq!(
+        row(&report, "kv cache"),
+        "512 B per token (512 bytes, f32); linear-attention state 23.62 KiB per sequence"
+    );
+    assert_eq!(
+        row(&report, "rope"),
+        "default, theta 10000, rotating 8 of 32 dims"
+    );
+    // The multimodal checkpoint also stores a vision tower and an MTP head, which are not run.
+    let out = moerun(&[
+        "inspect",
+        "--model",
+        fixture("qwen3_5_moe_vl_bf16").to_str().expect("utf-8"),
+    ]);
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        row(&stdout, "note").contains("the config implies"),
+        "{stdout}"
+    );
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.contains("vision tower (21 tensors under model.visual.) is not loaded"),
+        "{stderr}"
+    );
 }
 
 #[test]

@@ -1,5 +1,5 @@
-//! Small row-wise kernels of the forward pass: RMSNorm, rotary embedding, SwiGLU, softmax, and the
-//! fixed-order dot product that attention uses. Each works on f32 rows and sums in an order that
+//! Small row-wise kernels of the forward pass: RMSNorm (plain and gated), L2 normalisation,
+//! rotary embedding, SwiGLU, softmax, softplus, and the fixed-order dot product that attention uses. Each works on f32 rows and sums in an order that
 //! does not depend on how many rows are in the batch, so batched and lone runs agree bitwise.
 
 /// Lanes of the fixed-order reductions below. Sixteen independent partial sums let the compiler
@@ -66,6 +66,40 @@ pub fn rms_norm_rows(x: &mut [f32], weight: &[f32], eps: f32) {
 pub fn rms_norm_rows_into(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     out.copy_from_slice(x);
     rms_norm_rows(out, weight, eps);
+}
+
+/// Gated RMSNorm (Qwen3.5's `Qwen3_5MoeRMSNormGated`) of each `weight.len()`-wide row of `x`, in
+/// place: `(w * (x / sqrt(mean(x²) + eps))) * silu(gate)`, in that order, as transformers does.
+pub fn rms_norm_gated_rows(x: &mut [f32], gate: &[f32], weight: &[f32], eps: f32) {
+    let width = weight.len();
+    assert_eq!(x.len(), gate.len());
+    for (row, g) in x.chunks_exact_mut(width).zip(gate.chunks_exact(width)) {
+        let inv = 1.0 / (sum_squares(row) / width as f32 + eps).sqrt();
+        for ((v, w), z) in row.iter_mut().zip(weight).zip(g) {
+            *v = (w * (*v * inv)) * silu(*z);
+        }
+    }
+}
+
+/// Scale each `width`-wide row of `x` to unit L2 norm, in place: `x / sqrt(sum(x²) + eps)` (the
+/// `l2norm` of transformers' delta-rule fallbacks, eps inside the root).
+pub fn l2_normalize_rows(x: &mut [f32], width: usize, eps: f32) {
+    for row in x.chunks_exact_mut(width) {
+        let inv = 1.0 / (sum_squares(row) + eps).sqrt();
+        for v in row.iter_mut() {
+            *v *= inv;
+        }
+    }
+}
+
+/// `softplus(x) = ln(1 + eˣ)` as torch computes it (beta 1, threshold 20: above it, `x` itself).
+#[inline]
+pub fn softplus(x: f32) -> f32 {
+    if x > 20.0 {
+        x
+    } else {
+        x.exp().ln_1p()
+    }
 }
 
 /// Rotate one head in place with the "rotate half" convention of transformers: dimension `i` pairs
@@ -151,6 +185,29 @@ mod tests {
             "rotation keeps the rotated dims' norm"
         );
         assert_eq!(&h[4..], &[5.0, 6.0], "dims past rotary_dim pass through");
+    }
+
+    #[test]
+    fn gated_rms_norm_is_the_plain_norm_times_silu_of_the_gate() {
+        let x = vec![1.0f32, -2.0, 0.5, 3.0];
+        let mut plain = x.clone();
+        rms_norm_rows(&mut plain, &[0.5, 1.5, 1.0, 2.0], 1e-6);
+        let mut gated = x;
+        let gate = [0.3f32, -1.0, 2.0, 0.0];
+        rms_norm_gated_rows(&mut gated, &gate, &[0.5, 1.5, 1.0, 2.0], 1e-6);
+        for i in 0..4 {
+            assert!((gated[i] - plain[i] * silu(gate[i])).abs() < 1e-6);
+        }
+    }
+
+    #[test]
+    fn l2_normalised_rows_have_unit_norm_and_softplus_is_linear_past_20() {
+        let mut x = vec![3.0f32, 4.0, 0.0, 1.0];
+        l2_normalize_rows(&mut x, 2, 0.0);
+        assert_eq!(&x[..2], &[0.6, 0.8]);
+        assert_eq!(&x[2..], &[0.0, 1.0]);
+        assert_eq!(softplus(25.0), 25.0);
+        assert!((softplus(0.0) - 2f32.ln()).abs() < 1e-7);
     }
 
     #[test]

@@ -5,28 +5,37 @@
 //! allocator of its storage.
 
 use moerun_core::{BlockAllocator, BlockTable, Result};
+use moerun_model::linear_state::LinearStateCache;
 use moerun_model::{Batch, ForwardOutput, KvCache, LogitsFor, Model, ModelConfig, SeqChunk};
 
 /// KV storage whose blocks are handed out by its own [`BlockAllocator`], and only by it.
 pub struct SequenceKv {
     cache: KvCache,
+    /// Linear-attention state (Gated DeltaNet layers), one slot per sequence: the slot of a
+    /// sequence is its first block id, unique on this path since blocks are never shared here.
+    states: LinearStateCache,
     allocator: BlockAllocator,
 }
 
 impl SequenceKv {
     /// `num_blocks` blocks of `block_size` tokens for every layer of `cfg`.
     pub fn new(cfg: &ModelConfig, num_blocks: usize, block_size: usize) -> Self {
-        Self::from_cache(KvCache::new(cfg, num_blocks, block_size))
+        Self::from_cache(cfg, KvCache::new(cfg, num_blocks, block_size))
     }
 
     /// Room for `tokens` tokens (rounded up to whole blocks).
     pub fn with_capacity(cfg: &ModelConfig, tokens: usize) -> Self {
-        Self::from_cache(KvCache::with_capacity(cfg, tokens))
+        Self::from_cache(cfg, KvCache::with_capacity(cfg, tokens))
     }
 
-    fn from_cache(cache: KvCache) -> Self {
+    fn from_cache(cfg: &ModelConfig, cache: KvCache) -> Self {
         let allocator = BlockAllocator::new(cache.num_blocks(), cache.block_size());
-        SequenceKv { cache, allocator }
+        let states = LinearStateCache::new(cfg, cache.num_blocks());
+        SequenceKv {
+            cache,
+            states,
+            allocator,
+        }
     }
 
     /// Tokens per block.
@@ -41,6 +50,9 @@ impl SequenceKv {
 
     /// Return a sequence's blocks.
     pub fn free(&mut self, table: &mut BlockTable) {
+        if let Some(&first) = table.blocks.first() {
+            self.states.release(first as usize);
+        }
         self.allocator.free_table(table)
     }
 
@@ -56,7 +68,7 @@ impl SequenceKv {
 
     /// Bytes of KV storage.
     pub fn bytes(&self) -> usize {
-        self.cache.bytes()
+        self.cache.bytes() + self.states.bytes()
     }
 }
 
@@ -103,6 +115,10 @@ pub fn run_step(
         kv.reserve(&mut s.table, s.cached + n)?;
         counts.push(n);
     }
+    let slots: Vec<usize> = seqs
+        .iter()
+        .map(|s| s.table.blocks.first().map_or(0, |&b| b as usize))
+        .collect();
     let out = {
         let chunks = seqs
             .iter()
@@ -113,7 +129,8 @@ pub fn run_step(
                 block_table: &s.table,
             })
             .collect();
-        model.forward(&Batch::new(chunks), kv.cache_mut(), which)?
+        let batch = Batch::new(chunks).with_state_slots(slots);
+        model.forward_with_state(&batch, &mut kv.cache, &mut kv.states, which)?
     };
     for (s, n) in seqs.iter_mut().zip(counts) {
         s.cached += n;

@@ -2,12 +2,16 @@
 //! models built and scored by `tools/fixtures/make_fixtures.py` with transformers' own classes)
 //! must give the same logits, through one prefill and token by token through the paged KV cache,
 //! and the same greedy continuation. Mixed flat batches must equal lone runs bitwise.
+//! Hybrid models (linear-attention layers) run through `support::step`, which adds a state slot.
+
+mod support;
 
 use std::path::{Path, PathBuf};
 
 use moerun_engine::{run_step, Sequence, SequenceKv};
 use moerun_model::npy::read_npy_f32;
 use moerun_model::{LogitsFor, Model};
+use support::{step, Caches};
 
 fn fixtures_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
@@ -72,12 +76,13 @@ fn relative_error(got: &[f32], want: &[f32]) -> f64 {
 }
 
 fn prefill_logits(model: &Model, tokens: &[u32]) -> Vec<f32> {
-    let mut kv = SequenceKv::with_capacity(&model.config, tokens.len());
+    let mut kv = Caches::with_capacity(&model.config, tokens.len(), 1);
     let mut seq = Sequence::new(tokens.to_vec());
-    run_step(
+    step(
         model,
         &mut kv,
         &mut [&mut seq],
+        &[0],
         &[usize::MAX],
         LogitsFor::AllTokens,
     )
@@ -86,14 +91,15 @@ fn prefill_logits(model: &Model, tokens: &[u32]) -> Vec<f32> {
 }
 
 fn incremental_logits(model: &Model, tokens: &[u32]) -> Vec<f32> {
-    let mut kv = SequenceKv::with_capacity(&model.config, tokens.len());
+    let mut kv = Caches::with_capacity(&model.config, tokens.len(), 1);
     let mut seq = Sequence::new(tokens.to_vec());
     let mut all = Vec::new();
     for _ in 0..tokens.len() {
-        let out = run_step(
+        let out = step(
             model,
             &mut kv,
             &mut [&mut seq],
+            &[0],
             &[1],
             LogitsFor::LastOfEachSeq,
         );
@@ -113,18 +119,19 @@ fn argmax(row: &[f32]) -> u32 {
 }
 
 fn greedy(model: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
-    let mut kv = SequenceKv::with_capacity(&model.config, prompt.len() + n);
+    let mut kv = Caches::with_capacity(&model.config, prompt.len() + n, 1);
     let mut seq = Sequence::new(prompt.to_vec());
     let mut out = Vec::new();
     for _ in 0..n {
-        let step = run_step(
+        let logits = step(
             model,
             &mut kv,
             &mut [&mut seq],
+            &[0],
             &[usize::MAX],
             LogitsFor::LastOfEachSeq,
         );
-        let next = argmax(&step.unwrap().logits);
+        let next = argmax(&logits.unwrap().logits);
         out.push(next);
         seq.tokens.push(next);
     }

@@ -1,9 +1,10 @@
 //! The self-attention block of the supported families: q/k/v projections (with biases where the
 //! family has them), q/k RMSNorm (per head or over the whole projection), OLMoE's `clip_qkv`,
-//! rotary embedding, the paged-KV write, attention, and `o_proj`.
+//! rotary embedding (on the leading `rotary_dim` dims of each head), the paged-KV write,
+//! attention, Qwen3.5's sigmoid output gate, and `o_proj`.
 
 use moerun_cpu::attention::{paged_attention, AttentionShape, KvPool, TokenSlot};
-use moerun_cpu::ops::{rms_norm_rows, rope_rotate_half};
+use moerun_cpu::ops::{rms_norm_rows, rope_rotate_half, sigmoid};
 
 use crate::config::{ModelConfig, QkNorm};
 use crate::linear::apply;
@@ -60,7 +61,12 @@ pub fn attention_block(
 ) -> Vec<f32> {
     let n = slots.len();
     let d = cfg.head_dim;
-    let mut q = apply(xn, n, &w.q_proj);
+    let (mut q, gate) = if cfg.attention_output_gate {
+        let (q, gate) = split_query_gate(&apply(xn, n, &w.q_proj), d);
+        (q, Some(gate))
+    } else {
+        (apply(xn, n, &w.q_proj), None)
+    };
     let mut k = apply(xn, n, &w.k_proj);
     let mut v = apply(xn, n, &w.v_proj);
     match cfg.qk_norm {
@@ -99,5 +105,23 @@ pub fn attention_block(
     };
     let mut out = vec![0.0f32; n * cfg.q_dim()];
     paged_attention(&q, slots, pool, &shape, &mut out);
+    if let Some(gate) = gate {
+        for (o, g) in out.iter_mut().zip(&gate) {
+            *o *= sigmoid(*g);
+        }
+    }
     apply(&out, n, &w.o_proj)
+}
+
+/// Qwen3.5's doubled `q_proj` output: each head's `2 * head_dim` values are its query then its
+/// output gate (`view(..., heads, 2 * head_dim).chunk(2, -1)`). Returns (queries, gates), each
+/// `[rows, heads * head_dim]`.
+fn split_query_gate(q_and_gate: &[f32], head_dim: usize) -> (Vec<f32>, Vec<f32>) {
+    let mut q = Vec::with_capacity(q_and_gate.len() / 2);
+    let mut gate = Vec::with_capacity(q_and_gate.len() / 2);
+    for head in q_and_gate.chunks_exact(2 * head_dim) {
+        q.extend_from_slice(&head[..head_dim]);
+        gate.extend_from_slice(&head[head_dim..]);
+    }
+    (q, gate)
 }

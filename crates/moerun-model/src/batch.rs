@@ -1,7 +1,8 @@
 //! The unit of work: a flat batch of tokens from one or more sequences. Each sequence contributes
 //! a contiguous run of new tokens starting at some position (a whole prompt, a prefill chunk, or a
-//! single decode token) and the block table its KV lives in. Prefill, decode and mixtures of both
-//! are the same call.
+//! single decode token), the block table its KV lives in and, for models with linear-attention
+//! layers, the slot of its state in a [`crate::LinearStateCache`]. Prefill, decode and mixtures
+//! of both are the same call.
 
 use moerun_core::BlockTable;
 
@@ -28,11 +29,24 @@ pub enum LogitsFor {
 #[derive(Clone, Debug, Default)]
 pub struct Batch<'a> {
     pub seqs: Vec<SeqChunk<'a>>,
+    /// Per sequence, in `seqs` order, its slot in the [`crate::LinearStateCache`]; empty for
+    /// models without linear-attention layers. (Kept beside `seqs` rather than in [`SeqChunk`]
+    /// until every caller that builds chunks carries a slot.)
+    pub state_slots: Vec<usize>,
 }
 
 impl<'a> Batch<'a> {
     pub fn new(seqs: Vec<SeqChunk<'a>>) -> Self {
-        Batch { seqs }
+        Batch {
+            seqs,
+            state_slots: Vec::new(),
+        }
+    }
+
+    /// The same batch, each sequence's linear-attention state in `slots[i]` (one per sequence).
+    pub fn with_state_slots(mut self, slots: Vec<usize>) -> Self {
+        self.state_slots = slots;
+        self
     }
 
     pub fn num_tokens(&self) -> usize {

@@ -4,9 +4,10 @@
 //! how many one decoded token touches (`active`). Decoding at batch 1 is bound by memory bandwidth,
 //! so the active bytes per token are the numerator of its roofline: tokens/s can never exceed
 //! bandwidth / active bytes. Counting follows configs/README.md: active = attention (with q/k norms
-//! and biases) + router + top_k routed experts + shared expert (with its gate) + dense MLPs +
-//! RMSNorms + one embedding row + the full lm_head (the tied matrix for tied models); total counts a
-//! tied matrix once.
+//! and biases) + linear attention + router + top_k routed experts + shared expert (with its gate) +
+//! dense MLPs + RMSNorms + one embedding row + the full lm_head (the tied matrix for tied models);
+//! total counts a tied matrix once. Not counted: a vision tower or an MTP head a checkpoint may
+//! carry (the forward pass does not run them).
 
 use moerun_core::DType;
 
@@ -23,8 +24,12 @@ pub struct ParamStats {
     pub embedding: u64,
     /// `lm_head`, `vocab × hidden`; 0 when tied (it is the embedding).
     pub lm_head: u64,
-    /// q/k/v/o projections, their biases and the q/k norms.
+    /// q/k/v/o projections (q with its output gate, where the family has one), their biases and
+    /// the q/k norms, over the attention layers.
     pub attention: u64,
+    /// The Gated DeltaNet layers: `in_proj_qkv`/`z`/`b`/`a`, conv taps, `A_log`, `dt_bias`, the
+    /// gated norm and `out_proj`.
+    pub linear_attention: u64,
     /// Router matrices of the MoE layers.
     pub router: u64,
     /// All routed experts of all MoE layers.
@@ -45,11 +50,13 @@ impl ParamStats {
         let h = cfg.hidden_size as u64;
         let v = cfg.vocab_size as u64;
         let (q, kv) = (cfg.q_dim() as u64, cfg.kv_dim() as u64);
+        // q_proj also yields the output gate where there is one.
+        let q_out = if cfg.attention_output_gate { 2 * q } else { q };
 
-        // Attention is the same in every layer of the supported families.
-        let mut attn = h * q + 2 * h * kv + q * h;
+        // Attention is the same in every attention layer.
+        let mut attn = h * q_out + 2 * h * kv + q * h;
         if cfg.attention_bias.qkv {
-            attn += q + 2 * kv;
+            attn += q_out + 2 * kv;
         }
         if cfg.attention_bias.o {
             attn += h;
@@ -60,12 +67,24 @@ impl ParamStats {
             QkNorm::WholeProjection => q + kv,
         };
 
+        let linear_layers = (cfg.num_layers() - cfg.num_attention_layers()) as u64;
+        let linear = cfg.linear_attention.map_or(0, |la| {
+            let (conv, value) = (la.conv_dim() as u64, la.value_dim() as u64);
+            let heads = la.num_value_heads as u64;
+            (conv + value + 2 * heads) * h       // in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
+                + conv * la.conv_kernel as u64   // conv1d
+                + 2 * heads                      // A_log, dt_bias
+                + la.value_head_dim as u64       // gated norm
+                + h * value // out_proj
+        });
+
         let mut s = ParamStats {
             embedding: v * h,
             lm_head: if cfg.tie_word_embeddings { 0 } else { v * h },
             // Two norms per layer, plus the final norm.
             norms: (2 * cfg.num_layers() as u64 + 1) * h,
-            attention: attn * cfg.num_layers() as u64,
+            attention: attn * cfg.num_attention_layers() as u64,
+            linear_attention: linear * linear_layers,
             ..ParamStats::default()
         };
         for layer in &cfg.layers {
@@ -90,7 +109,8 @@ impl ParamStats {
                 }
             }
         }
-        let always = s.attention + s.router + s.shared_experts + s.dense_mlp + s.norms;
+        let always =
+            s.attention + s.linear_attention + s.router + s.shared_experts + s.dense_mlp + s.norms;
         s.total = always + s.experts + s.embedding + s.lm_head;
         // One embedding row is read per token; the whole output projection is (the tied matrix
         // when tied, so the embedding is effectively read twice: one row, then in full).
@@ -177,6 +197,17 @@ mod tests {
     }
 
     #[test]
+    fn qwen3_5_35b_a3b_hybrid() {
+        let s = stats(include_str!("../../../configs/qwen3.5-35b-a3b.json"));
+        assert_eq!(s.total, 34_660_610_688);
+        assert_eq!(s.active, 2_946_431_616);
+        assert_eq!(s.active_bytes(DType::BF16), 5_892_863_232);
+        assert_eq!(s.linear_attention, 30 * 33_718_464);
+        assert_eq!(s.attention, 10 * 27_263_488);
+        assert_eq!(s.shared_experts, 40 * 3_147_776);
+    }
+
+    #[test]
     fn smollm2_135m_dense_tied() {
         let s = stats(include_str!("../../../configs/smollm2-135m-instruct.json"));
         assert_eq!(s.total, 134_515_008);
@@ -191,6 +222,7 @@ mod tests {
         let parts = s.embedding
             + s.lm_head
             + s.attention
+            + s.linear_attention
             + s.router
             + s.experts
             + s.shared_experts

@@ -69,7 +69,14 @@ pub fn run(args: &ChatArgs) -> CliResult {
             .take(seq.cached)
             .take_while(|(a, b)| a == b)
             .count();
-        seq.cached = common;
+        // Linear-attention state (Qwen3.5's Gated DeltaNet) cannot be rewound to a prefix:
+        // such models recompute the conversation unless it extends exactly what is cached.
+        let rewinds = common < seq.cached;
+        seq.cached = if rewinds && tm.model.config.linear_attention.is_some() {
+            0
+        } else {
+            common
+        };
         seq.tokens = ids;
         let mut stdout = std::io::stdout().lock();
         let (text, generation) = super::generate::continue_generation(

@@ -24,6 +24,9 @@ pub fn run(args: &InspectArgs) -> CliResult {
     row("model", args.model.display().to_string());
     row("family", cfg.family.to_string());
     row("layers", layers(cfg));
+    if let Some(mixers) = mixers(cfg) {
+        row("token mixers", mixers);
+    }
     row("sliding window", sliding(cfg));
     row("hidden size", cfg.hidden_size.to_string());
     row(
@@ -58,9 +61,18 @@ pub fn run(args: &InspectArgs) -> CliResult {
         ),
     );
     let kv = cfg.kv_bytes_per_token(4) as u64;
+    let state = cfg.linear_state_bytes_per_sequence() as u64;
+    let state = if state > 0 {
+        format!(
+            "; linear-attention state {} per sequence",
+            human_bytes(state)
+        )
+    } else {
+        String::new()
+    };
     row(
         "kv cache",
-        format!("{} per token ({kv} bytes, f32)", human_bytes(kv)),
+        format!("{} per token ({kv} bytes, f32){state}", human_bytes(kv)),
     );
     row("rope", rope(cfg));
     row(
@@ -69,7 +81,8 @@ pub fn run(args: &InspectArgs) -> CliResult {
     );
     let stored_params = stored.params;
     if stored_params != stats.total {
-        // E.g. a tied model whose file also carries lm_head, or extra buffers moerun ignores.
+        // E.g. a tied model whose file also carries lm_head, extra buffers moerun ignores, or a
+        // vision tower / MTP head (not run).
         row(
             "note",
             format!(
@@ -156,6 +169,27 @@ fn layers(cfg: &ModelConfig) -> String {
         cfg.num_layers(),
         cfg.num_layers() - moe
     )
+}
+
+/// For hybrid models: `30 Gated DeltaNet (16 key / 32 value heads of 128/128, conv 4), 10 full
+/// attention (gated output)`.
+fn mixers(cfg: &ModelConfig) -> Option<String> {
+    let la = cfg.linear_attention?;
+    let full = cfg.num_attention_layers();
+    let gated = if cfg.attention_output_gate {
+        " (gated output)"
+    } else {
+        ""
+    };
+    Some(format!(
+        "{} Gated DeltaNet ({} key / {} value heads of {}/{}, conv {}), {full} full attention{gated}",
+        cfg.num_layers() - full,
+        la.num_key_heads,
+        la.num_value_heads,
+        la.key_head_dim,
+        la.value_head_dim,
+        la.conv_kernel
+    ))
 }
 
 /// `none`, or `4096 tokens on 24 of 28 layers` (listing every distinct window).

@@ -12,10 +12,13 @@ pub enum Family {
     Qwen3,
     Qwen2,
     Llama,
+    /// Qwen3.5/3.6-MoE: Gated DeltaNet layers mixed with gated full attention, MoE with a gated
+    /// shared expert. `qwen3_5_moe` configs wrap it (`text_config`) with a vision tower.
+    Qwen35Moe,
 }
 
 impl Family {
-    pub const ALL: [Family; 7] = [
+    pub const ALL: [Family; 8] = [
         Family::Qwen3Moe,
         Family::Qwen2Moe,
         Family::Mixtral,
@@ -23,6 +26,7 @@ impl Family {
         Family::Qwen3,
         Family::Qwen2,
         Family::Llama,
+        Family::Qwen35Moe,
     ];
 
     /// The `model_type` string of `config.json`.
@@ -35,10 +39,16 @@ impl Family {
             Family::Qwen3 => "qwen3",
             Family::Qwen2 => "qwen2",
             Family::Llama => "llama",
+            Family::Qwen35Moe => "qwen3_5_moe",
         }
     }
 
+    /// The family a `model_type` names. Qwen3.5's text part has its own spelling
+    /// (`qwen3_5_moe_text`, what `Qwen3_5MoeForCausalLM` checkpoints and `text_config` say).
     pub fn from_model_type(name: &str) -> Option<Family> {
+        if name == "qwen3_5_moe_text" {
+            return Some(Family::Qwen35Moe);
+        }
         Family::ALL.into_iter().find(|f| f.model_type() == name)
     }
 
@@ -50,7 +60,11 @@ impl Family {
     pub fn is_moe(self) -> bool {
         matches!(
             self,
-            Family::Qwen3Moe | Family::Qwen2Moe | Family::Mixtral | Family::Olmoe
+            Family::Qwen3Moe
+                | Family::Qwen2Moe
+                | Family::Mixtral
+                | Family::Olmoe
+                | Family::Qwen35Moe
         )
     }
 }

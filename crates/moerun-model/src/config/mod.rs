@@ -6,6 +6,7 @@
 //! Anything we cannot honour exactly is refused by name, never approximated.
 
 mod family;
+mod qwen3_5;
 mod raw;
 mod rope;
 
@@ -60,9 +61,57 @@ pub enum FfnKind {
     Moe,
 }
 
+/// How a layer mixes information across positions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mixer {
+    /// Softmax self-attention over the paged KV cache.
+    Attention,
+    /// Qwen3.5's Gated DeltaNet (`linear_attn`): a causal depthwise conv and the gated delta
+    /// rule, whose per-sequence state is a fixed-size conv window plus a recurrent matrix.
+    GatedDeltaNet,
+}
+
+/// Shape of the Gated DeltaNet layers (`linear_*` fields of Qwen3.5 configs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LinearAttentionConfig {
+    pub num_key_heads: usize,
+    /// A multiple of `num_key_heads`: key head `h / (num_value_heads / num_key_heads)` serves
+    /// value head `h`.
+    pub num_value_heads: usize,
+    pub key_head_dim: usize,
+    pub value_head_dim: usize,
+    /// Taps of the causal conv1d (`linear_conv_kernel_dim`).
+    pub conv_kernel: usize,
+}
+
+impl LinearAttentionConfig {
+    /// Width of q and of k (`num_key_heads * key_head_dim`).
+    pub fn key_dim(&self) -> usize {
+        self.num_key_heads * self.key_head_dim
+    }
+
+    /// Width of v, z and the core output (`num_value_heads * value_head_dim`).
+    pub fn value_dim(&self) -> usize {
+        self.num_value_heads * self.value_head_dim
+    }
+
+    /// Channels of the conv: `in_proj_qkv`'s output, `[q | k | v]`.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.key_dim() + self.value_dim()
+    }
+
+    /// f32 values of one sequence's state in one layer: the last `conv_kernel - 1` conv inputs
+    /// and the `[num_value_heads, key_head_dim, value_head_dim]` recurrent matrix.
+    pub fn state_len(&self) -> usize {
+        (self.conv_kernel - 1) * self.conv_dim()
+            + self.num_value_heads * self.key_head_dim * self.value_head_dim
+    }
+}
+
 /// Per-layer choices.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LayerSpec {
+    pub mixer: Mixer,
     /// A query at position p attends to keys at positions `p - window + 1 ..= p` when set.
     pub sliding_window: Option<usize>,
     pub ffn: FfnKind,
@@ -78,12 +127,22 @@ pub struct ModelConfig {
     pub num_kv_heads: usize,
     pub head_dim: usize,
     pub rms_norm_eps: f32,
+    /// Qwen3.5 stores RMSNorm weights zero-centred and scales by `1 + w` (`Qwen3_5MoeRMSNorm`);
+    /// the loader adds the one, so the forward pass always multiplies by the stored vector.
+    pub rms_norm_unit_offset: bool,
     pub rope: RopeConfig,
     pub attention_bias: AttentionBias,
     pub mlp_bias: bool,
     pub qk_norm: QkNorm,
     /// OLMoE: clamp q, k, v to `[-c, c]` after projection (and after the q/k norms).
     pub clip_qkv: Option<f32>,
+    /// Qwen3.5: `q_proj` yields, per head, the query then as many gate values; the attention
+    /// output is multiplied by `sigmoid(gate)` before `o_proj`.
+    pub attention_output_gate: bool,
+    /// Shape of the [`Mixer::GatedDeltaNet`] layers, when the model has any.
+    pub linear_attention: Option<LinearAttentionConfig>,
+    /// The config describes a vision tower too (`qwen3_5_moe`): only the text model is run.
+    pub has_vision_tower: bool,
     pub tie_word_embeddings: bool,
     pub max_position_embeddings: usize,
     pub layers: Vec<LayerSpec>,
@@ -119,9 +178,25 @@ impl ModelConfig {
         self.num_kv_heads * self.head_dim
     }
 
-    /// KV cache bytes per token across all layers, at f32 (what the CPU cache stores).
+    /// Layers that keep K/V per position (every layer but the Gated DeltaNet ones).
+    pub fn num_attention_layers(&self) -> usize {
+        self.layers
+            .iter()
+            .filter(|l| l.mixer == Mixer::Attention)
+            .count()
+    }
+
+    /// KV bytes per token across the attention layers, at `bytes_per_value`.
     pub fn kv_bytes_per_token(&self, bytes_per_value: usize) -> usize {
-        2 * self.num_layers() * self.kv_dim() * bytes_per_value
+        2 * self.num_attention_layers() * self.kv_dim() * bytes_per_value
+    }
+
+    /// Bytes of one sequence's linear-attention state across all Gated DeltaNet layers (f32),
+    /// whatever its length; 0 for models without such layers.
+    pub fn linear_state_bytes_per_sequence(&self) -> usize {
+        let layers = self.num_layers() - self.num_attention_layers();
+        self.linear_attention
+            .map_or(0, |la| layers * la.state_len() * 4)
     }
 }
 

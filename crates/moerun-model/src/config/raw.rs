@@ -5,20 +5,21 @@
 use moerun_core::{Error, Result};
 use serde_json::Value;
 
+use super::qwen3_5;
 use super::{
-    AttentionBias, Family, FfnKind, LayerSpec, ModelConfig, MoeConfig, QkNorm, RopeConfig,
+    AttentionBias, Family, FfnKind, LayerSpec, Mixer, ModelConfig, MoeConfig, QkNorm, RopeConfig,
     SharedExpertConfig,
 };
 
 /// Typed accessors over the JSON object, with messages that name the field.
-struct Fields<'a>(&'a Value);
+pub(super) struct Fields<'a>(pub(super) &'a Value);
 
 impl Fields<'_> {
-    fn get(&self, key: &str) -> Option<&Value> {
+    pub(super) fn get(&self, key: &str) -> Option<&Value> {
         self.0.get(key).filter(|v| !v.is_null())
     }
 
-    fn usize_opt(&self, key: &str) -> Result<Option<usize>> {
+    pub(super) fn usize_opt(&self, key: &str) -> Result<Option<usize>> {
         match self.get(key) {
             None => Ok(None),
             Some(v) => v.as_u64().map(|n| Some(n as usize)).ok_or_else(|| {
@@ -27,12 +28,12 @@ impl Fields<'_> {
         }
     }
 
-    fn usize(&self, key: &str) -> Result<usize> {
+    pub(super) fn usize(&self, key: &str) -> Result<usize> {
         self.usize_opt(key)?
             .ok_or_else(|| Error::Config(format!("missing required field '{key}'")))
     }
 
-    fn positive(&self, key: &str) -> Result<usize> {
+    pub(super) fn positive(&self, key: &str) -> Result<usize> {
         let n = self.usize(key)?;
         if n == 0 {
             return Err(Error::Config(format!("'{key}' must be positive")));
@@ -40,7 +41,7 @@ impl Fields<'_> {
         Ok(n)
     }
 
-    fn f64_or(&self, key: &str, default: f64) -> Result<f64> {
+    pub(super) fn f64_or(&self, key: &str, default: f64) -> Result<f64> {
         match self.get(key) {
             None => Ok(default),
             Some(v) => v
@@ -49,7 +50,7 @@ impl Fields<'_> {
         }
     }
 
-    fn bool_or(&self, key: &str, default: bool) -> Result<bool> {
+    pub(super) fn bool_or(&self, key: &str, default: bool) -> Result<bool> {
         match self.get(key) {
             None => Ok(default),
             Some(v) => v
@@ -58,11 +59,11 @@ impl Fields<'_> {
         }
     }
 
-    fn str_opt(&self, key: &str) -> Option<&str> {
+    pub(super) fn str_opt(&self, key: &str) -> Option<&str> {
         self.get(key).and_then(Value::as_str)
     }
 
-    fn token_ids(&self, key: &str) -> Vec<u32> {
+    pub(super) fn token_ids(&self, key: &str) -> Vec<u32> {
         match self.get(key) {
             Some(Value::Number(n)) => n.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
             Some(Value::Array(items)) => items
@@ -73,7 +74,7 @@ impl Fields<'_> {
         }
     }
 
-    fn usize_list(&self, key: &str) -> Result<Vec<usize>> {
+    pub(super) fn usize_list(&self, key: &str) -> Result<Vec<usize>> {
         match self.get(key) {
             None => Ok(Vec::new()),
             Some(Value::Array(items)) => items
@@ -93,10 +94,18 @@ pub(super) fn resolve(value: &Value) -> Result<ModelConfig> {
     if !value.is_object() {
         return Err(Error::Config("must be a JSON object".into()));
     }
-    let f = Fields(value);
-    let model_type = f
+    let outer = Fields(value);
+    let model_type = outer
         .str_opt("model_type")
         .ok_or_else(|| Error::Config("missing 'model_type'".into()))?;
+    // A multimodal wrapper: everything the text model needs is in its `text_config`.
+    let wrapper = qwen3_5::text_config(value, model_type)?;
+    let value = wrapper.map_or(value, |w| w.text);
+    let f = Fields(value);
+    let model_type = match wrapper {
+        Some(w) => w.text_model_type,
+        None => model_type,
+    };
     let family =
         Family::from_model_type(model_type).ok_or_else(|| Error::UnsupportedArchitecture {
             found: model_type.to_string(),
@@ -120,8 +129,10 @@ pub(super) fn resolve(value: &Value) -> Result<ModelConfig> {
     }
     let head_dim = match f.usize_opt("head_dim")? {
         Some(d) if d > 0 => d,
-        // Qwen3Config declares `head_dim: int = 128`; the others derive it.
+        // Qwen3Config declares `head_dim: int = 128`, Qwen3_5MoeTextConfig 256; the others
+        // derive it.
         _ if family == Family::Qwen3 => 128,
+        _ if family == Family::Qwen35Moe => 256,
         _ => {
             if hidden_size % num_heads != 0 {
                 return Err(Error::Config(format!(
@@ -139,7 +150,13 @@ pub(super) fn resolve(value: &Value) -> Result<ModelConfig> {
         1e-6
     };
     let rms_norm_eps = f.f64_or("rms_norm_eps", default_eps)? as f32;
-    let rope = RopeConfig::parse(value, head_dim, max_position_embeddings)?;
+    // Qwen3_5MoeTextConfig sets partial_rotary_factor 0.25 when the config has none.
+    let default_partial = if family == Family::Qwen35Moe {
+        0.25
+    } else {
+        1.0
+    };
+    let rope = RopeConfig::parse(value, head_dim, max_position_embeddings, default_partial)?;
 
     let attention_bias = match family {
         Family::Qwen2 => AttentionBias {
@@ -154,14 +171,14 @@ pub(super) fn resolve(value: &Value) -> Result<ModelConfig> {
             qkv: false,
             o: false,
         },
-        Family::Qwen3 | Family::Qwen3Moe | Family::Olmoe | Family::Llama => {
+        Family::Qwen3 | Family::Qwen3Moe | Family::Olmoe | Family::Llama | Family::Qwen35Moe => {
             let b = f.bool_or("attention_bias", false)?;
             AttentionBias { qkv: b, o: b }
         }
     };
     let mlp_bias = family == Family::Llama && f.bool_or("mlp_bias", false)?;
     let qk_norm = match family {
-        Family::Qwen3 | Family::Qwen3Moe => QkNorm::PerHead,
+        Family::Qwen3 | Family::Qwen3Moe | Family::Qwen35Moe => QkNorm::PerHead,
         Family::Olmoe => QkNorm::WholeProjection,
         _ => QkNorm::None,
     };
@@ -178,6 +195,13 @@ pub(super) fn resolve(value: &Value) -> Result<ModelConfig> {
     };
 
     let windows = sliding_windows(&f, family, num_layers)?;
+    let (mixers, linear_attention) = if family == Family::Qwen35Moe {
+        qwen3_5::check_refused_options(&f)?;
+        let mixers = qwen3_5::mixers(&f, num_layers)?;
+        (mixers, Some(qwen3_5::linear_attention(&f)?))
+    } else {
+        (vec![Mixer::Attention; num_layers], None)
+    };
     let (moe, moe_layers) = moe_config(&f, family, num_layers)?;
     let dense_intermediate = if moe_layers.iter().all(|&m| m) {
         0
@@ -186,6 +210,7 @@ pub(super) fn resolve(value: &Value) -> Result<ModelConfig> {
     };
     let layers = (0..num_layers)
         .map(|i| LayerSpec {
+            mixer: mixers[i],
             sliding_window: windows[i],
             ffn: if moe_layers[i] {
                 FfnKind::Moe
@@ -210,13 +235,30 @@ pub(super) fn resolve(value: &Value) -> Result<ModelConfig> {
         mlp_bias,
         qk_norm,
         clip_qkv,
-        tie_word_embeddings: f.bool_or("tie_word_embeddings", false)?,
+        rms_norm_unit_offset: family == Family::Qwen35Moe,
+        attention_output_gate: family == Family::Qwen35Moe,
+        linear_attention,
+        has_vision_tower: wrapper.is_some_and(|w| w.has_vision_tower),
+        tie_word_embeddings: match wrapper {
+            Some(w) => w.tie_word_embeddings,
+            None => f.bool_or("tie_word_embeddings", false)?,
+        },
         max_position_embeddings,
         layers,
         moe,
-        bos_token_id: f.token_ids("bos_token_id").first().copied(),
-        eos_token_ids: f.token_ids("eos_token_id"),
+        bos_token_id: special_ids(&f, &outer, "bos_token_id").first().copied(),
+        eos_token_ids: special_ids(&f, &outer, "eos_token_id"),
     })
+}
+
+/// Special token ids of the text config, else of a multimodal wrapper (where `outer` is it).
+fn special_ids(f: &Fields, outer: &Fields, key: &str) -> Vec<u32> {
+    let ids = f.token_ids(key);
+    if ids.is_empty() && !std::ptr::eq(f.0, outer.0) {
+        outer.token_ids(key)
+    } else {
+        ids
+    }
 }
 
 /// Per-layer sliding windows, following each family's config class and attention module.
@@ -225,7 +267,7 @@ fn sliding_windows(f: &Fields, family: Family, num_layers: usize) -> Result<Vec<
     let use_sliding = f.bool_or("use_sliding_window", false)?;
     let none = vec![None; num_layers];
     Ok(match family {
-        Family::Olmoe | Family::Llama => none,
+        Family::Olmoe | Family::Llama | Family::Qwen35Moe => none,
         // Mixtral slides on every layer whenever sliding_window is set.
         Family::Mixtral => vec![window; num_layers],
         // Qwen3-MoE's attention takes config.sliding_window on every layer, and its config
@@ -325,6 +367,17 @@ fn moe_config(
                 layers,
             )
         }
+        // Qwen3_5MoeTopKRouter always renormalises; every decoder layer is a sparse MoE block
+        // with a sigmoid-gated shared expert.
+        Family::Qwen35Moe => (
+            f.positive("moe_intermediate_size")?,
+            true,
+            Some(SharedExpertConfig {
+                intermediate: f.positive("shared_expert_intermediate_size")?,
+                gated: true,
+            }),
+            vec![true; num_layers],
+        ),
         // Mixtral always renormalises the top-k weights.
         Family::Mixtral => (
             f.positive("intermediate_size")?,

@@ -49,7 +49,13 @@ pub struct RopeConfig {
 impl RopeConfig {
     /// Read RoPE settings from either spelling: transformers 5's `rope_parameters` dict, or v4's
     /// top-level `rope_theta` plus an optional `rope_scaling` dict (`type` or `rope_type`).
-    pub(super) fn parse(cfg: &Value, head_dim: usize, max_positions: usize) -> Result<RopeConfig> {
+    /// `default_partial` is the family's `partial_rotary_factor` when the config has none.
+    pub(super) fn parse(
+        cfg: &Value,
+        head_dim: usize,
+        max_positions: usize,
+        default_partial: f64,
+    ) -> Result<RopeConfig> {
         let empty = serde_json::Map::new();
         let params = cfg
             .get("rope_parameters")
@@ -68,7 +74,7 @@ impl RopeConfig {
                 .or_else(|| cfg.get(key).and_then(Value::as_f64))
         };
         let theta = num("rope_theta").unwrap_or(10000.0) as f32;
-        let partial = num("partial_rotary_factor").unwrap_or(1.0);
+        let partial = num("partial_rotary_factor").unwrap_or(default_partial);
         let rotary_dim = (head_dim as f64 * partial) as usize;
         if rotary_dim == 0 || !rotary_dim.is_multiple_of(2) || rotary_dim > head_dim {
             return Err(Error::Config(format!(

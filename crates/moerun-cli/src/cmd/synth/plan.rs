@@ -1,9 +1,11 @@
 //! What a synthetic checkpoint holds: the rewritten `config.json` (layers cut, dtype set) and the
 //! list of tensors with the exact names and shapes `moerun_model::weights` loads, in the order Hub
 //! checkpoints lay them out (embedding, then layer by layer, then the final norm and lm_head).
+//! Multimodal configs (`qwen3_5_moe`) get their language model only, under
+//! `model.language_model.` as the Hub checkpoints name it.
 
 use moerun_core::DType;
-use moerun_model::config::{Family, FfnKind, ModelConfig, QkNorm};
+use moerun_model::config::{Family, FfnKind, LinearAttentionConfig, Mixer, ModelConfig, QkNorm};
 use serde_json::Value;
 
 /// How a tensor's values are drawn.
@@ -13,6 +15,8 @@ pub enum Init {
     Uniform(f32),
     /// Every element 1.0 (RMSNorm weights: the identity scale, as freshly initialised models have).
     Ones,
+    /// Every element 0.0 (zero-centred RMSNorm weights, applied as `1 + w`: the identity scale).
+    Zeros,
 }
 
 /// Standard deviation of weight matrices: transformers' usual `initializer_range`, which keeps
@@ -46,6 +50,8 @@ impl Planned {
 struct Plan {
     out: Vec<Planned>,
     group: String,
+    /// The identity init of an RMSNorm weight in this family.
+    norm_init: Init,
 }
 
 impl Plan {
@@ -63,7 +69,7 @@ impl Plan {
     }
 
     fn norm(&mut self, name: String, len: usize) {
-        self.push(name, vec![len], Init::Ones);
+        self.push(name, vec![len], self.norm_init);
     }
 
     /// `{prefix}.weight` `[out, inp]`, and `{prefix}.bias` `[out]` when `bias`.
@@ -88,29 +94,26 @@ pub fn tensors(cfg: &ModelConfig) -> Vec<Planned> {
     let mut p = Plan {
         out: Vec::new(),
         group: "embeddings".into(),
+        norm_init: if cfg.rms_norm_unit_offset {
+            Init::Zeros
+        } else {
+            Init::Ones
+        },
     };
-    p.matrix("model.embed_tokens.weight".into(), v, h);
+    let base = if cfg.has_vision_tower {
+        "model.language_model"
+    } else {
+        "model"
+    };
+    p.matrix(format!("{base}.embed_tokens.weight"), v, h);
     let n = cfg.num_layers();
     for (l, spec) in cfg.layers.iter().enumerate() {
         p.group = format!("layer {}/{n}", l + 1);
-        let pre = format!("model.layers.{l}");
+        let pre = format!("{base}.layers.{l}");
         p.norm(format!("{pre}.input_layernorm.weight"), h);
-        let a = format!("{pre}.self_attn");
-        let bias = cfg.attention_bias;
-        p.linear(&format!("{a}.q_proj"), cfg.q_dim(), h, bias.qkv);
-        p.linear(&format!("{a}.k_proj"), cfg.kv_dim(), h, bias.qkv);
-        p.linear(&format!("{a}.v_proj"), cfg.kv_dim(), h, bias.qkv);
-        p.linear(&format!("{a}.o_proj"), h, cfg.q_dim(), bias.o);
-        match cfg.qk_norm {
-            QkNorm::None => {}
-            QkNorm::PerHead => {
-                p.norm(format!("{a}.q_norm.weight"), cfg.head_dim);
-                p.norm(format!("{a}.k_norm.weight"), cfg.head_dim);
-            }
-            QkNorm::WholeProjection => {
-                p.norm(format!("{a}.q_norm.weight"), cfg.q_dim());
-                p.norm(format!("{a}.k_norm.weight"), cfg.kv_dim());
-            }
+        match (spec.mixer, &cfg.linear_attention) {
+            (Mixer::GatedDeltaNet, Some(la)) => gated_deltanet(&mut p, la, h, &pre),
+            _ => attention(&mut p, cfg, &pre),
         }
         p.norm(format!("{pre}.post_attention_layernorm.weight"), h);
         match spec.ffn {
@@ -121,11 +124,58 @@ pub fn tensors(cfg: &ModelConfig) -> Vec<Planned> {
         }
     }
     p.group = "final norm and lm_head".into();
-    p.norm("model.norm.weight".into(), h);
+    p.norm(format!("{base}.norm.weight"), h);
     if !cfg.tie_word_embeddings {
         p.matrix("lm_head.weight".into(), v, h);
     }
     p.out
+}
+
+/// Self-attention of layer prefix `pre` (q_proj doubled when it also yields an output gate).
+fn attention(p: &mut Plan, cfg: &ModelConfig, pre: &str) {
+    let h = cfg.hidden_size;
+    let a = format!("{pre}.self_attn");
+    let bias = cfg.attention_bias;
+    let q_out = cfg.q_dim() * if cfg.attention_output_gate { 2 } else { 1 };
+    p.linear(&format!("{a}.q_proj"), q_out, h, bias.qkv);
+    p.linear(&format!("{a}.k_proj"), cfg.kv_dim(), h, bias.qkv);
+    p.linear(&format!("{a}.v_proj"), cfg.kv_dim(), h, bias.qkv);
+    p.linear(&format!("{a}.o_proj"), h, cfg.q_dim(), bias.o);
+    match cfg.qk_norm {
+        QkNorm::None => {}
+        QkNorm::PerHead => {
+            p.norm(format!("{a}.q_norm.weight"), cfg.head_dim);
+            p.norm(format!("{a}.k_norm.weight"), cfg.head_dim);
+        }
+        QkNorm::WholeProjection => {
+            p.norm(format!("{a}.q_norm.weight"), cfg.q_dim());
+            p.norm(format!("{a}.k_norm.weight"), cfg.kv_dim());
+        }
+    }
+}
+
+/// Qwen3.5's Gated DeltaNet of layer prefix `pre`. `A_log` and `dt_bias` are drawn like biases
+/// (small, so decays stay near `e^-0.7` per token); the gated norm's weight is plain (ones).
+fn gated_deltanet(p: &mut Plan, la: &LinearAttentionConfig, h: usize, pre: &str) {
+    let a = format!("{pre}.linear_attn");
+    let heads = la.num_value_heads;
+    p.matrix(format!("{a}.in_proj_qkv.weight"), la.conv_dim(), h);
+    p.matrix(format!("{a}.in_proj_z.weight"), la.value_dim(), h);
+    p.matrix(format!("{a}.in_proj_b.weight"), heads, h);
+    p.matrix(format!("{a}.in_proj_a.weight"), heads, h);
+    p.push(
+        format!("{a}.conv1d.weight"),
+        vec![la.conv_dim(), 1, la.conv_kernel],
+        uniform(MATRIX_STD),
+    );
+    p.push(format!("{a}.A_log"), vec![heads], uniform(BIAS_STD));
+    p.push(format!("{a}.dt_bias"), vec![heads], uniform(BIAS_STD));
+    p.push(
+        format!("{a}.norm.weight"),
+        vec![la.value_head_dim],
+        Init::Ones,
+    );
+    p.matrix(format!("{a}.out_proj.weight"), h, la.value_dim());
 }
 
 /// The MoE block of layer prefix `pre`: per-expert tensors, as the Hub checkpoints store them
@@ -158,28 +208,36 @@ fn moe(p: &mut Plan, cfg: &ModelConfig, pre: &str) {
     }
 }
 
-/// `num_hidden_layers` of a raw config (before resolution), if present.
+/// `num_hidden_layers` of a raw config (before resolution), if present; a multimodal config's is
+/// in its `text_config`.
 pub fn raw_num_layers(config: &Value) -> Option<usize> {
     config
+        .get("text_config")
+        .unwrap_or(config)
         .get("num_hidden_layers")?
         .as_u64()
         .map(|n| n as usize)
 }
 
-/// The config to write: `layers` kept (per-layer lists cut to match) and the dtype recorded, under
-/// the key the source uses (`dtype` in transformers 5 configs, else `torch_dtype`).
+/// The config to write: `layers` kept (per-layer lists cut to match, in `text_config` for a
+/// multimodal config) and the dtype recorded, under the key the source uses (`dtype` in
+/// transformers 5 configs, else `torch_dtype`).
 pub fn rewrite_config(config: &Value, layers: usize, dtype: DType) -> Value {
     let mut out = config.clone();
     let Some(obj) = out.as_object_mut() else {
         return out;
     };
-    obj.insert("num_hidden_layers".into(), layers.into());
+    let text = match obj.get_mut("text_config") {
+        Some(Value::Object(text)) => text,
+        _ => &mut *obj,
+    };
+    text.insert("num_hidden_layers".into(), layers.into());
     // Layer indices beyond the cut no longer exist; keep those that do.
-    if let Some(Value::Array(list)) = obj.get_mut("mlp_only_layers") {
+    if let Some(Value::Array(list)) = text.get_mut("mlp_only_layers") {
         list.retain(|v| v.as_u64().is_some_and(|i| (i as usize) < layers));
     }
     // One entry per layer: keep the first `layers`.
-    if let Some(Value::Array(list)) = obj.get_mut("layer_types") {
+    if let Some(Value::Array(list)) = text.get_mut("layer_types") {
         list.truncate(layers);
     }
     let torch_name = match dtype {
@@ -226,6 +284,7 @@ mod tests {
             "mixtral-8x7b",
             "olmoe-1b-7b-0924",
             "smollm2-135m-instruct",
+            "qwen3.5-35b-a3b",
         ] {
             let cfg = config(name);
             let planned: u64 = tensors(&cfg).iter().map(|t| t.numel() as u64).sum();

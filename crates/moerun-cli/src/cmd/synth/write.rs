@@ -73,6 +73,7 @@ fn chunk_rng(seed: u64, tensor: usize, chunk: usize) -> SplitMix64 {
 fn fill(init: Init, dtype: DType, rng: &mut SplitMix64, out: &mut [u8]) {
     let mut value = || match init {
         Init::Ones => 1.0,
+        Init::Zeros => 0.0,
         Init::Uniform(a) => (2.0 * rng.unit_f32() - 1.0) * a,
     };
     match dtype {

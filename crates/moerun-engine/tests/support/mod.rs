@@ -1,0 +1,64 @@
+//! Driving sequences through any model from the tests. `run_step` serves attention-only models;
+//! models with linear-attention layers also need each sequence's state slot, which `Sequence`
+//! does not carry yet, so [`step`] does what `run_step` does plus passing the slots the caller
+//! gives (`Batch::with_state_slots`, `Model::forward_with_state`).
+
+use moerun_core::Result;
+use moerun_engine::{run_step, Sequence, SequenceKv};
+use moerun_model::{
+    Batch, ForwardOutput, LinearStateCache, LogitsFor, Model, ModelConfig, SeqChunk,
+};
+
+/// Paged KV plus the linear-attention state slots of a few sequences.
+pub struct Caches {
+    pub kv: SequenceKv,
+    pub states: LinearStateCache,
+}
+
+impl Caches {
+    /// Room for `tokens` tokens of KV and `sequences` state slots.
+    pub fn with_capacity(cfg: &ModelConfig, tokens: usize, sequences: usize) -> Caches {
+        Caches {
+            kv: SequenceKv::with_capacity(cfg, tokens),
+            states: LinearStateCache::new(cfg, sequences),
+        }
+    }
+}
+
+/// `run_step(model, kv, seqs, max_tokens, which)`, sequence `i` keeping its linear-attention
+/// state in slot `slots[i]` (ignored for attention-only models, which go through `run_step`).
+pub fn step(
+    model: &Model,
+    caches: &mut Caches,
+    seqs: &mut [&mut Sequence],
+    slots: &[usize],
+    max_tokens: &[usize],
+    which: LogitsFor,
+) -> Result<ForwardOutput> {
+    if model.config.linear_attention.is_none() {
+        return run_step(model, &mut caches.kv, seqs, max_tokens, which);
+    }
+    let mut counts = Vec::with_capacity(seqs.len());
+    for (s, &limit) in seqs.iter_mut().zip(max_tokens) {
+        let n = s.pending().len().min(limit);
+        caches.kv.reserve(&mut s.table, s.cached + n)?;
+        counts.push(n);
+    }
+    let out = {
+        let chunks = seqs
+            .iter()
+            .zip(&counts)
+            .map(|(s, &n)| SeqChunk {
+                tokens: &s.tokens[s.cached..s.cached + n],
+                start_pos: s.cached,
+                block_table: &s.table,
+            })
+            .collect();
+        let batch = Batch::new(chunks).with_state_slots(slots.to_vec());
+        model.forward_with_state(&batch, caches.kv.cache_mut(), &mut caches.states, which)?
+    };
+    for (s, n) in seqs.iter_mut().zip(counts) {
+        s.cached += n;
+    }
+    Ok(out)
+}
