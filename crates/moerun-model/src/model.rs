@@ -16,7 +16,7 @@ use crate::attention::{attention_block, Rope};
 use crate::batch::{Batch, LogitsFor};
 use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
-use crate::ffn::{ffn_block, FfnScratch};
+use crate::ffn::ffn_block;
 use crate::gated_deltanet::gated_deltanet_block;
 use crate::kv::KvCache;
 use crate::linear::{embed_rows, linear};
@@ -180,7 +180,6 @@ impl Model {
         let h = cfg.hidden_size;
         let mut x = vec![0.0f32; n * h];
         embed_rows(&self.weights.embed_tokens, &tokens, &mut x);
-        let mut scratch = FfnScratch::default();
         for (l, layer) in self.weights.layers.iter().enumerate() {
             let mut xn = x.clone();
             rms_norm_rows(&mut xn, &layer.input_layernorm, cfg.rms_norm_eps);
@@ -206,10 +205,10 @@ impl Model {
             let mut xn = x.clone();
             rms_norm_rows(&mut xn, &layer.post_attention_layernorm, cfg.rms_norm_eps);
             let ffn_out = match &layer.ffn {
-                FfnWeights::Dense(mlp) => crate::ffn::mlp(mlp, &xn, n, &mut scratch),
+                FfnWeights::Dense(mlp) => crate::ffn::mlp(mlp, &xn, n),
                 FfnWeights::Moe(moe) => {
                     let moe_cfg = cfg.moe.as_ref().expect("MoE weights imply a MoE config");
-                    ffn_block(moe_cfg, moe, &xn, n, &mut scratch)
+                    ffn_block(moe_cfg, moe, &xn, n)
                 }
             };
             add_in_place(&mut x, &ffn_out);
