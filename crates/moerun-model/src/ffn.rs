@@ -57,12 +57,7 @@ pub fn route(logits: &[f32], top_k: usize, norm_topk_prob: bool) -> Route {
 }
 
 /// The MoE block over `m` rows of normed input.
-pub fn ffn_block(
-    cfg: &MoeConfig,
-    w: &MoeWeights,
-    x: &[f32],
-    m: usize,
-) -> Vec<f32> {
+pub fn ffn_block(cfg: &MoeConfig, w: &MoeWeights, x: &[f32], m: usize) -> Vec<f32> {
     let h = x.len() / m.max(1);
     let k = cfg.top_k;
     let router_logits = linear(x, m, &w.router, None);
