@@ -181,6 +181,48 @@ fn a_client_leaving_mid_stream_is_aborted_and_its_blocks_freed_at_once() {
 }
 
 #[test]
+fn a_client_leaving_before_a_whole_response_is_aborted_too() {
+    use std::io::Write;
+    let server = start(options());
+    let rt = runtime();
+    let client = HttpClient::new(&server.url(), None);
+    let addr = server.url().trim_start_matches("http://").to_string();
+    let body = json!({"model": MODEL, "prompt": [1, 2, 3, 4], "max_tokens": 4000,
+                      "ignore_eos": true})
+    .to_string();
+    {
+        // A raw client that sends a non-streaming request and hangs up without reading.
+        let mut socket = std::net::TcpStream::connect(&addr).unwrap();
+        write!(
+            socket,
+            "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+             Content-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let text = metrics_text(&rt, &client);
+        if metric(
+            &text,
+            "moerun_requests_finished_total{finish_reason=\"abort\"}",
+        ) == 1.0
+        {
+            assert_eq!(metric(&text, "moerun_kv_cache_blocks_used"), 0.0);
+            assert!(metric(&text, "moerun_generation_tokens_total") < 4000.0);
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the abandoned request was not aborted:\n{text}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
 fn past_the_waiting_queue_requests_get_503_and_the_rest_complete() {
     let server = start(moerun_server::ServerOptions {
         max_num_seqs: 1,
