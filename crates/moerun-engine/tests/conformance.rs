@@ -1,17 +1,15 @@
 //! Conformance with Hugging Face transformers: every fixture in `tests/fixtures/` (tiny random
 //! models built and scored by `tools/fixtures/make_fixtures.py` with transformers' own classes)
 //! must give the same logits, through one prefill and token by token through the paged KV cache,
-//! and the same greedy continuation. Mixed flat batches must equal lone runs bitwise.
-//! Hybrid models (linear-attention layers) run through `support::step`, which adds a state slot.
-
-mod support;
+//! and the same greedy continuation. Mixed flat batches must equal lone runs bitwise. Hybrid
+//! models (Qwen3.5's Gated DeltaNet layers) go through the same `run_step`, whose `SequenceKv`
+//! keeps each sequence's linear-attention state.
 
 use std::path::{Path, PathBuf};
 
 use moerun_engine::{run_step, Sequence, SequenceKv};
 use moerun_model::npy::read_npy_f32;
 use moerun_model::{LogitsFor, Model};
-use support::{step, Caches};
 
 fn fixtures_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
@@ -76,13 +74,12 @@ fn relative_error(got: &[f32], want: &[f32]) -> f64 {
 }
 
 fn prefill_logits(model: &Model, tokens: &[u32]) -> Vec<f32> {
-    let mut kv = Caches::with_capacity(&model.config, tokens.len(), 1);
+    let mut kv = SequenceKv::with_capacity(&model.config, tokens.len());
     let mut seq = Sequence::new(tokens.to_vec());
-    step(
+    run_step(
         model,
         &mut kv,
         &mut [&mut seq],
-        &[0],
         &[usize::MAX],
         LogitsFor::AllTokens,
     )
@@ -91,15 +88,14 @@ fn prefill_logits(model: &Model, tokens: &[u32]) -> Vec<f32> {
 }
 
 fn incremental_logits(model: &Model, tokens: &[u32]) -> Vec<f32> {
-    let mut kv = Caches::with_capacity(&model.config, tokens.len(), 1);
+    let mut kv = SequenceKv::with_capacity(&model.config, tokens.len());
     let mut seq = Sequence::new(tokens.to_vec());
     let mut all = Vec::new();
     for _ in 0..tokens.len() {
-        let out = step(
+        let out = run_step(
             model,
             &mut kv,
             &mut [&mut seq],
-            &[0],
             &[1],
             LogitsFor::LastOfEachSeq,
         );
@@ -119,19 +115,18 @@ fn argmax(row: &[f32]) -> u32 {
 }
 
 fn greedy(model: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
-    let mut kv = Caches::with_capacity(&model.config, prompt.len() + n, 1);
+    let mut kv = SequenceKv::with_capacity(&model.config, prompt.len() + n);
     let mut seq = Sequence::new(prompt.to_vec());
     let mut out = Vec::new();
     for _ in 0..n {
-        let logits = step(
+        let step = run_step(
             model,
             &mut kv,
             &mut [&mut seq],
-            &[0],
             &[usize::MAX],
             LogitsFor::LastOfEachSeq,
         );
-        let next = argmax(&logits.unwrap().logits);
+        let next = argmax(&step.unwrap().logits);
         out.push(next);
         seq.tokens.push(next);
     }

@@ -1,7 +1,7 @@
-//! Driving sequences through any model from the tests. `run_step` serves attention-only models;
-//! models with linear-attention layers also need each sequence's state slot, which `Sequence`
-//! does not carry yet, so [`step`] does what `run_step` does plus passing the slots the caller
-//! gives (`Batch::with_state_slots`, `Model::forward_with_state`).
+//! Driving hybrid models with state slots the test chooses. `run_step` picks each sequence's
+//! linear-attention slot itself (its first block id); [`step`] does what `run_step` does but with
+//! the slots the caller gives, so tests can show that results do not depend on which slot a
+//! sequence's state lives in (`Batch::with_state_slots`, `Model::forward_with_state`).
 
 use moerun_core::Result;
 use moerun_engine::{run_step, Sequence, SequenceKv};
