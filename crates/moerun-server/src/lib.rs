@@ -117,7 +117,9 @@ impl ServerOptions {
             max_model_len,
             block_size: DEFAULT_BLOCK_SIZE,
             num_blocks,
-            enable_prefix_caching: self.enable_prefix_caching,
+            // A cached prefix block holds K/V but not the linear-attention state at its end, so
+            // hybrid (Gated DeltaNet) models always recompute their prompts.
+            enable_prefix_caching: self.enable_prefix_caching && model.linear_attention.is_none(),
             max_waiting: self.max_waiting,
         };
         config

@@ -42,16 +42,6 @@ impl ServedModel {
     /// Load the checkpoint in `dir`, served under `name`.
     pub fn load(dir: &Path, name: String) -> Result<ServedModel, LoadError> {
         let model = Model::load(dir)?;
-        if model.config.linear_attention.is_some() {
-            // The scheduler shares prefix blocks and has no per-request state slots yet, which
-            // Gated DeltaNet layers need: refuse at startup rather than fail every request.
-            return Err(moerun_core::Error::Unsupported(format!(
-                "serving {} (linear-attention layers need per-request state slots, not in the \
-                 server yet); use `moerun generate` or `moerun chat` for this model",
-                model.config.family
-            ))
-            .into());
-        }
         let tokenizer = Tokenizer::from_dir(dir)?;
         let generation = GenerationConfig::load(dir)?;
         let (chat_template, chat_template_error) = match tokenizer.chat_template(None, false) {

@@ -7,14 +7,14 @@
 //! request samples from its own logits row with its own sampler, and prefix-cache hits reuse KV
 //! computed by the same arithmetic.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::{Duration, Instant};
 
 use moerun_engine::scheduler::{
     FinishReason as SchedReason, Request, RequestId, Scheduler, SchedulerOutput,
 };
-use moerun_model::{Batch, KvCache, LogitsFor, SeqChunk};
+use moerun_model::{Batch, KvCache, LinearStateCache, LogitsFor, SeqChunk};
 use tokio::sync::mpsc;
 use tokio::sync::mpsc::error::TryRecvError;
 
@@ -42,6 +42,13 @@ pub(super) fn engine_loop(
         sched_config.num_blocks,
         sched_config.block_size,
     );
+    // Linear-attention state (Gated DeltaNet layers), one slot per running sequence: the slot is
+    // the sequence's first KV block, unique while prefix caching is off for such models. A
+    // sequence (re)starting at position 0 starts from a zero state, so preemption needs nothing.
+    let mut states = SlotStates {
+        cache: LinearStateCache::new(&model.model.config, sched_config.num_blocks),
+        in_use: HashSet::new(),
+    };
     let mut live: HashMap<RequestId, Live<'_>> = HashMap::new();
     let mut next_id: RequestId = 0;
     let mut open = true;
@@ -65,7 +72,15 @@ pub(super) fn engine_loop(
         }
         cancel_departed(&mut scheduler, &mut live, metrics);
         if scheduler.has_unfinished() {
-            step(model, &mut kv, &mut scheduler, &mut live, metrics);
+            step(
+                model,
+                &mut kv,
+                &mut states,
+                &mut scheduler,
+                &mut live,
+                metrics,
+            );
+            states.release_departed(&scheduler, &live);
         }
         metrics.set_scheduler_stats(&scheduler.stats());
     }
@@ -136,9 +151,39 @@ fn cancel_departed(
 }
 
 /// One scheduler step: forward, sample, update, stream.
+/// The linear-attention state slots and which of them hold memory.
+struct SlotStates {
+    cache: LinearStateCache,
+    in_use: HashSet<usize>,
+}
+
+impl SlotStates {
+    /// Free the slots of sequences that no longer hold KV blocks (finished, aborted, preempted),
+    /// so a slot's memory (tens of MB on real shapes) lives only as long as its sequence.
+    fn release_departed(&mut self, scheduler: &Scheduler, live: &HashMap<RequestId, Live<'_>>) {
+        if self.in_use.is_empty() {
+            return;
+        }
+        let current: HashSet<usize> = live
+            .keys()
+            .filter_map(|&id| scheduler.block_table(id))
+            .filter_map(|t| t.blocks.first().map(|&b| b as usize))
+            .collect();
+        let cache = &mut self.cache;
+        self.in_use.retain(|slot| {
+            let keep = current.contains(slot);
+            if !keep {
+                cache.release(*slot);
+            }
+            keep
+        });
+    }
+}
+
 fn step<'m>(
     model: &'m ServedModel,
     kv: &mut KvCache,
+    states: &mut SlotStates,
     scheduler: &mut Scheduler,
     live: &mut HashMap<RequestId, Live<'m>>,
     metrics: &Metrics,
@@ -149,7 +194,7 @@ fn step<'m>(
         std::thread::sleep(Duration::from_millis(1));
         return;
     }
-    let logits = match forward(model, kv, scheduler, &plan) {
+    let logits = match forward(model, kv, states, scheduler, &plan) {
         Ok(l) => l,
         Err(message) => return fail_step(&plan, scheduler, live, metrics, &message),
     };
@@ -232,10 +277,12 @@ fn step<'m>(
 fn forward(
     model: &ServedModel,
     kv: &mut KvCache,
+    states: &mut SlotStates,
     scheduler: &Scheduler,
     plan: &SchedulerOutput,
 ) -> Result<Vec<f32>, String> {
     let mut chunks = Vec::with_capacity(plan.chunks.len());
+    let mut slots = Vec::with_capacity(plan.chunks.len());
     for c in &plan.chunks {
         let tokens = scheduler.chunk_tokens(c);
         let table = scheduler.block_table(c.id);
@@ -245,15 +292,23 @@ fn forward(
                 c.id
             ));
         };
+        let slot = block_table.blocks.first().map_or(0, |&b| b as usize);
+        slots.push(slot);
         chunks.push(SeqChunk {
             tokens,
             start_pos: c.start_pos,
             block_table,
         });
     }
-    let batch = Batch::new(chunks);
+    if model.model.config.linear_attention.is_some() {
+        states.in_use.extend(slots.iter().copied());
+    }
+    let batch = Batch::new(chunks).with_state_slots(slots);
     let result = catch_unwind(AssertUnwindSafe(|| {
-        model.model.forward(&batch, kv, LogitsFor::LastOfEachSeq)
+        let which = LogitsFor::LastOfEachSeq;
+        model
+            .model
+            .forward_with_state(&batch, kv, &mut states.cache, which)
     }));
     match result {
         Ok(Ok(out)) => Ok(out.logits),
