@@ -5,7 +5,7 @@
 
 use moerun_cpu::attention::KvPool;
 
-use crate::config::ModelConfig;
+use crate::config::{Mixer, ModelConfig};
 
 /// Default tokens per KV block.
 pub const DEFAULT_BLOCK_SIZE: usize = 16;
@@ -21,13 +21,24 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    /// Storage for `num_blocks` blocks of `block_size` tokens for every layer of `cfg`.
+    /// Storage for `num_blocks` blocks of `block_size` tokens for every attention layer of
+    /// `cfg`. Linear-attention layers keep no KV (their state lives in a `LinearStateCache`):
+    /// they get an empty pool, so pools stay indexed by layer and the bytes match
+    /// `ModelConfig::kv_bytes_per_token`, which is what servers size the cache by.
     pub fn new(cfg: &ModelConfig, num_blocks: usize, block_size: usize) -> KvCache {
         KvCache {
             block_size,
             num_blocks,
-            pools: (0..cfg.num_layers())
-                .map(|_| KvPool::new(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim))
+            pools: cfg
+                .layers
+                .iter()
+                .map(|spec| {
+                    let blocks = match spec.mixer {
+                        Mixer::Attention => num_blocks,
+                        Mixer::GatedDeltaNet => 0,
+                    };
+                    KvPool::new(blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+                })
                 .collect(),
         }
     }
