@@ -1,6 +1,7 @@
 //! Small row-wise kernels of the forward pass: RMSNorm (plain and gated), L2 normalisation,
-//! rotary embedding, SwiGLU, softmax, softplus, and the fixed-order dot product that attention uses. Each works on f32 rows and sums in an order that
-//! does not depend on how many rows are in the batch, so batched and lone runs agree bitwise.
+//! rotary embedding, SwiGLU, softmax, softplus, and the fixed-order dot product that attention
+//! uses. Each works on f32 rows and sums in an order that does not depend on how many rows are in
+//! the batch, so batched and lone runs agree bitwise.
 
 /// Lanes of the fixed-order reductions below. Sixteen independent partial sums let the compiler
 /// vectorise without reassociating (which it may not do for floats on its own).

@@ -130,6 +130,22 @@ impl GenerationConfig {
         }
     }
 
+    /// The ids that end generation: this file's `eos_token_id`, else `config.json`'s, else the
+    /// tokenizer's EOS token. One rule for every front end, so the CLI and the server stop alike.
+    pub fn resolve_eos_token_ids(
+        &self,
+        config_ids: &[u32],
+        tokenizer_eos: Option<u32>,
+    ) -> Vec<u32> {
+        if !self.eos_token_ids.is_empty() {
+            self.eos_token_ids.clone()
+        } else if !config_ids.is_empty() {
+            config_ids.to_vec()
+        } else {
+            tokenizer_eos.into_iter().collect()
+        }
+    }
+
     /// How many tokens to generate after a prompt of `prompt_len` tokens: `max_new_tokens`
     /// if set (it wins over `max_length`, as in transformers), else what `max_length` leaves,
     /// else `None` (no limit from the model; the caller's own limit applies).

@@ -48,14 +48,8 @@ impl ServedModel {
             Ok(t) => (Some(t), None),
             Err(e) => (None, Some(e.to_string())),
         };
-        // The same order of sources as the CLI's text commands, so both stop alike.
-        let mut eos_token_ids = generation.eos_token_ids.clone();
-        if eos_token_ids.is_empty() {
-            eos_token_ids = model.config.eos_token_ids.clone();
-        }
-        if eos_token_ids.is_empty() {
-            eos_token_ids.extend(tokenizer.eos_token_id());
-        }
+        let eos_token_ids =
+            generation.resolve_eos_token_ids(&model.config.eos_token_ids, tokenizer.eos_token_id());
         Ok(ServedModel {
             name,
             dir: dir.to_path_buf(),

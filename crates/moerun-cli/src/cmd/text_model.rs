@@ -43,13 +43,10 @@ impl TextModel {
 
     /// EOS ids from generation_config.json, else the config's, else the tokenizer's.
     pub fn stop_tokens(&self) -> StopTokens {
-        let mut ids = self.generation.eos_token_ids.clone();
-        if ids.is_empty() {
-            ids = self.model.config.eos_token_ids.clone();
-        }
-        if ids.is_empty() {
-            ids.extend(self.tokenizer.eos_token_id());
-        }
+        let ids = self.generation.resolve_eos_token_ids(
+            &self.model.config.eos_token_ids,
+            self.tokenizer.eos_token_id(),
+        );
         StopTokens::new(&ids, &[], false)
     }
 
