@@ -1,10 +1,12 @@
 //! Checkpoints, typed configs, model families and the forward pass over a flat token batch.
 
 pub mod attention;
+pub mod backend;
 pub mod batch;
 pub mod checkpoint;
 pub mod config;
 pub mod ffn;
+pub mod forward;
 pub mod gated_deltanet;
 pub mod kv;
 pub mod linear;

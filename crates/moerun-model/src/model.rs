@@ -1,27 +1,19 @@
-//! A loaded model and its forward pass over a flat batch. The decoder layer of every supported
-//! family reads top to bottom as in transformers' `modeling_*.py`:
-//! `x = x + mixer(input_layernorm(x))`, where the mixer is attention,
-//! `o_proj(attn(rope(norm_qk(qkv(·)))))`, or (Qwen3.5's `linear_attention` layers) the Gated
-//! DeltaNet; then `x = x + ffn(post_attention_layernorm(x))` where `ffn` is a dense SwiGLU MLP or
-//! the MoE block.
+//! A loaded model and its forward pass over a flat batch (the flow itself is
+//! [`crate::forward::decoder`], run here on the CPU backend).
 
-use std::ops::Range;
 use std::path::Path;
 
 use moerun_core::{Error, Result};
-use moerun_cpu::attention::TokenSlot;
-use moerun_cpu::ops::rms_norm_rows;
 
-use crate::attention::{attention_block, Rope};
+use crate::attention::Rope;
+use crate::backend::cpu::CpuPass;
 use crate::batch::{Batch, LogitsFor};
 use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
-use crate::ffn::ffn_block;
-use crate::gated_deltanet::gated_deltanet_block;
+use crate::forward;
 use crate::kv::KvCache;
-use crate::linear::{embed_rows, linear};
 use crate::linear_state::LinearStateCache;
-use crate::weights::{FfnWeights, MixerWeights, ModelWeights};
+use crate::weights::ModelWeights;
 
 /// A model ready to run: its resolved config, its weights, precomputed RoPE frequencies.
 pub struct Model {
@@ -130,9 +122,7 @@ impl Model {
         which: LogitsFor,
     ) -> Result<ForwardOutput> {
         let cfg = &self.config;
-        let n = batch.num_tokens();
-        let mut tokens = Vec::with_capacity(n);
-        let mut slots = Vec::with_capacity(n);
+        let mut tokens = Vec::with_capacity(batch.num_tokens());
         for seq in &batch.seqs {
             let end = seq.start_pos + seq.tokens.len();
             if seq.block_table.capacity(kv.block_size()) < end {
@@ -148,7 +138,7 @@ impl Model {
                     end - 1
                 )));
             }
-            for (i, &t) in seq.tokens.iter().enumerate() {
+            for &t in seq.tokens {
                 if t as usize >= cfg.vocab_size {
                     return Err(Error::TokenOutOfRange {
                         id: t,
@@ -156,79 +146,26 @@ impl Model {
                     });
                 }
                 tokens.push(t);
-                slots.push(TokenSlot {
-                    block_table: &seq.block_table.blocks,
-                    position: seq.start_pos + i,
-                });
             }
         }
+        let rows = batch.logit_rows(which);
         // Linear-attention state: every slot is checked before any is touched.
-        let mut linear_state = match (&cfg.linear_attention, states) {
-            (None, _) => None,
+        let linear_state = match (&cfg.linear_attention, states) {
             (Some(_), Some(states)) => {
                 states.begin(batch)?;
                 Some(states)
             }
-            (Some(_), None) => unreachable!("forward refuses hybrid models without state"),
+            _ => None,
         };
-        let mut spans: Vec<Range<usize>> = Vec::with_capacity(batch.seqs.len());
-        for seq in &batch.seqs {
-            let start = spans.last().map_or(0, |r| r.end);
-            spans.push(start..start + seq.tokens.len());
+        let hybrid = linear_state.is_some();
+        let mut pass = CpuPass::new(cfg, &self.rope, batch, kv, linear_state);
+        let logits = forward::decoder(&mut pass, cfg, &self.weights, &tokens, &rows)?;
+        if hybrid {
+            if let Some((states, _)) = pass.into_linear_state() {
+                states.finish(batch);
+            }
         }
-
-        let h = cfg.hidden_size;
-        let mut x = vec![0.0f32; n * h];
-        embed_rows(&self.weights.embed_tokens, &tokens, &mut x);
-        for (l, layer) in self.weights.layers.iter().enumerate() {
-            let mut xn = x.clone();
-            rms_norm_rows(&mut xn, &layer.input_layernorm, cfg.rms_norm_eps);
-            let mixed = match &layer.mixer {
-                MixerWeights::Attention(w) => attention_block(
-                    cfg,
-                    w,
-                    &self.rope,
-                    cfg.layers[l].sliding_window,
-                    &xn,
-                    &slots,
-                    &mut kv.pools[l],
-                ),
-                MixerWeights::GatedDeltaNet(w) => {
-                    let (Some(la), Some(state)) = (&cfg.linear_attention, &mut linear_state) else {
-                        unreachable!("Gated DeltaNet layers imply their config and state");
-                    };
-                    let mut seq_states = state.layer_slots_mut(l, &batch.state_slots);
-                    gated_deltanet_block(la, cfg.rms_norm_eps, w, &xn, &spans, &mut seq_states)
-                }
-            };
-            add_in_place(&mut x, &mixed);
-            let mut xn = x.clone();
-            rms_norm_rows(&mut xn, &layer.post_attention_layernorm, cfg.rms_norm_eps);
-            let ffn_out = match &layer.ffn {
-                FfnWeights::Dense(mlp) => crate::ffn::mlp(mlp, &xn, n),
-                FfnWeights::Moe(moe) => {
-                    let moe_cfg = cfg.moe.as_ref().expect("MoE weights imply a MoE config");
-                    ffn_block(moe_cfg, moe, &xn, n)
-                }
-            };
-            add_in_place(&mut x, &ffn_out);
-        }
-        if let Some(state) = linear_state {
-            state.finish(batch);
-        }
-        let rows = batch.logit_rows(which);
-        let mut last = Vec::with_capacity(rows.len() * h);
-        for &r in &rows {
-            last.extend_from_slice(&x[r * h..(r + 1) * h]);
-        }
-        rms_norm_rows(&mut last, &self.weights.norm, cfg.rms_norm_eps);
-        let logits = linear(&last, rows.len(), &self.weights.lm_head, None);
         Ok(ForwardOutput { rows, logits })
     }
 }
 
-fn add_in_place(x: &mut [f32], y: &[f32]) {
-    for (a, b) in x.iter_mut().zip(y) {
-        *a += b;
-    }
-}

@@ -1,0 +1,87 @@
+//! The ops a forward pass is written in, implemented once per compute backend.
+//!
+//! A family's flow (which norms, which projections, in what order, how residuals add up) is
+//! written once, in [`crate::forward`], over this trait; the CPU ([`cpu::CpuPass`]) and CUDA
+//! (`crate::cuda`) backends implement the ops. Weights are always named by their host
+//! description (`&Linear`, `&[f32]` norm weights, `&MoeWeights`): the CPU reads them where they
+//! are mapped, a device backend looks up the copy it uploaded for them. Ops that a backend fuses
+//! (the whole routed-expert computation, attention with its KV write) are single ops here, with
+//! the CPU's composition as the reference the fused version is tested against.
+//!
+//! An implementation is one forward pass's view of its backend: it was told the batch (token
+//! positions, block tables) when it was created, and `rope`/`attention` use that placement.
+
+pub mod cpu;
+
+use moerun_core::{Result, Tensor};
+
+use crate::config::MoeConfig;
+use crate::weights::{GatedDeltaNetWeights, Linear, MlpWeights, MoeWeights};
+
+/// Shape of one attention layer's softmax attention, as the generic block hands it over.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttentionSpec {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub scale: f32,
+    pub sliding_window: Option<usize>,
+}
+
+/// The ops of the forward pass over activations `Act`, rows of f32 values (`[rows, width]`; the
+/// width follows from the op: a weight's shape or an explicit argument).
+pub trait Backend {
+    type Act;
+
+    /// Rows of the embedding table for the batch's tokens (checked against the vocabulary).
+    fn embed(&mut self, table: &Tensor, tokens: &[u32]) -> Result<Self::Act>;
+    /// RMSNorm of each row of width `weight.len()` (hidden rows, or per-head rows of q/k).
+    fn rms_norm(&mut self, x: &Self::Act, weight: &[f32], eps: f32) -> Result<Self::Act>;
+    /// `x += y`.
+    fn add_assign(&mut self, x: &mut Self::Act, y: &Self::Act) -> Result<()>;
+    /// `x · Wᵀ (+ b)`.
+    fn linear(&mut self, x: &Self::Act, l: &Linear) -> Result<Self::Act>;
+    /// `x · Wᵀ` for a bare matrix (the LM head, which may be the tied embedding).
+    fn matmul(&mut self, x: &Self::Act, w: &Tensor) -> Result<Self::Act>;
+    /// Clamp every value to `[-c, c]` (OLMoE's `clip_qkv`).
+    fn clamp(&mut self, x: &mut Self::Act, c: f32) -> Result<()>;
+    /// Rotary embedding of every head (`heads` of `head_dim`) of each row, at its token's
+    /// position in the batch.
+    fn rope(&mut self, x: &mut Self::Act, heads: usize, head_dim: usize) -> Result<()>;
+    /// Qwen3.5's doubled `q_proj` output split into (queries, gates), each head's `2 * head_dim`
+    /// values being its query then its gate.
+    fn split_query_gate(
+        &mut self,
+        q_and_gate: &Self::Act,
+        head_dim: usize,
+    ) -> Result<(Self::Act, Self::Act)>;
+    /// `x *= sigmoid(gate)`.
+    fn sigmoid_gate(&mut self, x: &mut Self::Act, gate: &Self::Act) -> Result<()>;
+    /// Write the batch's k/v (`[rows, kv_heads * head_dim]`) into layer `layer`'s KV at each
+    /// token's position, then attend each query over its sequence's visible keys.
+    fn attention(
+        &mut self,
+        layer: usize,
+        q: &Self::Act,
+        k: &Self::Act,
+        v: &Self::Act,
+        spec: &AttentionSpec,
+    ) -> Result<Self::Act>;
+    /// A dense SwiGLU MLP.
+    fn mlp(&mut self, x: &Self::Act, w: &MlpWeights) -> Result<Self::Act>;
+    /// The MoE block: route, run the selected experts, sum in rank order, add the shared expert
+    /// as the family defines.
+    fn moe(&mut self, x: &Self::Act, cfg: &MoeConfig, w: &MoeWeights) -> Result<Self::Act>;
+    /// Qwen3.5's Gated DeltaNet layer `layer` over the normed input, advancing each sequence's
+    /// state.
+    fn gated_deltanet(
+        &mut self,
+        layer: usize,
+        w: &GatedDeltaNetWeights,
+        xn: &Self::Act,
+    ) -> Result<Self::Act>;
+    /// The rows `rows` of `x` (of width `width`), in that order.
+    fn select_rows(&mut self, x: &Self::Act, width: usize, rows: &[usize]) -> Result<Self::Act>;
+    /// Bring `x` to host memory.
+    fn to_host(&mut self, x: Self::Act) -> Result<Vec<f32>>;
+}

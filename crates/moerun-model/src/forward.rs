@@ -1,0 +1,100 @@
+//! The forward pass of the supported families over a flat batch, written once over the
+//! [`Backend`] ops. The decoder layer reads top to bottom as in transformers' `modeling_*.py`:
+//! `x = x + mixer(input_layernorm(x))`, where the mixer is attention,
+//! `o_proj(attn(rope(norm_qk(qkv(·)))))`, or (Qwen3.5's `linear_attention` layers) the Gated
+//! DeltaNet; then `x = x + ffn(post_attention_layernorm(x))` where `ffn` is a dense SwiGLU MLP or
+//! the MoE block.
+
+use moerun_core::Result;
+
+use crate::backend::{AttentionSpec, Backend};
+use crate::config::{ModelConfig, QkNorm};
+use crate::weights::{AttentionWeights, FfnWeights, MixerWeights, ModelWeights};
+
+/// Run the decoder over the batch's `tokens` and return the logits of the rows `rows`
+/// (`[rows.len(), vocab]`, on the host).
+pub fn decoder<B: Backend>(
+    b: &mut B,
+    cfg: &ModelConfig,
+    w: &ModelWeights,
+    tokens: &[u32],
+    rows: &[usize],
+) -> Result<Vec<f32>> {
+    let eps = cfg.rms_norm_eps;
+    let mut x = b.embed(&w.embed_tokens, tokens)?;
+    for (l, layer) in w.layers.iter().enumerate() {
+        let xn = b.rms_norm(&x, &layer.input_layernorm, eps)?;
+        let mixed = match &layer.mixer {
+            MixerWeights::Attention(aw) => {
+                attention_block(b, cfg, aw, l, cfg.layers[l].sliding_window, &xn)?
+            }
+            MixerWeights::GatedDeltaNet(gw) => b.gated_deltanet(l, gw, &xn)?,
+        };
+        b.add_assign(&mut x, &mixed)?;
+        let xn = b.rms_norm(&x, &layer.post_attention_layernorm, eps)?;
+        let ffn_out = match &layer.ffn {
+            FfnWeights::Dense(mlp) => b.mlp(&xn, mlp)?,
+            FfnWeights::Moe(moe) => {
+                let moe_cfg = cfg.moe.as_ref().expect("MoE weights imply a MoE config");
+                b.moe(&xn, moe_cfg, moe)?
+            }
+        };
+        b.add_assign(&mut x, &ffn_out)?;
+    }
+    let last = b.select_rows(&x, cfg.hidden_size, rows)?;
+    let last = b.rms_norm(&last, &w.norm, eps)?;
+    let logits = b.matmul(&last, &w.lm_head)?;
+    b.to_host(logits)
+}
+
+/// Self-attention of layer `l`: q/k/v projections (with biases where the family has them), q/k
+/// RMSNorm (per head or over the whole projection), OLMoE's `clip_qkv`, rotary embedding, the
+/// paged-KV write and attention, Qwen3.5's sigmoid output gate, and `o_proj`.
+fn attention_block<B: Backend>(
+    b: &mut B,
+    cfg: &ModelConfig,
+    w: &AttentionWeights,
+    l: usize,
+    sliding_window: Option<usize>,
+    xn: &B::Act,
+) -> Result<B::Act> {
+    let d = cfg.head_dim;
+    let (mut q, gate) = if cfg.attention_output_gate {
+        let q_and_gate = b.linear(xn, &w.q_proj)?;
+        let (q, gate) = b.split_query_gate(&q_and_gate, d)?;
+        (q, Some(gate))
+    } else {
+        (b.linear(xn, &w.q_proj)?, None)
+    };
+    let mut k = b.linear(xn, &w.k_proj)?;
+    let mut v = b.linear(xn, &w.v_proj)?;
+    match cfg.qk_norm {
+        QkNorm::None => {}
+        // Norm weights are head_dim wide (per head) or projection wide (OLMoE): rms_norm takes
+        // the row width from the weight.
+        QkNorm::PerHead | QkNorm::WholeProjection => {
+            let (qn, kn) = (w.q_norm.as_ref(), w.k_norm.as_ref());
+            q = b.rms_norm(&q, qn.expect("q_norm loaded"), cfg.rms_norm_eps)?;
+            k = b.rms_norm(&k, kn.expect("k_norm loaded"), cfg.rms_norm_eps)?;
+        }
+    }
+    if let Some(c) = cfg.clip_qkv {
+        b.clamp(&mut q, c)?;
+        b.clamp(&mut k, c)?;
+        b.clamp(&mut v, c)?;
+    }
+    b.rope(&mut q, cfg.num_heads, d)?;
+    b.rope(&mut k, cfg.num_kv_heads, d)?;
+    let spec = AttentionSpec {
+        num_heads: cfg.num_heads,
+        num_kv_heads: cfg.num_kv_heads,
+        head_dim: d,
+        scale: (d as f64).powf(-0.5) as f32,
+        sliding_window,
+    };
+    let mut out = b.attention(l, &q, &k, &v, &spec)?;
+    if let Some(gate) = gate {
+        b.sigmoid_gate(&mut out, &gate)?;
+    }
+    b.linear(&out, &w.o_proj)
+}
