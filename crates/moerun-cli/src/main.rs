@@ -46,6 +46,18 @@ enum Command {
     BenchServe(BenchServeArgs),
 }
 
+/// Where a model command runs.
+#[derive(Args, Clone, Copy, Default)]
+pub struct DeviceFlag {
+    /// Device to run on: cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu", value_parser = parse_device)]
+    pub device: moerun_core::Device,
+}
+
+fn parse_device(s: &str) -> Result<moerun_core::Device, String> {
+    s.parse().map_err(|e: moerun_core::Error| e.to_string())
+}
+
 /// Sampling flags shared by generate and chat; unset ones come from generation_config.json.
 #[derive(Args, Clone, Default)]
 pub struct SamplingFlags {
@@ -93,6 +105,8 @@ pub struct GenerateArgs {
     /// Print one JSON object with the text and statistics instead of streaming.
     #[arg(long)]
     pub json: bool,
+    #[command(flatten)]
+    pub device: DeviceFlag,
 }
 
 #[derive(Args)]
@@ -111,6 +125,8 @@ pub struct ChatArgs {
     /// Stop a reply when this text is generated (repeatable).
     #[arg(long)]
     pub stop: Vec<String>,
+    #[command(flatten)]
+    pub device: DeviceFlag,
 }
 
 #[derive(Args)]
@@ -124,6 +140,8 @@ pub struct PerplexityArgs {
     /// Tokens per window (default 512, at most the model's context).
     #[arg(long)]
     pub context: Option<usize>,
+    #[command(flatten)]
+    pub device: DeviceFlag,
 }
 
 #[derive(Args)]
@@ -141,6 +159,8 @@ pub struct LogitsArgs {
     /// Output file (.npy, float32, shape [n_tokens, vocab]).
     #[arg(long)]
     pub out: PathBuf,
+    #[command(flatten)]
+    pub device: DeviceFlag,
 }
 
 #[derive(Args)]
@@ -175,20 +195,33 @@ pub struct SynthArgs {
 #[derive(Args)]
 pub struct BenchArgs {
     /// Checkpoint directory.
+    #[arg(long, required_unless_present = "like", conflicts_with = "like")]
+    pub model: Option<PathBuf>,
+    /// Instead of a checkpoint, a synthetic model of this known model's shapes (see `moerun
+    /// synth --list`) with random weights drawn on the GPU (needs --device cuda).
     #[arg(long)]
-    pub model: PathBuf,
+    pub like: Option<String>,
+    /// With --like: keep only the first N decoder layers.
+    #[arg(long, requires = "like")]
+    pub layers: Option<usize>,
     /// Prompt tokens for the prefill measurement.
     #[arg(long, default_value_t = 512)]
     pub prompt: usize,
     /// Tokens to generate for the decode measurement.
     #[arg(long, default_value_t = 128)]
     pub gen: usize,
+    /// Also decode with this many sequences at once (comma-separated list, e.g. 8,32,128);
+    /// each has a --prompt token prompt, and --gen steps are timed.
+    #[arg(long)]
+    pub concurrency: Option<String>,
     /// Repetitions of the whole measurement; the best is reported.
     #[arg(long, default_value_t = 1)]
     pub repeat: usize,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
+    #[command(flatten)]
+    pub device: DeviceFlag,
 }
 
 #[derive(Args, Clone)]
@@ -205,9 +238,8 @@ pub struct ServeArgs {
     /// Require `Authorization: Bearer KEY` on /v1/* requests.
     #[arg(long)]
     pub api_key: Option<String>,
-    /// Device to run on: cpu (cuda is not built yet).
-    #[arg(long, default_value = "cpu")]
-    pub device: String,
+    #[command(flatten)]
+    pub device: DeviceFlag,
     /// Most sequences running at once.
     #[arg(long, default_value_t = 256)]
     pub max_num_seqs: usize,

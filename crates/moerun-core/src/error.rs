@@ -33,6 +33,9 @@ pub enum Error {
     OutOfKvBlocks { needed: usize, free: usize },
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// A compute device failed or is unavailable (the backend's own message).
+    #[error("{0}")]
+    Device(String),
 }
 
 impl Error {

@@ -4,11 +4,13 @@
 //! Everything here is backend-neutral: the CPU and CUDA backends and the model code all speak it.
 
 pub mod blocks;
+pub mod device;
 pub mod dtype;
 pub mod error;
 pub mod tensor;
 
 pub use blocks::{BlockAllocator, BlockTable};
+pub use device::Device;
 pub use dtype::DType;
 pub use error::{Error, Result};
 pub use tensor::{MatRef, SharedBytes, Tensor};

@@ -36,6 +36,10 @@ pub struct KernelFile {
 /// Every kernel family of the backend, in the order [`crate::CudaDevice::open`] loads them.
 pub const KERNEL_FILES: &[KernelFile] = &[
     KernelFile {
+        name: "elementwise",
+        source: include_str!("../kernels/elementwise.cu"),
+    },
+    KernelFile {
         name: "norm",
         source: include_str!("../kernels/norm.cu"),
     },
@@ -62,6 +66,14 @@ pub const KERNEL_FILES: &[KernelFile] = &[
     KernelFile {
         name: "gemv",
         source: include_str!("../kernels/gemv.cu"),
+    },
+    KernelFile {
+        name: "moe",
+        source: include_str!("../kernels/moe.cu"),
+    },
+    KernelFile {
+        name: "moe_prefill",
+        source: include_str!("../kernels/moe_prefill.cu"),
     },
 ];
 

@@ -61,6 +61,7 @@ pub(crate) struct Kernels {
     /// `[layout][dtype_slot][i]` for x-row counts `GEMV_ROWS[i]`; layout 0 is warp per row,
     /// 1 block per rows (see `ops::gemv`).
     pub gemv: [[[CudaFunction; 4]; 3]; 2],
+    pub elementwise: crate::ops::ElementwiseKernels,
 }
 
 /// Rows of x one GEMV launch handles, one kernel instantiation each.
@@ -120,6 +121,7 @@ impl Kernels {
                 get("embedding", "embed_f32")?,
             ],
             gemv: [layout("gemv")?, layout("gemv_rows")?],
+            elementwise: crate::ops::ElementwiseKernels::load(|f| get("elementwise", f))?,
         })
     }
 }
@@ -348,5 +350,21 @@ impl DeviceMatrix {
     }
     pub(crate) fn data(&self) -> &CudaSlice<u8> {
         &self.data
+    }
+    /// A matrix over `data`, which must hold `rows * cols` values of `dtype`.
+    pub fn from_parts(dtype: DType, rows: usize, cols: usize, data: CudaSlice<u8>) -> Result<Self> {
+        ensure(data.len() == rows * cols * dtype.size(), || {
+            format!(
+                "matrix [{rows}, {cols}] of {dtype} needs {} bytes, got {}",
+                rows * cols * dtype.size(),
+                data.len()
+            )
+        })?;
+        Ok(DeviceMatrix {
+            dtype,
+            rows,
+            cols,
+            data,
+        })
     }
 }

@@ -13,13 +13,14 @@
 //! [`CudaDevice::download`] waits for it. The CPU kernels of `moerun-cpu` are the reference these
 //! ops are tested against (`tests/`).
 
+mod bandwidth;
 pub mod compile;
 mod device;
 pub mod error;
 pub mod ops;
 pub mod probe;
 
-pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
+pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
 pub use device::{CudaDevice, DeviceInfo, DeviceMatrix};
 pub use error::{CudaError, Result};
 pub use ops::{DeviceRope, GemmOut, GemvLayout, RouterShape};

@@ -6,6 +6,7 @@
 
 use moerun_core::{BlockAllocator, BlockTable, Result};
 use moerun_model::linear_state::LinearStateCache;
+use moerun_model::kv::DEFAULT_BLOCK_SIZE;
 use moerun_model::{Batch, ForwardOutput, KvCache, LogitsFor, Model, ModelConfig, SeqChunk};
 
 /// KV storage whose blocks are handed out by its own [`BlockAllocator`], and only by it.
@@ -26,6 +27,14 @@ impl SequenceKv {
     /// Room for `tokens` tokens (rounded up to whole blocks).
     pub fn with_capacity(cfg: &ModelConfig, tokens: usize) -> Self {
         Self::from_cache(cfg, KvCache::with_capacity(cfg, tokens))
+    }
+
+    /// Room for `tokens` tokens where `model` runs (host memory, or the GPU's for a model on
+    /// the CUDA backend).
+    pub fn for_model(model: &Model, tokens: usize) -> Result<Self> {
+        let blocks = tokens.div_ceil(DEFAULT_BLOCK_SIZE).max(1);
+        let cache = model.new_kv_cache(blocks, DEFAULT_BLOCK_SIZE)?;
+        Ok(Self::from_cache(&model.config, cache))
     }
 
     fn from_cache(cfg: &ModelConfig, cache: KvCache) -> Self {

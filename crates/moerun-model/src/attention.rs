@@ -22,6 +22,11 @@ impl Rope {
         }
     }
 
+    /// `(inv_freq, attention_factor)`, for backends that compute cos/sin themselves.
+    pub fn parts(&self) -> (&[f32], f32) {
+        (&self.inv_freq, self.attention_factor)
+    }
+
     /// cos and sin (`rotary_dim / 2` each) at `pos`, as transformers computes them: the angle is
     /// the f32 product `inv_freq * pos`, and both are scaled by the attention factor.
     fn cos_sin(&self, pos: usize, cos: &mut [f32], sin: &mut [f32]) {

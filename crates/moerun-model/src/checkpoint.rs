@@ -28,6 +28,10 @@ pub struct Checkpoint {
     files: Vec<SafetensorsFile>,
     /// Tensor name to index into `files`. Sorted, so iteration order is stable.
     location: BTreeMap<String, usize>,
+    /// Tensors held in memory instead of files, and the JSON files that go with them
+    /// ([`Checkpoint::in_memory`]); empty for a checkpoint opened from a directory.
+    memory: BTreeMap<String, Tensor>,
+    memory_json: BTreeMap<String, Value>,
 }
 
 impl Checkpoint {
@@ -79,7 +83,26 @@ impl Checkpoint {
             dir,
             files,
             location,
+            memory: BTreeMap::new(),
+            memory_json: BTreeMap::new(),
         })
+    }
+
+    /// A checkpoint whose tensors are already in memory (synthetic models made for benchmarks,
+    /// never written to disk); `label` stands in for the directory in messages, `json` maps file
+    /// names (`config.json`, ...) to their contents.
+    pub fn in_memory(
+        label: &str,
+        json: impl IntoIterator<Item = (String, Value)>,
+        tensors: impl IntoIterator<Item = (String, Tensor)>,
+    ) -> Checkpoint {
+        Checkpoint {
+            dir: PathBuf::from(label),
+            files: Vec::new(),
+            location: BTreeMap::new(),
+            memory: tensors.into_iter().collect(),
+            memory_json: json.into_iter().collect(),
+        }
     }
 
     /// The checkpoint directory.
@@ -123,22 +146,25 @@ impl Checkpoint {
 
     /// All tensor names across all files, sorted.
     pub fn names(&self) -> impl Iterator<Item = &str> + '_ {
-        self.location.keys().map(String::as_str)
+        self.location
+            .keys()
+            .chain(self.memory.keys())
+            .map(String::as_str)
     }
 
     /// Number of tensors.
     pub fn len(&self) -> usize {
-        self.location.len()
+        self.location.len() + self.memory.len()
     }
 
     /// Whether the checkpoint holds no tensors.
     pub fn is_empty(&self) -> bool {
-        self.location.is_empty()
+        self.location.is_empty() && self.memory.is_empty()
     }
 
     /// Whether the checkpoint holds a tensor called `name` (of any dtype).
     pub fn contains(&self, name: &str) -> bool {
-        self.location.contains_key(name)
+        self.location.contains_key(name) || self.memory.contains_key(name)
     }
 
     /// Dtype, shape and offsets of `name`, without touching its bytes.
@@ -149,6 +175,9 @@ impl Checkpoint {
 
     /// Tensor `name`, borrowing the file mapping. Fails if absent or of an unsupported dtype.
     pub fn tensor(&self, name: &str) -> Result<Tensor> {
+        if let Some(t) = self.memory.get(name) {
+            return Ok(t.clone());
+        }
         let &file = self
             .location
             .get(name)
@@ -165,6 +194,9 @@ impl Checkpoint {
     /// Parse `file_name` in the checkpoint directory as JSON: `None` if the file does not exist,
     /// an error naming the path if it cannot be read or is not valid JSON.
     pub fn read_json(&self, file_name: &str) -> Result<Option<Value>> {
+        if let Some(v) = self.memory_json.get(file_name) {
+            return Ok(Some(v.clone()));
+        }
         read_json_file(&self.dir.join(file_name))
     }
 
@@ -174,7 +206,8 @@ impl Checkpoint {
             .iter()
             .filter_map(|(name, &file)| self.files[file].info(name))
             .map(|info| info.byte_len() as u64)
-            .sum()
+            .sum::<u64>()
+            + self.memory.values().map(|t| t.byte_len() as u64).sum::<u64>()
     }
 }
 

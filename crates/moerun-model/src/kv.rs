@@ -18,6 +18,9 @@ pub struct KvCache {
     block_size: usize,
     num_blocks: usize,
     pub(crate) pools: Vec<KvPool>,
+    /// The pools in GPU memory when the model runs on the CUDA backend (the host pools are then
+    /// empty).
+    pub(crate) device: Option<crate::cuda::DeviceKv>,
 }
 
 impl KvCache {
@@ -40,7 +43,22 @@ impl KvCache {
                     KvPool::new(blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
                 })
                 .collect(),
+            device: None,
         }
+    }
+
+    /// Device-resident storage for a model on the CUDA backend: the same block ids, paged the
+    /// same way, in GPU memory.
+    pub(crate) fn on_device(
+        cfg: &ModelConfig,
+        device: crate::cuda::DeviceKv,
+        num_blocks: usize,
+        block_size: usize,
+    ) -> KvCache {
+        let mut cache = KvCache::new(cfg, 0, block_size);
+        cache.num_blocks = num_blocks;
+        cache.device = Some(device);
+        cache
     }
 
     /// Storage with room for `tokens` tokens (rounded up to whole blocks of the default size).
@@ -64,6 +82,7 @@ impl KvCache {
 
     /// Bytes of KV storage.
     pub fn bytes(&self) -> usize {
-        self.pools.iter().map(KvPool::bytes).sum()
+        self.pools.iter().map(KvPool::bytes).sum::<usize>()
+            + self.device.as_ref().map_or(0, |d| d.bytes())
     }
 }

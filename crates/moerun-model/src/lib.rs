@@ -5,6 +5,7 @@ pub mod backend;
 pub mod batch;
 pub mod checkpoint;
 pub mod config;
+pub mod cuda;
 pub mod ffn;
 pub mod forward;
 pub mod gated_deltanet;

@@ -3,13 +3,15 @@
 
 use std::path::Path;
 
-use moerun_core::{Error, Result};
+use moerun_core::{Device, Error, Result};
+use moerun_cuda::CudaDevice;
 
 use crate::attention::Rope;
 use crate::backend::cpu::CpuPass;
 use crate::batch::{Batch, LogitsFor};
 use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
+use crate::cuda::{CudaModel, CudaPass, DeviceKv, WeightSource};
 use crate::forward;
 use crate::kv::KvCache;
 use crate::linear_state::LinearStateCache;
@@ -21,6 +23,8 @@ pub struct Model {
     pub weights: ModelWeights,
     rope: Rope,
     checkpoint: Checkpoint,
+    /// The weights' device copy when the model runs on the CUDA backend.
+    cuda: Option<CudaModel>,
 }
 
 /// What a forward pass returns: logits for the requested rows, `[rows.len(), vocab]`.
@@ -33,7 +37,19 @@ pub struct ForwardOutput {
 impl Model {
     /// Open a Hugging Face checkpoint directory and map its weights.
     pub fn load(dir: &Path) -> Result<Model> {
-        let checkpoint = Checkpoint::open(dir)?;
+        Model::from_checkpoint(Checkpoint::open(dir)?)
+    }
+
+    /// [`Model::load`], then place the weights on `device`.
+    pub fn load_on(dir: &Path, device: Device) -> Result<Model> {
+        let mut model = Model::load(dir)?;
+        model.place(device, WeightSource::Host)?;
+        Ok(model)
+    }
+
+    /// The model of an opened checkpoint (a directory's, or one held in memory).
+    pub fn from_checkpoint(checkpoint: Checkpoint) -> Result<Model> {
+        let dir = checkpoint.dir().to_path_buf();
         let config_json = checkpoint
             .read_json("config.json")?
             .ok_or_else(|| Error::Config(format!("{}/config.json not found", dir.display())))?;
@@ -58,7 +74,49 @@ impl Model {
             config,
             weights,
             checkpoint,
+            cuda: None,
         })
+    }
+
+    /// Run the model on `device` from now on: on a GPU, upload the weights (or draw them there,
+    /// for synthetic benchmark models). Refuses what the CUDA backend does not run, by name.
+    pub fn place(&mut self, device: Device, source: WeightSource) -> Result<()> {
+        match device {
+            Device::Cpu => {
+                self.cuda = None;
+                Ok(())
+            }
+            Device::Cuda(ordinal) => {
+                crate::cuda::check_supported(&self.config)?;
+                let dev = CudaDevice::open(ordinal).map_err(crate::cuda::dev_err)?;
+                self.cuda = Some(crate::cuda::upload::upload(dev, &self.weights, &self.rope, source)?);
+                Ok(())
+            }
+        }
+    }
+
+    /// Where the model runs.
+    pub fn device(&self) -> Device {
+        match &self.cuda {
+            None => Device::Cpu,
+            Some(c) => Device::Cuda(c.device().info().ordinal),
+        }
+    }
+
+    /// The GPU copy of the model, when it runs on CUDA.
+    pub fn cuda(&self) -> Option<&CudaModel> {
+        self.cuda.as_ref()
+    }
+
+    /// KV storage for this model where it runs: `num_blocks` blocks of `block_size` tokens.
+    pub fn new_kv_cache(&self, num_blocks: usize, block_size: usize) -> Result<KvCache> {
+        match &self.cuda {
+            None => Ok(KvCache::new(&self.config, num_blocks, block_size)),
+            Some(c) => {
+                let dkv = DeviceKv::new(c.device(), &self.config, num_blocks, block_size)?;
+                Ok(KvCache::on_device(&self.config, dkv, num_blocks, block_size))
+            }
+        }
     }
 
     pub fn checkpoint(&self) -> &Checkpoint {
@@ -108,19 +166,41 @@ impl Model {
         states: Option<&mut LinearStateCache>,
         which: LogitsFor,
     ) -> Result<ForwardOutput> {
+        if let Some(cuda) = &self.cuda {
+            return self.run_cuda(cuda, batch, kv, which);
+        }
         if rayon::current_thread_index().is_some() {
             return self.run_in_pool(batch, kv, states, which);
         }
         rayon::scope(|_| self.run_in_pool(batch, kv, states, which))
     }
 
-    fn run_in_pool(
+    fn run_cuda(
         &self,
+        cuda: &CudaModel,
         batch: &Batch,
         kv: &mut KvCache,
-        states: Option<&mut LinearStateCache>,
         which: LogitsFor,
     ) -> Result<ForwardOutput> {
+        let tokens = self.check_batch(batch, kv)?;
+        let rows = batch.logit_rows(which);
+        if tokens.is_empty() {
+            return Ok(ForwardOutput { rows, logits: Vec::new() });
+        }
+        let dkv = kv.device.as_mut().ok_or_else(|| {
+            Error::InvalidArgument(
+                "the model runs on CUDA but its KV cache is in host memory: make it with \
+                 Model::new_kv_cache"
+                    .into(),
+            )
+        })?;
+        let mut pass = CudaPass::new(cuda, batch, dkv)?;
+        let logits = forward::decoder(&mut pass, &self.config, &self.weights, &tokens, &rows)?;
+        Ok(ForwardOutput { rows, logits })
+    }
+
+    /// Check the batch against the cache and the model; return its tokens, flat.
+    fn check_batch(&self, batch: &Batch, kv: &KvCache) -> Result<Vec<u32>> {
         let cfg = &self.config;
         let mut tokens = Vec::with_capacity(batch.num_tokens());
         for seq in &batch.seqs {
@@ -129,6 +209,12 @@ impl Model {
                 return Err(Error::InvalidArgument(format!(
                     "block table holds {} positions but the batch writes up to {end}",
                     seq.block_table.capacity(kv.block_size())
+                )));
+            }
+            if let Some(&b) = seq.block_table.blocks.iter().find(|&&b| b as usize >= kv.num_blocks()) {
+                return Err(Error::InvalidArgument(format!(
+                    "block {b} is outside the KV cache ({} blocks)",
+                    kv.num_blocks()
                 )));
             }
             if let Some(limit) = cfg.rope.position_limit().filter(|&l| end > l) {
@@ -148,6 +234,23 @@ impl Model {
                 tokens.push(t);
             }
         }
+        Ok(tokens)
+    }
+
+    fn run_in_pool(
+        &self,
+        batch: &Batch,
+        kv: &mut KvCache,
+        states: Option<&mut LinearStateCache>,
+        which: LogitsFor,
+    ) -> Result<ForwardOutput> {
+        let cfg = &self.config;
+        if kv.device.is_some() {
+            return Err(Error::InvalidArgument(
+                "the KV cache is on the GPU but the model runs on the CPU".into(),
+            ));
+        }
+        let tokens = self.check_batch(batch, kv)?;
         let rows = batch.logit_rows(which);
         // Linear-attention state: every slot is checked before any is touched.
         let linear_state = match (&cfg.linear_attention, states) {

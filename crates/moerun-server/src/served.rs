@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 
 use moerun_engine::generation_config::GenerationConfig;
 use moerun_engine::sampling::SamplingParams;
+use moerun_core::Device;
 use moerun_model::Model;
 use moerun_text::{ChatArgs, ChatTemplate, TemplateValue, TextError, Tokenizer};
 use serde_json::Value;
@@ -39,9 +40,14 @@ pub enum LoadError {
 }
 
 impl ServedModel {
-    /// Load the checkpoint in `dir`, served under `name`.
+    /// Load the checkpoint in `dir`, served under `name`, on the CPU.
     pub fn load(dir: &Path, name: String) -> Result<ServedModel, LoadError> {
-        let model = Model::load(dir)?;
+        ServedModel::load_on(dir, name, Device::Cpu)
+    }
+
+    /// Load the checkpoint in `dir`, served under `name`, running on `device`.
+    pub fn load_on(dir: &Path, name: String, device: Device) -> Result<ServedModel, LoadError> {
+        let model = Model::load_on(dir, device)?;
         let tokenizer = Tokenizer::from_dir(dir)?;
         let generation = GenerationConfig::load(dir)?;
         let (chat_template, chat_template_error) = match tokenizer.chat_template(None, false) {

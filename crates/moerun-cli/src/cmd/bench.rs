@@ -1,17 +1,20 @@
-//! `moerun bench`: prefill and decode speed on the CPU, judged against this machine's measured
-//! memory read bandwidth. Decode at batch 1 reads every active weight byte once per token, so
-//! `active bytes per token × decode tok/s` is the weight traffic decode achieves, and its share of
-//! the measured bandwidth says how close the kernels are to the roofline.
+//! `moerun bench`: prefill and decode speed, judged against the machine's measured memory
+//! bandwidth: on the CPU the read bandwidth of this many threads, on a GPU the device-to-device
+//! copy bandwidth (bytes read + written). Decode at batch 1 reads every active weight byte once
+//! per token, so `active bytes per token × decode tok/s` is the weight traffic decode achieves,
+//! and its share of the measured bandwidth says how close the kernels are to the roofline. With
+//! `--concurrency`, decode also runs N sequences at once (aggregate tok/s).
 //!
-//! The weights are mmapped: before timing, every page is touched and a short forward runs, so
-//! neither disk reads nor page faults nor thread start-up are timed. Each of `--repeat` runs uses a
-//! fresh KV cache; the best prefill and the best decode are reported.
+//! The weights are resident before anything is timed (mmapped pages touched on the CPU; uploaded
+//! or drawn on the GPU) and a short forward runs first. Each of `--repeat` runs uses a fresh KV
+//! cache; the best prefill and the best decode are reported.
 
 use std::time::Instant;
 
-use moerun_core::DType;
+use moerun_core::{DType, Device};
 use moerun_cpu::bandwidth::measure_read_bandwidth;
 use moerun_engine::{run_step, Sequence, SequenceKv};
+use moerun_model::cuda::WeightSource;
 use moerun_model::stats::{human_count, ParamStats};
 use moerun_model::{LogitsFor, Model};
 use serde_json::json;
@@ -25,12 +28,22 @@ use crate::BenchArgs;
 const PROBE_BYTES: usize = 1 << 30;
 /// Seed of the random prompt: the same prompt on every run and every machine.
 const PROMPT_SEED: u64 = 0x0062_656e_6368;
+/// Seed of synthetic weights drawn on the device.
+const WEIGHT_SEED: u64 = 0x6d6f_6572_756e;
 
 /// Wall-clock times of one prefill and the decode steps that follow it.
 #[derive(Clone, Copy)]
 struct Timing {
     prefill_s: f64,
     decode_s: f64,
+}
+
+/// Decode of `seqs` sequences at once.
+#[derive(Clone, Copy)]
+struct Concurrent {
+    seqs: usize,
+    decode_s: f64,
+    tok_per_s: f64,
 }
 
 pub fn run(args: &BenchArgs, threads: Option<usize>) -> CliResult {
@@ -43,22 +56,30 @@ pub fn run(args: &BenchArgs, threads: Option<usize>) -> CliResult {
             return Err(format!("{flag} must be at least 1").into());
         }
     }
-    let model = Model::load(&args.model)?;
+    let concurrency = parse_concurrency(args.concurrency.as_deref())?;
+    let device = args.device.device;
+    let (label, model) = load(args, device)?;
     let cfg = &model.config;
     let stats = ParamStats::from_config(cfg);
-    let stored = StoredDtypes::of(&model);
-    let dtype = stored.main()?;
+    let dtype = StoredDtypes::of(&model)
+        .main()
+        .unwrap_or(model.weights.embed_tokens.dtype);
     let workers = rayon::current_num_threads();
 
-    eprintln!("bench: measuring read bandwidth with {workers} thread(s)...");
-    let bandwidth = measure_read_bandwidth(PROBE_BYTES, workers);
-    eprintln!(
-        "bench: touching {} of mapped weights...",
-        decimal_bytes(model.checkpoint().weight_bytes() as f64)
-    );
-    model.checkpoint().prefault(|_| {});
-    let prompt = random_prompt(args.prompt, cfg.vocab_size);
-    // A short forward and a decode step: warms threads, allocator and caches.
+    let bandwidth = match model.cuda() {
+        None => {
+            eprintln!("bench: measuring read bandwidth with {workers} thread(s)...");
+            measure_read_bandwidth(PROBE_BYTES, workers)
+        }
+        Some(c) => {
+            eprintln!("bench: measuring device copy bandwidth...");
+            c.device()
+                .measure_copy_bandwidth(4 * PROBE_BYTES, 5)
+                .map_err(|e| e.to_string())?
+        }
+    };
+    let prompt = random_prompt(args.prompt, cfg.vocab_size, 0);
+    // A short forward and a decode step: warms threads, allocator, caches and kernels.
     measure(&model, &prompt[..prompt.len().min(16)], 1)?;
 
     let mut best: Option<Timing> = None;
@@ -79,6 +100,21 @@ pub fn run(args: &BenchArgs, threads: Option<usize>) -> CliResult {
         });
     }
     let best = best.ok_or("no run completed")?;
+    let mut concurrent = Vec::new();
+    for &n in &concurrency {
+        let mut fastest: Option<Concurrent> = None;
+        for _ in 0..args.repeat {
+            let c = measure_concurrent(&model, n, args.prompt, args.gen)?;
+            eprintln!(
+                "bench: {n} sequences: decode {:.1} tok/s (aggregate)",
+                c.tok_per_s
+            );
+            if fastest.is_none_or(|f| c.decode_s < f.decode_s) {
+                fastest = Some(c);
+            }
+        }
+        concurrent.extend(fastest);
+    }
 
     let prefill_tps = args.prompt as f64 / best.prefill_s;
     let decode_tps = args.gen as f64 / best.decode_s;
@@ -86,6 +122,8 @@ pub fn run(args: &BenchArgs, threads: Option<usize>) -> CliResult {
     let achieved = active_bytes as f64 * decode_tps;
     let report = Report {
         args,
+        label,
+        device,
         threads,
         workers,
         dtype,
@@ -98,6 +136,7 @@ pub fn run(args: &BenchArgs, threads: Option<usize>) -> CliResult {
         achieved,
         pct: 100.0 * achieved / bandwidth,
         roofline_tps: bandwidth / active_bytes as f64,
+        concurrent,
     };
     if args.json {
         println!("{}", report.json(&model));
@@ -107,10 +146,58 @@ pub fn run(args: &BenchArgs, threads: Option<usize>) -> CliResult {
     Ok(())
 }
 
+/// The model to measure, resident where it runs, and how to name it.
+fn load(args: &BenchArgs, device: Device) -> CliResult<(String, Model)> {
+    match (&args.model, &args.like) {
+        (Some(dir), None) => {
+            let mut model = Model::load(dir)?;
+            eprintln!(
+                "bench: touching {} of mapped weights...",
+                decimal_bytes(model.checkpoint().weight_bytes() as f64)
+            );
+            model.checkpoint().prefault(|_| {});
+            if device != Device::Cpu {
+                eprintln!("bench: uploading the weights to {device}...");
+            }
+            model.place(device, WeightSource::Host)?;
+            Ok((dir.display().to_string(), model))
+        }
+        (None, Some(like)) => {
+            if device == Device::Cpu {
+                return Err(format!(
+                    "--like {like}: synthetic in-memory models draw their weights on the GPU \
+                     (--device cuda); for the CPU write one with `moerun synth --like {like} \
+                     --out DIR` and pass --model DIR"
+                )
+                .into());
+            }
+            let (name, mut model) = super::synth::in_memory(like, args.layers, DType::BF16)?;
+            eprintln!("bench: drawing random bf16 weights of {name} on {device}...");
+            model.place(device, WeightSource::Random { seed: WEIGHT_SEED })?;
+            let layers = model.config.num_layers();
+            Ok((format!("synthetic {name} ({layers} layers, random bf16 weights)"), model))
+        }
+        _ => Err("bench needs --model DIR or --like NAME".into()),
+    }
+}
+
+/// `--concurrency 8,32,128`: the batch sizes to decode at, besides 1.
+fn parse_concurrency(list: Option<&str>) -> CliResult<Vec<usize>> {
+    let Some(list) = list else {
+        return Ok(Vec::new());
+    };
+    list.split(',')
+        .map(|s| match s.trim().parse::<usize>() {
+            Ok(n) if n >= 1 => Ok(n),
+            _ => Err(format!("--concurrency '{list}': expected a list of counts >= 1, e.g. 8,32,128").into()),
+        })
+        .collect()
+}
+
 /// One prefill of `prompt` (logits of its last position only, as generation needs), then `gen`
 /// decode steps at batch 1 feeding back the argmax, in a KV cache sized for both.
 fn measure(model: &Model, prompt: &[u32], gen: usize) -> CliResult<Timing> {
-    let mut kv = SequenceKv::with_capacity(&model.config, prompt.len() + gen);
+    let mut kv = SequenceKv::for_model(model, prompt.len() + gen)?;
     let mut seq = Sequence::new(prompt.to_vec());
     let start = Instant::now();
     let out = run_step(
@@ -141,6 +228,43 @@ fn measure(model: &Model, prompt: &[u32], gen: usize) -> CliResult<Timing> {
     })
 }
 
+/// `n` sequences with distinct random prompts of `prompt` tokens, prefilled (untimed, a few
+/// sequences per step), then `gen` decode steps of all `n` at once, timed.
+fn measure_concurrent(model: &Model, n: usize, prompt: usize, gen: usize) -> CliResult<Concurrent> {
+    let vocab = model.config.vocab_size;
+    let mut kv = SequenceKv::for_model(model, n * (prompt + gen + 16))?;
+    let mut seqs: Vec<Sequence> = (0..n)
+        .map(|i| Sequence::new(random_prompt(prompt, vocab, i as u64 + 1)))
+        .collect();
+    let per_step = (8192 / prompt).clamp(1, n);
+    let mut next = vec![0u32; n];
+    for (c, chunk) in seqs.chunks_mut(per_step).enumerate() {
+        let mut refs: Vec<&mut Sequence> = chunk.iter_mut().collect();
+        let limits = vec![usize::MAX; refs.len()];
+        let out = run_step(model, &mut kv, &mut refs, &limits, LogitsFor::LastOfEachSeq)?;
+        for (j, row) in out.logits.chunks_exact(vocab).enumerate() {
+            next[c * per_step + j] = argmax(row);
+        }
+    }
+    let start = Instant::now();
+    for _ in 0..gen {
+        for (s, &t) in seqs.iter_mut().zip(&next) {
+            s.tokens.push(t);
+        }
+        let mut refs: Vec<&mut Sequence> = seqs.iter_mut().collect();
+        let out = run_step(model, &mut kv, &mut refs, &vec![1; n], LogitsFor::LastOfEachSeq)?;
+        for (j, row) in out.logits.chunks_exact(vocab).enumerate() {
+            next[j] = argmax(row);
+        }
+    }
+    let decode_s = start.elapsed().as_secs_f64();
+    Ok(Concurrent {
+        seqs: n,
+        decode_s,
+        tok_per_s: (n * gen) as f64 / decode_s,
+    })
+}
+
 /// Index of the largest logit (the greedy next token).
 fn argmax(logits: &[f32]) -> u32 {
     let mut best = 0;
@@ -152,9 +276,9 @@ fn argmax(logits: &[f32]) -> u32 {
     best as u32
 }
 
-/// `n` token ids below `vocab`, the same for a given `n` and `vocab` every time.
-fn random_prompt(n: usize, vocab: usize) -> Vec<u32> {
-    let mut rng = SplitMix64::new(PROMPT_SEED);
+/// `n` token ids below `vocab`, the same for a given `n`, `vocab` and `stream` every time.
+fn random_prompt(n: usize, vocab: usize, stream: u64) -> Vec<u32> {
+    let mut rng = SplitMix64::new(PROMPT_SEED ^ stream.wrapping_mul(0x9E37_79B9_7F4A_7C15));
     (0..n).map(|_| rng.below(vocab as u64) as u32).collect()
 }
 
@@ -171,6 +295,8 @@ fn decimal_bytes(n: f64) -> String {
 /// Every figure of a bench, for either output form.
 struct Report<'a> {
     args: &'a BenchArgs,
+    label: String,
+    device: Device,
     threads: Option<usize>,
     workers: usize,
     dtype: DType,
@@ -186,13 +312,16 @@ struct Report<'a> {
     pct: f64,
     /// Decode tok/s if weights streamed at the measured bandwidth.
     roofline_tps: f64,
+    concurrent: Vec<Concurrent>,
 }
 
 impl Report<'_> {
     fn json(&self, model: &Model) -> serde_json::Value {
         let cfg = &model.config;
         json!({
-            "model": self.args.model.display().to_string(),
+            "model": self.label,
+            "device": self.device.to_string(),
+            "gpu": model.cuda().map(|c| c.device().info().to_string()),
             "family": cfg.family.to_string(),
             "layers": cfg.num_layers(),
             "dtype": self.dtype.to_string(),
@@ -212,6 +341,11 @@ impl Report<'_> {
             "decode_bandwidth_pct": self.pct,
             "decode_roofline_tok_per_s": self.roofline_tps,
             "repeat": self.args.repeat,
+            "concurrent_decode": self.concurrent.iter().map(|c| json!({
+                "sequences": c.seqs,
+                "decode_seconds": c.decode_s,
+                "tok_per_s": c.tok_per_s,
+            })).collect::<Vec<_>>(),
         })
     }
 
@@ -221,7 +355,7 @@ impl Report<'_> {
             Some(n) => format!("--threads {n}"),
             None => "all cores".into(),
         };
-        println!("model      {}", self.args.model.display());
+        println!("model      {}", self.label);
         println!(
             "           {}, {} layers, {}, {} params ({} active per token)",
             cfg.family,
@@ -230,15 +364,26 @@ impl Report<'_> {
             human_count(self.stats.total),
             human_count(self.stats.active)
         );
-        println!(
-            "cpu        {}, {} threads ({how})",
-            moerun_cpu::simd::active_isa(),
-            self.workers
-        );
-        println!(
-            "memory     {:.2} GB/s read bandwidth (measured)",
-            self.bandwidth / 1e9
-        );
+        match model.cuda() {
+            None => {
+                println!(
+                    "cpu        {}, {} threads ({how})",
+                    moerun_cpu::simd::active_isa(),
+                    self.workers
+                );
+                println!(
+                    "memory     {:.2} GB/s read bandwidth (measured)",
+                    self.bandwidth / 1e9
+                );
+            }
+            Some(c) => {
+                println!("gpu        {}", c.device().info());
+                println!(
+                    "memory     {:.0} GB/s device copy bandwidth, read + written (measured)",
+                    self.bandwidth / 1e9
+                );
+            }
+        }
         println!();
         println!(
             "{:<18} {:>8} {:>10} {:>10}",
@@ -252,6 +397,15 @@ impl Report<'_> {
             "{:<18} {:>8} {:>10.3} {:>10.2}",
             "decode (batch 1)", self.args.gen, self.best.decode_s, self.decode_tps
         );
+        for c in &self.concurrent {
+            println!(
+                "{:<18} {:>8} {:>10.3} {:>10.2}",
+                format!("decode (batch {})", c.seqs),
+                c.seqs * self.args.gen,
+                c.decode_s,
+                c.tok_per_s
+            );
+        }
         println!();
         println!(
             "decode weight traffic  {}/token x {:.2} tok/s = {:.2} GB/s, {:.1}% of measured bandwidth",

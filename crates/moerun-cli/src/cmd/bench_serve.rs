@@ -10,12 +10,11 @@ use moerun_server::client::HttpClient;
 use moerun_server::Server;
 use moerun_text::Tokenizer;
 
-use super::serve::{check_device, load_model, server_options};
+use super::serve::{load_model, server_options};
 use super::CliResult;
 use crate::BenchServeArgs;
 
 pub fn run(args: &BenchServeArgs) -> CliResult {
-    check_device(&args.serve.device)?;
     let concurrencies = parse_list(&args.concurrency)?;
     // Kept alive until the sweep ends; dropping it stops the in-process server.
     let mut local: Option<Server> = None;
@@ -33,6 +32,7 @@ pub fn run(args: &BenchServeArgs) -> CliResult {
             let model = load_model(
                 args.serve.model.as_deref(),
                 args.serve.served_model_name.clone(),
+                args.serve.device.device,
             )?;
             let vocab = model.tokenizer.vocab_size().min(model.vocab_size());
             let name = model.name.clone();

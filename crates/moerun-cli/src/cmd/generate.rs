@@ -24,7 +24,7 @@ pub fn run(args: &GenerateArgs) -> CliResult {
     if prompt.trim().is_empty() {
         return Err("the prompt is empty".into());
     }
-    let tm = TextModel::load(args.model.as_deref())?;
+    let tm = TextModel::load(args.model.as_deref(), args.device.device)?;
     let prompt_ids = if args.chat {
         let mut messages = Vec::new();
         if let Some(system) = &args.system {
@@ -99,7 +99,7 @@ pub fn run_generation(
     stops: &[String],
     emit: impl FnMut(&str),
 ) -> CliResult<(String, Generation)> {
-    let mut kv = tm.kv_cache(prompt_ids.len() + max_new);
+    let mut kv = tm.kv_cache(prompt_ids.len() + max_new)?;
     let mut seq = Sequence::new(prompt_ids);
     continue_generation(tm, &mut kv, &mut seq, params, max_new, stops, emit)
 }

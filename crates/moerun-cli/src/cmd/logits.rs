@@ -10,7 +10,7 @@ use crate::LogitsArgs;
 
 pub fn run(args: &LogitsArgs) -> CliResult {
     let tokens = parse_tokens(&args.tokens)?;
-    let model = Model::load(&args.model)?;
+    let model = Model::load_on(&args.model, args.device.device)?;
     let logits = compute(&model, &tokens, args.incremental)?;
     write_npy_f32(&args.out, &[tokens.len(), model.config.vocab_size], &logits)?;
     Ok(())
@@ -18,7 +18,7 @@ pub fn run(args: &LogitsArgs) -> CliResult {
 
 /// Logits `[tokens.len(), vocab]`, via one prefill or one step per token.
 pub fn compute(model: &Model, tokens: &[u32], incremental: bool) -> CliResult<Vec<f32>> {
-    let mut kv = SequenceKv::with_capacity(&model.config, tokens.len());
+    let mut kv = SequenceKv::for_model(model, tokens.len())?;
     let mut seq = Sequence::new(tokens.to_vec());
     if !incremental {
         let out = run_step(

@@ -18,7 +18,7 @@ const DEFAULT_CONTEXT: usize = 512;
 pub fn run(args: &PerplexityArgs) -> CliResult {
     let text =
         std::fs::read_to_string(&args.file).map_err(|e| format!("{}: {e}", args.file.display()))?;
-    let tm = TextModel::load(args.model.as_deref())?;
+    let tm = TextModel::load(args.model.as_deref(), args.device.device)?;
     let context = args
         .context
         .unwrap_or(DEFAULT_CONTEXT.min(tm.context_len()));
@@ -37,7 +37,7 @@ pub fn run(args: &PerplexityArgs) -> CliResult {
         return Err(format!("{}: fewer than two tokens to score", args.file.display()).into());
     }
     let windows: Vec<&[u32]> = tokens.chunks(context).filter(|w| w.len() >= 2).collect();
-    let mut kv = tm.kv_cache(context);
+    let mut kv = tm.kv_cache(context)?;
     let (mut nll, mut scored) = (0.0f64, 0usize);
     for (i, window) in windows.iter().enumerate() {
         let mut seq = Sequence::new(window.to_vec());

@@ -5,15 +5,19 @@
 use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 
+use moerun_core::Device;
 use moerun_server::{ServedModel, Server, ServerOptions};
 
 use super::CliResult;
 use crate::ServeArgs;
 
 pub fn run(args: &ServeArgs) -> CliResult {
-    check_device(&args.device)?;
     let options = server_options(args, true)?;
-    let model = load_model(args.model.as_deref(), args.served_model_name.clone())?;
+    let model = load_model(
+        args.model.as_deref(),
+        args.served_model_name.clone(),
+        args.device.device,
+    )?;
     let name = model.name.clone();
     let server = Server::start(model, &options)?;
     let s = &server.scheduler;
@@ -36,24 +40,19 @@ pub fn run(args: &ServeArgs) -> CliResult {
     Ok(())
 }
 
-/// Only the CPU backend exists; CUDA is refused by name rather than silently run on the CPU.
-pub fn check_device(device: &str) -> CliResult {
-    match device {
-        "cpu" => Ok(()),
-        "cuda" => Err("--device cuda: the CUDA backend is not built yet; use --device cpu".into()),
-        other => Err(format!("--device {other}: unknown device (supported: cpu)").into()),
-    }
-}
-
 /// The checkpoint at `--model` (served under its path as given, as vLLM does, unless
 /// `--served-model-name` says otherwise), or the embedded default model (served as `default`).
-pub fn load_model(model: Option<&Path>, served_name: Option<String>) -> CliResult<ServedModel> {
+pub fn load_model(
+    model: Option<&Path>,
+    served_name: Option<String>,
+    device: Device,
+) -> CliResult<ServedModel> {
     let dir = super::default_model::resolve(model)?;
     let name = served_name.unwrap_or_else(|| match model {
         Some(path) => path.display().to_string(),
         None => "default".to_string(),
     });
-    Ok(ServedModel::load(&dir, name)?)
+    Ok(ServedModel::load_on(&dir, name, device)?)
 }
 
 /// The server options the flags describe. `ctrl_c`: stop on Ctrl-C.
@@ -77,15 +76,3 @@ pub fn server_options(args: &ServeArgs, ctrl_c: bool) -> CliResult<ServerOptions
     })
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn cuda_is_refused_by_name_and_cpu_accepted() {
-        assert!(check_device("cpu").is_ok());
-        let e = check_device("cuda").unwrap_err().to_string();
-        assert!(e.contains("CUDA backend is not built yet"), "{e}");
-        assert!(check_device("metal").is_err());
-    }
-}

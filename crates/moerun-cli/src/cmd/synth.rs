@@ -12,9 +12,10 @@ pub use write::SplitMix64;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use moerun_core::DType;
+use moerun_core::{DType, SharedBytes, Tensor};
 use moerun_model::stats::{human_count, ParamStats};
-use moerun_model::ModelConfig;
+use moerun_model::checkpoint::Checkpoint;
+use moerun_model::{Model, ModelConfig};
 use serde_json::Value;
 
 use super::inspect::human_bytes;
@@ -31,21 +32,9 @@ pub fn run(args: &SynthArgs) -> CliResult {
     };
     let dtype = DType::parse(&args.dtype)
         .ok_or_else(|| format!("--dtype '{}': expected bf16, f16 or f32", args.dtype))?;
-    let (name, raw) = source(like)?;
-    // Refuse unsupported families before anything touches the disk.
-    ModelConfig::from_json(&raw).map_err(|e| format!("{name}: {e}"))?;
-    let full = plan::raw_num_layers(&raw)
-        .ok_or_else(|| format!("{name}: config has no num_hidden_layers"))?;
-    let layers = match args.layers {
-        None => full,
-        Some(0) => return Err("--layers must be at least 1".into()),
-        Some(n) if n > full => {
-            return Err(format!("--layers {n}: {name} has only {full} layers").into())
-        }
-        Some(n) => n,
-    };
-    let config_json = plan::rewrite_config(&raw, layers, dtype);
-    let cfg = ModelConfig::from_json(&config_json).map_err(|e| format!("{name}: {e}"))?;
+    let (name, config_json, cfg) = resolve(like, args.layers, dtype)?;
+    let layers = cfg.num_layers();
+    let full = plan::raw_num_layers(&source(like)?.1).unwrap_or(layers);
     prepare_out_dir(out)?;
 
     let start = Instant::now();
@@ -74,6 +63,69 @@ pub fn run(args: &SynthArgs) -> CliResult {
         start.elapsed().as_secs_f64()
     );
     Ok(())
+}
+
+/// The config a synthetic model of `like` (its first `layers` layers, weights in `dtype`) has:
+/// (name, rewritten config.json, resolved config). Unsupported families are refused here.
+fn resolve(
+    like: &str,
+    layers: Option<usize>,
+    dtype: DType,
+) -> CliResult<(String, Value, ModelConfig)> {
+    let (name, raw) = source(like)?;
+    ModelConfig::from_json(&raw).map_err(|e| format!("{name}: {e}"))?;
+    let full = plan::raw_num_layers(&raw)
+        .ok_or_else(|| format!("{name}: config has no num_hidden_layers"))?;
+    let layers = match layers {
+        None => full,
+        Some(0) => return Err("--layers must be at least 1".into()),
+        Some(n) if n > full => {
+            return Err(format!("--layers {n}: {name} has only {full} layers").into())
+        }
+        Some(n) => n,
+    };
+    let config_json = plan::rewrite_config(&raw, layers, dtype);
+    let cfg = ModelConfig::from_json(&config_json).map_err(|e| format!("{name}: {e}"))?;
+    Ok((name, config_json, cfg))
+}
+
+/// A synthetic model of `like` held in memory, never written: the checkpoint's tensors have the
+/// plan's names and shapes, but every matrix is a window onto one shared zero buffer (at its own
+/// offset, so each has its own identity), and only the small vectors (norm weights, biases)
+/// hold their real initial values. Meant for a device backend that draws the matrices itself
+/// ([`moerun_model::cuda::WeightSource::Random`]): a 60 GB model costs the host well under 1 GB.
+pub fn in_memory(like: &str, layers: Option<usize>, dtype: DType) -> CliResult<(String, Model)> {
+    let (name, config_json, cfg) = resolve(like, layers, dtype)?;
+    let tensors = plan::tensors(&cfg);
+    const STRIDE: usize = 64;
+    let largest = tensors.iter().map(|t| t.numel() * dtype.size()).max().unwrap_or(0);
+    let shared = SharedBytes::from_vec(vec![0u8; largest + STRIDE * tensors.len()]);
+    let mut rng = SplitMix64::new(0x73_796e_7468);
+    let mut named = Vec::with_capacity(tensors.len());
+    for (i, t) in tensors.iter().enumerate() {
+        let bytes = t.numel() * dtype.size();
+        let data = if t.shape.len() >= 2 {
+            shared
+                .slice(i * STRIDE, bytes)
+                .ok_or("synthetic model: shared buffer too small")?
+        } else {
+            let mut v = vec![0u8; bytes];
+            write::fill(t.init, dtype, &mut rng, &mut v);
+            SharedBytes::from_vec(v)
+        };
+        let tensor = Tensor::new(dtype, t.shape.clone(), data)?;
+        named.push((t.name.clone(), tensor));
+    }
+    let generation = plan::generation_config(&config_json);
+    let checkpoint = Checkpoint::in_memory(
+        &format!("synthetic {name}"),
+        [
+            ("config.json".to_string(), config_json),
+            ("generation_config.json".to_string(), generation),
+        ],
+        named,
+    );
+    Ok((name, Model::from_checkpoint(checkpoint)?))
 }
 
 /// The config `--like` names: a known model, a config.json path, or a checkpoint directory.

@@ -6,6 +6,8 @@ use std::path::{Path, PathBuf};
 use moerun_engine::generation_config::GenerationConfig;
 use moerun_engine::stop::StopTokens;
 use moerun_engine::SequenceKv;
+use moerun_core::Device;
+use moerun_model::cuda::WeightSource;
 use moerun_model::Model;
 use moerun_text::Tokenizer;
 
@@ -21,12 +23,13 @@ pub struct TextModel {
 
 impl TextModel {
     /// Load the checkpoint at `--model`, or the embedded default model when none is given.
-    pub fn load(model: Option<&Path>) -> CliResult<TextModel> {
+    pub fn load(model: Option<&Path>, device: Device) -> CliResult<TextModel> {
         let dir = super::default_model::resolve(model)?;
-        let model = Model::load(&dir)?;
+        let mut model = Model::load(&dir)?;
         // The tokenizer first: a missing file is reported before any slow paging in.
         let tokenizer = Tokenizer::from_dir(&dir)?;
         super::progress::load_weights_with_progress(&model);
+        model.place(device, WeightSource::Host)?;
         let generation = GenerationConfig::load(&dir)?;
         Ok(TextModel {
             dir,
@@ -51,8 +54,8 @@ impl TextModel {
     }
 
     /// A KV cache for sequences of up to `tokens` tokens.
-    pub fn kv_cache(&self, tokens: usize) -> SequenceKv {
-        SequenceKv::with_capacity(&self.model.config, tokens)
+    pub fn kv_cache(&self, tokens: usize) -> CliResult<SequenceKv> {
+        Ok(SequenceKv::for_model(&self.model, tokens)?)
     }
 
     /// Refuse a prompt that leaves no room to generate.

@@ -6,6 +6,7 @@
 //! Each wrapper documents its kernel's launch shape; the `.cu` file repeats it beside the kernel.
 
 mod activation;
+mod elementwise;
 mod embedding;
 mod gemm;
 mod gemv;
@@ -13,6 +14,7 @@ mod norm;
 mod rope;
 mod router;
 
+pub(crate) use elementwise::ElementwiseKernels;
 pub use gemm::GemmOut;
 pub use gemv::GemvLayout;
 pub use rope::DeviceRope;

@@ -183,6 +183,12 @@ impl Engine {
         metrics: Arc<Metrics>,
     ) -> Result<(Engine, EngineHandle), String> {
         config.scheduler.validate().map_err(|e| e.to_string())?;
+        // The scheduler's block manager is the only allocator of this storage. Made here, not
+        // in the engine thread, so that a device out of memory fails the start with its reason.
+        let kv = model
+            .model
+            .new_kv_cache(config.scheduler.num_blocks, config.scheduler.block_size)
+            .map_err(|e| format!("KV cache: {e}"))?;
         // Enough room for a burst of submissions; the scheduler's own waiting queue is the
         // real bound, this one only absorbs what arrives during one step.
         let capacity = config.scheduler.max_waiting.max(1);
@@ -195,7 +201,7 @@ impl Engine {
                 // Cleared on the way out however the loop ends, a panic included, so that
                 // `/health` reports a dead engine.
                 let _alive = AliveGuard(flag);
-                run::engine_loop(&model, &config, receiver, &metrics);
+                run::engine_loop(&model, &config, kv, receiver, &metrics);
             })
             .map_err(|e| format!("could not start the engine thread: {e}"))?;
         Ok((

@@ -27,6 +27,7 @@ use crate::served::ServedModel;
 pub(super) fn engine_loop(
     model: &ServedModel,
     config: &EngineConfig,
+    mut kv: KvCache,
     mut commands: mpsc::Receiver<Command>,
     metrics: &Metrics,
 ) {
@@ -36,12 +37,6 @@ pub(super) fn engine_loop(
         // Validated in `Engine::start`; nothing to serve with otherwise.
         Err(_) => return,
     };
-    // The scheduler's block manager is the only allocator of this storage.
-    let mut kv = KvCache::new(
-        &model.model.config,
-        sched_config.num_blocks,
-        sched_config.block_size,
-    );
     // Linear-attention state (Gated DeltaNet layers), one slot per running sequence: the slot is
     // the sequence's first KV block, unique while prefix caching is off for such models. A
     // sequence (re)starting at position 0 starts from a zero state, so preemption needs nothing.

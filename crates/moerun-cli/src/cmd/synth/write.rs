@@ -70,7 +70,7 @@ fn chunk_rng(seed: u64, tensor: usize, chunk: usize) -> SplitMix64 {
 }
 
 /// Fill `out` (whole elements of `dtype`) with values drawn by `init`.
-fn fill(init: Init, dtype: DType, rng: &mut SplitMix64, out: &mut [u8]) {
+pub(super) fn fill(init: Init, dtype: DType, rng: &mut SplitMix64, out: &mut [u8]) {
     let mut value = || match init {
         Init::Ones => 1.0,
         Init::Zeros => 0.0,

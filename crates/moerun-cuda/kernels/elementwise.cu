@@ -1,0 +1,65 @@
+// Small elementwise kernels the forward pass strings between the big ones: residual add, bias
+// add, clamp, row gather, the sigmoid-gated shared-expert add, and the hash-based random fill of
+// synthetic benchmark weights.
+// Launch (all but gather_rows): 1-D grid-stride, block 256, grid min(ceil(n / 256), 32 * SMs).
+
+extern "C" __global__ void add_f32(float* x, const float* __restrict__ y, u64 n) {
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) x[i] += y[i];
+}
+
+// x[r, c] += bias[c] for `n` = rows * width elements.
+extern "C" __global__ void add_bias_f32(float* x, const float* __restrict__ bias, u64 n, int width) {
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        x[i] += bias[i % (u64)width];
+}
+
+extern "C" __global__ void clamp_f32(float* x, float c, u64 n) {
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        x[i] = fminf(fmaxf(x[i], -c), c);
+}
+
+// out[t, :] += sigmoid(gate[t]) * s[t, :], Qwen2-MoE's gated shared expert; `gate` may be null
+// (an ungated shared expert: scale 1). n = rows * width.
+extern "C" __global__ void add_sigmoid_scaled_f32(float* out, const float* __restrict__ s,
+                                                  const float* __restrict__ gate, u64 n, int width) {
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        float scale = 1.0f;
+        if (gate) scale = 1.0f / (1.0f + expf(-gate[i / (u64)width]));
+        out[i] += scale * s[i];
+    }
+}
+
+// out[j, :] = x[rows[j], :]. Launch: grid (rows), block 256.
+extern "C" __global__ void gather_rows_f32(const float* __restrict__ x, const int* __restrict__ rows,
+                                           float* out, int width) {
+    const float* src = x + (u64)rows[blockIdx.x] * width;
+    float* dst = out + (u64)blockIdx.x * width;
+    for (int c = threadIdx.x; c < width; c += blockDim.x) dst[c] = src[c];
+}
+
+// Random weights for benchmarks: element i of a tensor seeded `seed` is uniform in
+// [-scale, scale), from a 64-bit mix of (seed, i), so any tensor size fills at full bandwidth
+// with no state. Written as bf16 or f32 bit patterns.
+__device__ __forceinline__ float hash_uniform(u64 seed, u64 i) {
+    u64 z = seed * 0x9E3779B97F4A7C15ull + i + 0x632BE59BD9B4E019ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    return (float)(z >> 40) * (1.0f / 16777216.0f) * 2.0f - 1.0f;
+}
+
+extern "C" __global__ void fill_random_bf16(u16* out, u64 n, u64 seed, float scale) {
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        out[i] = f32_to_bf16(hash_uniform(seed, i) * scale);
+}
+
+extern "C" __global__ void fill_random_f32(float* out, u64 n, u64 seed, float scale) {
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        out[i] = hash_uniform(seed, i) * scale;
+}

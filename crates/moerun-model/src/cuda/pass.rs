@@ -1,0 +1,282 @@
+//! One forward pass on the GPU: the [`Backend`] ops as device kernels over f32 activation
+//! buffers. Nothing here waits for the device except [`Backend::to_host`] at the end (and the
+//! fused MoE op's prefill path, which groups tokens by expert on the host).
+//!
+//! Linear layers: up to [`GEMV_MAX_ROWS`] rows run the GEMV (f32 activations, weights streamed
+//! once per 8 rows); more rows run cuBLAS, whose bf16 path rounds the activations to bf16 first
+//! (f32 weights stay an exact f32 SGEMM). That rounding is the main difference between GPU
+//! prefill and the CPU (relative error ~1e-3 on bf16 models).
+
+use moerun_core::{DType, Error, Result, Tensor};
+use moerun_cuda::{CudaSlice, RouterShape};
+
+#[allow(unused_imports)]
+use super::pending::PendingOps;
+use super::pending::{AttentionShape, TokenPlacement};
+
+use super::{dev_err, tensor_key, CudaModel, DeviceKv};
+use crate::backend::{AttentionSpec, Backend};
+use crate::batch::Batch;
+use crate::config::MoeConfig;
+use crate::weights::{GatedDeltaNetWeights, Linear, MlpWeights, MoeWeights};
+
+/// Rows up to which a linear layer runs the GEMV rather than cuBLAS: the GEMV streams the
+/// weights once per 8 rows, so past a few launches the GEMM's single read wins.
+pub const GEMV_MAX_ROWS: usize = 16;
+
+/// The batch's placement on the device, shared by every layer.
+struct Placement {
+    positions_u32: CudaSlice<u32>,
+    positions: CudaSlice<i32>,
+    table_start: CudaSlice<i32>,
+    block_tables: CudaSlice<i32>,
+    max_context: usize,
+}
+
+/// A forward pass of a [`CudaModel`] over one batch, writing into `kv`.
+pub struct CudaPass<'a> {
+    m: &'a CudaModel,
+    kv: &'a mut DeviceKv,
+    at: Placement,
+}
+
+impl<'a> CudaPass<'a> {
+    pub fn new(m: &'a CudaModel, batch: &Batch, kv: &'a mut DeviceKv) -> Result<CudaPass<'a>> {
+        let n = batch.num_tokens();
+        let mut positions = Vec::with_capacity(n);
+        let mut table_start = Vec::with_capacity(n);
+        let mut tables: Vec<i32> = Vec::new();
+        let mut max_context = 0;
+        for seq in &batch.seqs {
+            let start = i32::try_from(tables.len())
+                .map_err(|_| Error::InvalidArgument("block tables too large".into()))?;
+            tables.extend(seq.block_table.blocks.iter().map(|&b| b as i32));
+            for i in 0..seq.tokens.len() {
+                positions.push((seq.start_pos + i) as i32);
+                table_start.push(start);
+            }
+            max_context = max_context.max(seq.start_pos + seq.tokens.len());
+        }
+        if tables.is_empty() {
+            tables.push(0); // a zero-length device buffer cannot be passed to a kernel
+        }
+        let dev = &m.dev;
+        let positions_u32: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
+        let at = Placement {
+            positions_u32: dev.upload(&positions_u32).map_err(dev_err)?,
+            positions: dev.upload(&positions).map_err(dev_err)?,
+            table_start: dev.upload(&table_start).map_err(dev_err)?,
+            block_tables: dev.upload(&tables).map_err(dev_err)?,
+            max_context,
+        };
+        Ok(CudaPass { m, kv, at })
+    }
+
+    fn alloc(&self, len: usize) -> Result<CudaSlice<f32>> {
+        self.m.dev.zeros(len).map_err(dev_err)
+    }
+
+    /// `x · Wᵀ` for the device copy of `w`.
+    fn product(&self, x: &CudaSlice<f32>, w: &Tensor) -> Result<CudaSlice<f32>> {
+        let d = self.m.mat(w)?;
+        let rows = x.len() / d.cols();
+        let mut out = self.alloc(rows * d.rows())?;
+        let dev = &self.m.dev;
+        if rows <= GEMV_MAX_ROWS || d.dtype() == DType::F16 {
+            dev.gemv(x, rows, d, &mut out).map_err(dev_err)?;
+        } else {
+            dev.gemm(x, rows, d, &mut out).map_err(dev_err)?;
+        }
+        Ok(out)
+    }
+}
+
+impl Backend for CudaPass<'_> {
+    type Act = CudaSlice<f32>;
+
+    fn embed(&mut self, table: &Tensor, tokens: &[u32]) -> Result<CudaSlice<f32>> {
+        let d = self.m.mat(table)?;
+        let mut out = self.alloc(tokens.len() * d.cols())?;
+        self.m.dev.embed(d, tokens, &mut out).map_err(dev_err)?;
+        Ok(out)
+    }
+
+    fn rms_norm(&mut self, x: &CudaSlice<f32>, weight: &[f32], eps: f32) -> Result<CudaSlice<f32>> {
+        let w = self.m.vec(weight)?;
+        let mut out = self.alloc(x.len())?;
+        self.m.dev.rms_norm(x, w, eps, &mut out).map_err(dev_err)?;
+        Ok(out)
+    }
+
+    fn add_assign(&mut self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>) -> Result<()> {
+        self.m.dev.add_assign(x, y).map_err(dev_err)
+    }
+
+    fn linear(&mut self, x: &CudaSlice<f32>, l: &Linear) -> Result<CudaSlice<f32>> {
+        let mut out = self.product(x, &l.weight)?;
+        if let Some(b) = &l.bias {
+            let bias = self.m.vec(b)?;
+            self.m.dev.add_bias(&mut out, bias).map_err(dev_err)?;
+        }
+        Ok(out)
+    }
+
+    fn matmul(&mut self, x: &CudaSlice<f32>, w: &Tensor) -> Result<CudaSlice<f32>> {
+        self.product(x, w)
+    }
+
+    fn clamp(&mut self, x: &mut CudaSlice<f32>, c: f32) -> Result<()> {
+        self.m.dev.clamp(x, c).map_err(dev_err)
+    }
+
+    fn rope(&mut self, x: &mut CudaSlice<f32>, heads: usize, head_dim: usize) -> Result<()> {
+        self.m
+            .dev
+            .rope(x, &self.at.positions_u32, &self.m.rope, heads, head_dim)
+            .map_err(dev_err)
+    }
+
+    fn split_query_gate(
+        &mut self,
+        _q_and_gate: &CudaSlice<f32>,
+        _head_dim: usize,
+    ) -> Result<(CudaSlice<f32>, CudaSlice<f32>)> {
+        Err(Error::Unsupported(
+            "attention output gates on the CUDA backend".into(),
+        ))
+    }
+
+    fn sigmoid_gate(&mut self, _x: &mut CudaSlice<f32>, _gate: &CudaSlice<f32>) -> Result<()> {
+        Err(Error::Unsupported(
+            "attention output gates on the CUDA backend".into(),
+        ))
+    }
+
+    fn attention(
+        &mut self,
+        layer: usize,
+        q: &CudaSlice<f32>,
+        k: &CudaSlice<f32>,
+        v: &CudaSlice<f32>,
+        spec: &AttentionSpec,
+    ) -> Result<CudaSlice<f32>> {
+        let dev = &self.m.dev;
+        let at = TokenPlacement {
+            positions: &self.at.positions,
+            table_start: &self.at.table_start,
+            block_tables: &self.at.block_tables,
+            max_context: self.at.max_context,
+        };
+        let pool = self.kv.pools[layer]
+            .as_mut()
+            .ok_or_else(|| Error::Device(format!("layer {layer} has no KV pool")))?;
+        dev.kv_write(pool, k, v, &at).map_err(dev_err)?;
+        let shape = AttentionShape {
+            num_heads: spec.num_heads,
+            num_kv_heads: spec.num_kv_heads,
+            head_dim: spec.head_dim,
+            scale: spec.scale,
+            sliding_window: spec.sliding_window,
+        };
+        let rows = q.len() / (spec.num_heads * spec.head_dim);
+        let mut out = dev
+            .zeros(rows * spec.num_heads * spec.head_dim)
+            .map_err(dev_err)?;
+        dev.paged_attention(q, pool, &at, &shape, &mut out)
+            .map_err(dev_err)?;
+        Ok(out)
+    }
+
+    fn mlp(&mut self, x: &CudaSlice<f32>, w: &MlpWeights) -> Result<CudaSlice<f32>> {
+        let mut g = self.linear(x, &w.gate_proj)?;
+        let u = self.linear(x, &w.up_proj)?;
+        self.m.dev.silu_mul(&mut g, &u).map_err(dev_err)?;
+        self.linear(&g, &w.down_proj)
+    }
+
+    fn moe(&mut self, x: &CudaSlice<f32>, cfg: &MoeConfig, w: &MoeWeights) -> Result<CudaSlice<f32>> {
+        let dev = &self.m.dev;
+        let hidden = w.router.shape[1];
+        let rows = x.len() / hidden;
+        let k = cfg.top_k;
+        let logits = self.product(x, &w.router)?;
+        let mut ids = dev.zeros::<u32>(rows * k).map_err(dev_err)?;
+        let mut weights = self.alloc(rows * k)?;
+        let shape = RouterShape {
+            experts: cfg.num_experts,
+            top_k: k,
+            renormalise: cfg.norm_topk_prob,
+        };
+        dev.route_topk(&logits, shape, &mut ids, &mut weights)
+            .map_err(dev_err)?;
+        let experts = self
+            .m
+            .experts
+            .get(&tensor_key(&w.router))
+            .ok_or_else(|| Error::Device("internal: a MoE layer's experts were not uploaded".into()))?;
+        let mut out = self.alloc(rows * hidden)?;
+        {
+            let mut guard = self
+                .m
+                .moe_scratch
+                .lock()
+                .map_err(|_| Error::Device("MoE scratch poisoned by an earlier panic".into()))?;
+            let fits = matches!(&*guard, Some((cap, _)) if *cap >= rows);
+            if !fits {
+                let cap = rows.next_power_of_two().max(16);
+                let scratch = dev.moe_scratch(experts, cap, k).map_err(dev_err)?;
+                *guard = Some((cap, scratch));
+            }
+            let (_, scratch) = guard.as_mut().expect("scratch made above");
+            dev.moe_experts(x, &ids, &weights, k, experts, scratch, &mut out)
+                .map_err(dev_err)?;
+        }
+        if let Some(shared) = &w.shared_expert {
+            let s = self.mlp(x, shared)?;
+            let gate = match &w.shared_expert_gate {
+                Some(g) => Some(self.product(x, g)?),
+                None => None,
+            };
+            self.m
+                .dev
+                .add_sigmoid_scaled(&mut out, &s, gate.as_ref(), hidden)
+                .map_err(dev_err)?;
+        }
+        Ok(out)
+    }
+
+    fn gated_deltanet(
+        &mut self,
+        _layer: usize,
+        _w: &GatedDeltaNetWeights,
+        _xn: &CudaSlice<f32>,
+    ) -> Result<CudaSlice<f32>> {
+        Err(Error::Unsupported(
+            "Gated DeltaNet layers on the CUDA backend".into(),
+        ))
+    }
+
+    fn select_rows(
+        &mut self,
+        x: &CudaSlice<f32>,
+        width: usize,
+        rows: &[usize],
+    ) -> Result<CudaSlice<f32>> {
+        let idx: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
+        let dev = &self.m.dev;
+        if idx.is_empty() {
+            return self.alloc(0);
+        }
+        let idx = dev.upload(&idx).map_err(dev_err)?;
+        let mut out = self.alloc(rows.len() * width)?;
+        dev.gather_rows(x, &idx, width, &mut out).map_err(dev_err)?;
+        Ok(out)
+    }
+
+    fn to_host(&mut self, x: CudaSlice<f32>) -> Result<Vec<f32>> {
+        if x.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.m.dev.download(&x).map_err(dev_err)
+    }
+}

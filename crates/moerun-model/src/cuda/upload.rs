@@ -1,0 +1,196 @@
+//! Putting a model's weights on the device: every matrix in its stored dtype, every small vector
+//! (norm weights, biases) as f32, each MoE layer's experts stacked.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use moerun_core::{DType, Result, Tensor};
+use moerun_cuda::{CudaDevice, CudaSlice, DeviceMatrix};
+
+#[allow(unused_imports)]
+use super::pending::PendingOps;
+use super::pending::DeviceExperts;
+
+use super::{dev_err, tensor_key, vec_key, CudaModel};
+use crate::attention::Rope;
+use crate::weights::{FfnWeights, Linear, MixerWeights, MlpWeights, ModelWeights, MoeWeights};
+
+/// Where the device copy of each matrix comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightSource {
+    /// The host tensor's bytes (a real checkpoint).
+    Host,
+    /// Uniform random values drawn on the device (synthetic benchmark models: a 60 GB model
+    /// need not exist on the host). The std is transformers' usual `initializer_range`, 0.02;
+    /// norm weights and biases still come from the host.
+    Random { seed: u64 },
+}
+
+/// Uniform bound with std 0.02 (a uniform on `[-a, a]` has std `a / √3`).
+const RANDOM_BOUND: f32 = 0.02 * 1.732_050_8;
+
+struct Uploader<'a> {
+    dev: &'a CudaDevice,
+    source: WeightSource,
+    mats: HashMap<(usize, usize), DeviceMatrix>,
+    vecs: HashMap<(usize, usize), CudaSlice<f32>>,
+    experts: HashMap<(usize, usize), DeviceExperts>,
+    bytes: usize,
+    next_seed: u64,
+}
+
+impl Uploader<'_> {
+    fn seed(&mut self, base: u64) -> u64 {
+        self.next_seed += 1;
+        base ^ self.next_seed.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+    }
+
+    fn matrix(&mut self, t: &Tensor) -> Result<()> {
+        let key = tensor_key(t);
+        if self.mats.contains_key(&key) {
+            return Ok(()); // tied weights: one device copy
+        }
+        let m = t.mat();
+        let d = match self.source {
+            WeightSource::Host => self.dev.upload_matrix(m),
+            WeightSource::Random { seed } => {
+                let seed = self.seed(seed);
+                self.dev
+                    .random_matrix(m.dtype, m.rows, m.cols, seed, RANDOM_BOUND)
+            }
+        }
+        .map_err(dev_err)?;
+        self.bytes += d.byte_len();
+        self.mats.insert(key, d);
+        Ok(())
+    }
+
+    fn vector(&mut self, v: &[f32]) -> Result<()> {
+        let key = vec_key(v);
+        if !self.vecs.contains_key(&key) {
+            let d = self.dev.upload(v).map_err(dev_err)?;
+            self.vecs.insert(key, d);
+        }
+        Ok(())
+    }
+
+    fn linear(&mut self, l: &Linear) -> Result<()> {
+        self.matrix(&l.weight)?;
+        if let Some(b) = &l.bias {
+            self.vector(b)?;
+        }
+        Ok(())
+    }
+
+    fn mlp(&mut self, w: &MlpWeights) -> Result<()> {
+        self.linear(&w.gate_proj)?;
+        self.linear(&w.up_proj)?;
+        self.linear(&w.down_proj)
+    }
+
+    fn random_bytes(&mut self, dtype: DType, len: usize, seed: u64) -> Result<CudaSlice<u8>> {
+        let seed = self.seed(seed);
+        let mut buf = self.dev.zeros::<u8>(len * dtype.size()).map_err(dev_err)?;
+        self.dev
+            .fill_random(&mut buf, dtype, seed, RANDOM_BOUND)
+            .map_err(dev_err)?;
+        Ok(buf)
+    }
+
+    fn moe(&mut self, w: &MoeWeights) -> Result<()> {
+        self.matrix(&w.router)?;
+        if let Some(shared) = &w.shared_expert {
+            self.mlp(shared)?;
+        }
+        if let Some(gate) = &w.shared_expert_gate {
+            self.matrix(gate)?;
+        }
+        let Some(first) = w.experts.first() else {
+            return Ok(());
+        };
+        let (dtype, inter, hidden) = (first.gate.dtype, first.gate.shape[0], first.gate.shape[1]);
+        let stacked = match self.source {
+            WeightSource::Host => {
+                let parts: Vec<_> = w
+                    .experts
+                    .iter()
+                    .map(|e| (e.gate.mat(), e.up.mat(), e.down.mat()))
+                    .collect();
+                self.dev.upload_experts(&parts).map_err(dev_err)?
+            }
+            WeightSource::Random { seed } => {
+                let n = w.experts.len() * inter * hidden;
+                let gate_up = self.random_bytes(dtype, 2 * n, seed)?;
+                let down = self.random_bytes(dtype, n, seed)?;
+                self.dev
+                    .experts_from_parts(dtype, w.experts.len(), hidden, inter, gate_up, down)
+                    .map_err(dev_err)?
+            }
+        };
+        self.bytes += stacked.bytes();
+        self.experts.insert(tensor_key(&w.router), stacked);
+        Ok(())
+    }
+}
+
+/// Upload `w` to `dev` (or draw it there, per `source`).
+pub(crate) fn upload(
+    dev: CudaDevice,
+    w: &ModelWeights,
+    rope: &Rope,
+    source: WeightSource,
+) -> Result<CudaModel> {
+    let (inv_freq, attention_factor) = rope.parts();
+    let rope = dev.upload_rope(inv_freq, attention_factor).map_err(dev_err)?;
+    let mut u = Uploader {
+        dev: &dev,
+        source,
+        mats: HashMap::new(),
+        vecs: HashMap::new(),
+        experts: HashMap::new(),
+        bytes: 0,
+        next_seed: 0,
+    };
+    u.matrix(&w.embed_tokens)?;
+    for layer in &w.layers {
+        u.vector(&layer.input_layernorm)?;
+        u.vector(&layer.post_attention_layernorm)?;
+        match &layer.mixer {
+            MixerWeights::Attention(a) => {
+                for l in [&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj] {
+                    u.linear(l)?;
+                }
+                for n in [&a.q_norm, &a.k_norm].into_iter().flatten() {
+                    u.vector(n)?;
+                }
+            }
+            MixerWeights::GatedDeltaNet(_) => {
+                return Err(moerun_core::Error::Unsupported(
+                    "Gated DeltaNet layers on the CUDA backend".into(),
+                ))
+            }
+        }
+        match &layer.ffn {
+            FfnWeights::Dense(m) => u.mlp(m)?,
+            FfnWeights::Moe(m) => u.moe(m)?,
+        }
+    }
+    u.vector(&w.norm)?;
+    u.matrix(&w.lm_head)?;
+    let Uploader {
+        mats,
+        vecs,
+        experts,
+        bytes,
+        ..
+    } = u;
+    Ok(CudaModel {
+        dev,
+        mats,
+        vecs,
+        experts,
+        rope,
+        moe_scratch: Mutex::new(None),
+        weight_bytes: bytes,
+    })
+}
