@@ -3,11 +3,15 @@
 #
 #   scripts/gpu-build.sh
 #
-# 1. `cargo build --release` of the moerun binary (a check that the release build holds; the
-#    binary itself is not packed: it is larger than what a device call may carry).
-# 2. The moerun-cuda test executables (`cargo test --release -p moerun-cuda --no-run`) and the
-#    ops_bench example, stripped and packed into .gpu-bin/moerun-cuda-gpu.tar.gz. .gpu-bin/ is
-#    git-ignored (.git/info/exclude); scripts/gpu-check.sh travels with the working tree.
+# 1. The moerun binary without the embedded default model (MOERUN_NO_EMBEDDED_MODEL=1: the
+#    working tree plus what is carried must stay under the device tool's 64 MiB; the default
+#    model travels anyway as models/default/), stripped.
+# 2. The GPU test executables: every moerun-cuda test target (`cargo test --release -p
+#    moerun-cuda --no-run`), moerun-model's unit tests (the backend ops, CPU vs GPU) and
+#    moerun-engine's conformance_gpu, plus the ops_bench example, stripped.
+# All packed into .gpu-bin/moerun-gpu.tar.xz. .gpu-bin/ is git-ignored (.git/info/exclude);
+# scripts/gpu-check.sh travels with the working tree. The normal build (with the embedded model)
+# is restored at the end.
 #
 # Then, on the device machine (the `run` tool, carrying .gpu-bin):
 #   bash scripts/gpu-check.sh
@@ -19,22 +23,25 @@ if [ -f "$exclude" ] && ! grep -qxF '/.gpu-bin/' "$exclude"; then
     echo '/.gpu-bin/' >>"$exclude"
 fi
 
-cargo build --release -p moerun-cli
-cargo build --release -p moerun-cuda --example ops_bench
-tests_json=$(cargo test --release -p moerun-cuda --no-run --message-format=json)
-
 rm -rf .gpu-bin
 mkdir -p .gpu-bin/stage
-# Each test target's executable, named after its target ("lib" for the unit tests).
+MOERUN_NO_EMBEDDED_MODEL=1 cargo build --release -p moerun-cli
+cp target/release/moerun .gpu-bin/stage/moerun
+cargo build --release -p moerun-cuda --example ops_bench
+cp target/release/examples/ops_bench .gpu-bin/stage/ops_bench
+tests_json=$( (cargo test --release -p moerun-cuda --no-run --message-format=json &&
+    cargo test --release -p moerun-model --lib --no-run --message-format=json &&
+    cargo test --release -p moerun-engine --test conformance_gpu --no-run --message-format=json))
+# Each test target's executable, named after its target (the crate's name for unit tests).
 echo "$tests_json" | jq -r 'select(.reason == "compiler-artifact" and .executable != null
         and .profile.test == true) | "\(.target.name) \(.target.kind[0]) \(.executable)"' |
     while read -r name kind exe; do
-        [ "$kind" = lib ] && name=lib
         cp "$exe" ".gpu-bin/stage/test-$name"
     done
-cp target/release/examples/ops_bench .gpu-bin/stage/ops_bench
-strip --strip-debug .gpu-bin/stage/*
-tar -C .gpu-bin/stage -czf .gpu-bin/moerun-cuda-gpu.tar.gz .
+strip .gpu-bin/stage/*
+tar -C .gpu-bin/stage -cJf .gpu-bin/moerun-gpu.tar.xz .
 rm -rf .gpu-bin/stage
+# Put back the everyday binary with the default model embedded.
+cargo build --release -p moerun-cli
 ls -l .gpu-bin
-echo "packed: $(du -h .gpu-bin/moerun-cuda-gpu.tar.gz | cut -f1); carry .gpu-bin and run: bash scripts/gpu-check.sh"
+echo "packed: $(du -h .gpu-bin/moerun-gpu.tar.xz | cut -f1); carry .gpu-bin and run: bash scripts/gpu-check.sh"

@@ -1,7 +1,8 @@
 //! Embeds the default model (`models/default/` at the workspace root) into the binary: writes
 //! `$OUT_DIR/default_model.rs` with every file's bytes (`include_bytes!`) and a content hash that
 //! names the directory the files are unpacked into at run time. Without that directory the list
-//! is empty and commands ask for `--model`.
+//! is empty and commands ask for `--model`. `MOERUN_NO_EMBEDDED_MODEL=1` leaves it empty too: the
+//! binary that scripts/gpu-build.sh sends to the GPU machine must stay small.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -10,7 +11,10 @@ fn main() {
     let manifest = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap());
     let dir = manifest.join("../../models/default");
     println!("cargo:rerun-if-changed={}", dir.display());
+    println!("cargo:rerun-if-env-changed=MOERUN_NO_EMBEDDED_MODEL");
+    let skip = std::env::var_os("MOERUN_NO_EMBEDDED_MODEL").is_some_and(|v| v == "1");
     let mut entries: Vec<PathBuf> = match fs::read_dir(&dir) {
+        Ok(_) if skip => Vec::new(),
         Ok(rd) => rd
             .filter_map(|e| e.ok().map(|e| e.path()))
             .filter(|p| p.is_file())

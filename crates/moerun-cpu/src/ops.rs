@@ -131,6 +131,24 @@ pub fn silu_mul_in_place(gate: &mut [f32], up: &[f32]) {
     }
 }
 
+/// GELU, tanh approximation (`gelu_pytorch_tanh`), as torch computes it in f32:
+/// `0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x³)))`.
+#[inline(always)]
+pub fn gelu_tanh(x: f32) -> f32 {
+    // torch: kBeta = M_SQRT2 * M_2_SQRTPI * 0.5, kKappa = 0.044715.
+    const BETA: f32 = (std::f64::consts::SQRT_2 * std::f64::consts::FRAC_2_SQRT_PI * 0.5) as f32;
+    const KAPPA: f32 = 0.044715;
+    let inner = BETA * (x + KAPPA * (x * x * x));
+    0.5 * x * (1.0 + inner.tanh())
+}
+
+/// `gate[i] = gelu_tanh(gate[i]) * up[i]` (Gemma's MLP).
+pub fn gelu_tanh_mul_in_place(gate: &mut [f32], up: &[f32]) {
+    for (g, u) in gate.iter_mut().zip(up) {
+        *g = gelu_tanh(*g) * u;
+    }
+}
+
 /// Numerically stable softmax of a row, in place.
 pub fn softmax_in_place(row: &mut [f32]) {
     let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -154,6 +172,18 @@ pub fn sigmoid(x: f32) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gelu_tanh_matches_the_tanh_formula_in_f64() {
+        for x in [-6.0f32, -2.5, -1.0, -0.1, 0.0, 0.3, 1.0, 2.0, 7.5] {
+            let xd = x as f64;
+            let inner = (2.0 / std::f64::consts::PI).sqrt() * (xd + 0.044715 * xd.powi(3));
+            let want = 0.5 * xd * (1.0 + inner.tanh());
+            let err = (gelu_tanh(x) as f64 - want).abs();
+            assert!(err < 1e-6 * want.abs().max(1.0), "{x}");
+        }
+        assert_eq!(gelu_tanh(0.0), 0.0);
+    }
 
     #[test]
     fn dot_matches_f64_reference_on_odd_lengths() {

@@ -7,6 +7,11 @@
 //! warm-ups, timed with CUDA events. Matrices smaller than the L2 cache are cycled through enough
 //! copies (>= 512 MiB in all) that every launch reads them from HBM, not L2.
 
+#[path = "bench/attention.rs"]
+mod attention;
+#[path = "bench/moe.rs"]
+mod moe;
+
 use moerun_core::{DType, MatRef};
 use moerun_cuda::{CudaDevice, CudaSlice, DeviceMatrix, GemmOut, GemvLayout, Result};
 
@@ -166,6 +171,18 @@ fn run() -> Result<()> {
     let mut rng = XorShift(0x9e37_79b9_7f4a_7c15);
     let copy = copy_ceiling(&dev)?;
     let mut rows = Vec::new();
+    // `ops_bench attention`: the attention rows alone.
+    if std::env::args().nth(1).as_deref() == Some("attention") {
+        rows.extend(attention::rows(&dev, &mut rng)?);
+        print_rows(copy, &rows);
+        return Ok(());
+    }
+    // `ops_bench moe`: the MoE experts rows alone.
+    if std::env::args().nth(1).as_deref() == Some("moe") {
+        rows.extend(moe::rows(&dev, &mut rng)?);
+        print_rows(copy, &rows);
+        return Ok(());
+    }
     // Decode shapes of Qwen3-30B-A3B (hidden 2048): lm_head, q_proj, o_proj, one expert's
     // gate_proj; and an 18432x7168 dense layer of a larger model.
     for (shape, ms) in [
@@ -185,13 +202,20 @@ fn run() -> Result<()> {
     ] {
         rows.push(gemm_row(&dev, &mut rng, shape, f32_path)?);
     }
+    rows.extend(attention::rows(&dev, &mut rng)?);
+    rows.extend(moe::rows(&dev, &mut rng)?);
+    print_rows(copy, &rows);
+    Ok(())
+}
+
+fn print_rows(copy: f64, rows: &[Row]) {
     println!();
     println!("device-to-device copy: {copy:.0} GB/s (read + written), the memory ceiling below");
     println!(
         "{:<36} {:>16} {:>10} {:>8} {:>7} {:>8}",
         "op", "shape", "time_us", "GB/s", "%copy", "TFLOP/s"
     );
-    for r in &rows {
+    for r in rows {
         let (gbs, pct) = match r.gbs {
             Some(g) => (format!("{g:.0}"), format!("{:.0}%", 100.0 * g / copy)),
             None => ("-".into(), "-".into()),
@@ -202,5 +226,4 @@ fn run() -> Result<()> {
             r.op, r.shape, r.us, gbs, pct, tf
         );
     }
-    Ok(())
 }

@@ -36,10 +36,6 @@ pub struct KernelFile {
 /// Every kernel family of the backend, in the order [`crate::CudaDevice::open`] loads them.
 pub const KERNEL_FILES: &[KernelFile] = &[
     KernelFile {
-        name: "elementwise",
-        source: include_str!("../kernels/elementwise.cu"),
-    },
-    KernelFile {
         name: "norm",
         source: include_str!("../kernels/norm.cu"),
     },
@@ -68,12 +64,20 @@ pub const KERNEL_FILES: &[KernelFile] = &[
         source: include_str!("../kernels/gemv.cu"),
     },
     KernelFile {
+        name: "attention",
+        source: include_str!("../kernels/attention.cu"),
+    },
+    KernelFile {
         name: "moe",
         source: include_str!("../kernels/moe.cu"),
     },
     KernelFile {
         name: "moe_prefill",
         source: include_str!("../kernels/moe_prefill.cu"),
+    },
+    KernelFile {
+        name: "elementwise",
+        source: include_str!("../kernels/elementwise.cu"),
     },
 ];
 

@@ -62,6 +62,8 @@ pub(crate) struct Kernels {
     /// 1 block per rows (see `ops::gemv`).
     pub gemv: [[[CudaFunction; 4]; 3]; 2],
     pub elementwise: crate::ops::ElementwiseKernels,
+    pub moe: crate::ops::MoeKernels,
+    pub attention: crate::ops::AttentionKernels,
 }
 
 /// Rows of x one GEMV launch handles, one kernel instantiation each.
@@ -122,6 +124,8 @@ impl Kernels {
             ],
             gemv: [layout("gemv")?, layout("gemv_rows")?],
             elementwise: crate::ops::ElementwiseKernels::load(|f| get("elementwise", f))?,
+            moe: crate::ops::MoeKernels::load(get)?,
+            attention: crate::ops::AttentionKernels::load(get)?,
         })
     }
 }
@@ -221,6 +225,15 @@ impl CudaDevice {
     /// A buffer of `len` zeros.
     pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, len: usize) -> Result<CudaSlice<T>> {
         self.stream.alloc_zeros(len).ctx("allocating")
+    }
+
+    /// A buffer of `len` f32 whose contents are unspecified until written: for op outputs that
+    /// the op writes in full, saving the memset of [`CudaDevice::zeros`] (a launch per buffer,
+    /// which adds up in a decode step). Any bit pattern is a valid f32, so reading it back
+    /// early gives arbitrary values, never undefined behaviour.
+    pub fn alloc_f32(&self, len: usize) -> Result<CudaSlice<f32>> {
+        // SAFETY: device memory is never read by Rust directly; every f32 bit pattern is valid.
+        unsafe { self.stream.alloc::<f32>(len) }.ctx("allocating")
     }
 
     /// Copy host values into a new device buffer.

@@ -17,10 +17,14 @@ mod bandwidth;
 pub mod compile;
 mod device;
 pub mod error;
+mod graph;
 pub mod ops;
 pub mod probe;
 
 pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
 pub use device::{CudaDevice, DeviceInfo, DeviceMatrix};
 pub use error::{CudaError, Result};
+pub use graph::DeviceGraph;
+pub use ops::{AttentionPrefill, AttentionScratch, AttentionShape, DeviceKvPool, TokenPlacement};
+pub use ops::{DecodePass, DeviceExperts, MoePath, MoeScratch};
 pub use ops::{DeviceRope, GemmOut, GemvLayout, RouterShape};

@@ -5,8 +5,8 @@
 //! allocator of its storage.
 
 use moerun_core::{BlockAllocator, BlockTable, Result};
-use moerun_model::linear_state::LinearStateCache;
 use moerun_model::kv::DEFAULT_BLOCK_SIZE;
+use moerun_model::linear_state::LinearStateCache;
 use moerun_model::{Batch, ForwardOutput, KvCache, LogitsFor, Model, ModelConfig, SeqChunk};
 
 /// KV storage whose blocks are handed out by its own [`BlockAllocator`], and only by it.

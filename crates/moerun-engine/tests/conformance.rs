@@ -165,7 +165,19 @@ fn every_fixture_matches_transformers_prefill_incremental_and_greedy() {
 
 #[test]
 fn mixed_flat_batch_equals_each_sequence_alone_bitwise() {
-    let dir = fixtures_dir().join("qwen3_moe_f32");
+    // Gemma 4: sliding windows shorter than the sequences, KV shared across layers, per-layer
+    // inputs; the flat batch must not change any of it.
+    for name in [
+        "qwen3_moe_f32",
+        "gemma4_moe_f32",
+        "gemma4_moe_kv_shared_ple_f32",
+    ] {
+        mixed_batch_equals_alone(name);
+    }
+}
+
+fn mixed_batch_equals_alone(name: &str) {
+    let dir = fixtures_dir().join(name);
     let model = Model::load(&dir).unwrap();
     let r = load_reference(&dir);
     // Three sequences of different lengths; the third is mid-decode when batched with prefills.
@@ -205,14 +217,17 @@ fn mixed_flat_batch_equals_each_sequence_alone_bitwise() {
     assert_eq!(
         &batched.logits[..n0 * v],
         &alone[0][..],
-        "sequence 0 differs when batched"
+        "{name}: sequence 0 differs when batched"
     );
     assert_eq!(
         &batched.logits[n0 * v..(n0 + n1) * v],
         &alone[1][..],
-        "sequence 1 differs when batched"
+        "{name}: sequence 1 differs when batched"
     );
     let mut third = head_start.logits;
     third.extend_from_slice(&batched.logits[(n0 + n1) * v..]);
-    assert_eq!(third, alone[2], "sequence 2 (chunked across steps) differs");
+    assert_eq!(
+        third, alone[2],
+        "{name}: sequence 2 (chunked across steps) differs"
+    );
 }

@@ -207,7 +207,11 @@ impl Checkpoint {
             .filter_map(|(name, &file)| self.files[file].info(name))
             .map(|info| info.byte_len() as u64)
             .sum::<u64>()
-            + self.memory.values().map(|t| t.byte_len() as u64).sum::<u64>()
+            + self
+                .memory
+                .values()
+                .map(|t| t.byte_len() as u64)
+                .sum::<u64>()
     }
 }
 

@@ -20,6 +20,18 @@ pub fn decoder<B: Backend>(
     tokens: &[u32],
     rows: &[usize],
 ) -> Result<Vec<f32>> {
+    let logits = decoder_logits(b, cfg, w, tokens, rows)?;
+    b.to_host(logits)
+}
+
+/// [`decoder`], leaving the logits where the backend computed them.
+pub fn decoder_logits<B: Backend>(
+    b: &mut B,
+    cfg: &ModelConfig,
+    w: &ModelWeights,
+    tokens: &[u32],
+    rows: &[usize],
+) -> Result<B::Act> {
     let eps = cfg.rms_norm_eps;
     let mut x = b.embed(&w.embed_tokens, tokens)?;
     for (l, layer) in w.layers.iter().enumerate() {
@@ -43,14 +55,13 @@ pub fn decoder<B: Backend>(
     }
     let last = b.select_rows(&x, cfg.hidden_size, rows)?;
     let last = b.rms_norm(&last, &w.norm, eps)?;
-    let logits = b.matmul(&last, &w.lm_head)?;
-    b.to_host(logits)
+    b.matmul(&last, &w.lm_head)
 }
 
 /// Self-attention of layer `l`: q/k/v projections (with biases where the family has them), q/k
 /// RMSNorm (per head or over the whole projection), OLMoE's `clip_qkv`, rotary embedding, the
 /// paged-KV write and attention, Qwen3.5's sigmoid output gate, and `o_proj`.
-fn attention_block<B: Backend>(
+pub(crate) fn attention_block<B: Backend>(
     b: &mut B,
     cfg: &ModelConfig,
     w: &AttentionWeights,

@@ -5,7 +5,7 @@
 
 use moerun_cpu::attention::KvPool;
 
-use crate::config::{Mixer, ModelConfig};
+use crate::config::ModelConfig;
 
 /// Default tokens per KV block.
 pub const DEFAULT_BLOCK_SIZE: usize = 16;
@@ -32,15 +32,11 @@ impl KvCache {
         KvCache {
             block_size,
             num_blocks,
-            pools: cfg
-                .layers
-                .iter()
-                .map(|spec| {
-                    let blocks = match spec.mixer {
-                        Mixer::Attention => num_blocks,
-                        Mixer::GatedDeltaNet => 0,
-                    };
-                    KvPool::new(blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+            pools: (0..cfg.num_layers())
+                .map(|l| match cfg.layer_kv_shape(l) {
+                    Some((heads, dim)) => KvPool::new(num_blocks, block_size, heads, dim),
+                    // Gated DeltaNet and KV-shared layers keep no K/V of their own.
+                    None => KvPool::new(0, block_size, cfg.num_kv_heads, cfg.head_dim),
                 })
                 .collect(),
             device: None,

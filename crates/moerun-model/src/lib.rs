@@ -9,6 +9,7 @@ pub mod cuda;
 pub mod ffn;
 pub mod forward;
 pub mod gated_deltanet;
+pub mod gemma4;
 pub mod kv;
 pub mod linear;
 pub mod linear_state;

@@ -11,7 +11,7 @@ use crate::backend::cpu::CpuPass;
 use crate::batch::{Batch, LogitsFor};
 use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
-use crate::cuda::{CudaModel, CudaPass, DeviceKv, WeightSource};
+use crate::cuda::{CudaModel, CudaPass, DeviceKv, Placement, Tokens, WeightSource};
 use crate::forward;
 use crate::kv::KvCache;
 use crate::linear_state::LinearStateCache;
@@ -21,7 +21,7 @@ use crate::weights::ModelWeights;
 pub struct Model {
     pub config: ModelConfig,
     pub weights: ModelWeights,
-    rope: Rope,
+    pub(crate) rope: Rope,
     checkpoint: Checkpoint,
     /// The weights' device copy when the model runs on the CUDA backend.
     cuda: Option<CudaModel>,
@@ -89,7 +89,13 @@ impl Model {
             Device::Cuda(ordinal) => {
                 crate::cuda::check_supported(&self.config)?;
                 let dev = CudaDevice::open(ordinal).map_err(crate::cuda::dev_err)?;
-                self.cuda = Some(crate::cuda::upload::upload(dev, &self.weights, &self.rope, source)?);
+                self.cuda = Some(crate::cuda::upload::upload(
+                    dev,
+                    &self.config,
+                    &self.weights,
+                    &self.rope,
+                    source,
+                )?);
                 Ok(())
             }
         }
@@ -114,7 +120,12 @@ impl Model {
             None => Ok(KvCache::new(&self.config, num_blocks, block_size)),
             Some(c) => {
                 let dkv = DeviceKv::new(c.device(), &self.config, num_blocks, block_size)?;
-                Ok(KvCache::on_device(&self.config, dkv, num_blocks, block_size))
+                Ok(KvCache::on_device(
+                    &self.config,
+                    dkv,
+                    num_blocks,
+                    block_size,
+                ))
             }
         }
     }
@@ -185,7 +196,10 @@ impl Model {
         let tokens = self.check_batch(batch, kv)?;
         let rows = batch.logit_rows(which);
         if tokens.is_empty() {
-            return Ok(ForwardOutput { rows, logits: Vec::new() });
+            return Ok(ForwardOutput {
+                rows,
+                logits: Vec::new(),
+            });
         }
         let dkv = kv.device.as_mut().ok_or_else(|| {
             Error::InvalidArgument(
@@ -194,8 +208,13 @@ impl Model {
                     .into(),
             )
         })?;
-        let mut pass = CudaPass::new(cuda, batch, dkv)?;
-        let logits = forward::decoder(&mut pass, &self.config, &self.weights, &tokens, &rows)?;
+        let (cfg, w) = (&self.config, &self.weights);
+        if let Some(logits) = crate::cuda::graph::try_decode(cuda, cfg, w, dkv, batch, &rows)? {
+            return Ok(ForwardOutput { rows, logits });
+        }
+        let at = Placement::of_batch(cuda.device(), batch)?;
+        let mut pass = CudaPass::new(cuda, dkv, &at, Tokens::Host);
+        let logits = forward::decoder(&mut pass, cfg, w, &tokens, &rows)?;
         Ok(ForwardOutput { rows, logits })
     }
 
@@ -211,7 +230,12 @@ impl Model {
                     seq.block_table.capacity(kv.block_size())
                 )));
             }
-            if let Some(&b) = seq.block_table.blocks.iter().find(|&&b| b as usize >= kv.num_blocks()) {
+            if let Some(&b) = seq
+                .block_table
+                .blocks
+                .iter()
+                .find(|&&b| b as usize >= kv.num_blocks())
+            {
                 return Err(Error::InvalidArgument(format!(
                     "block {b} is outside the KV cache ({} blocks)",
                     kv.num_blocks()
@@ -252,6 +276,10 @@ impl Model {
         }
         let tokens = self.check_batch(batch, kv)?;
         let rows = batch.logit_rows(which);
+        if let Some(g) = &self.weights.gemma4 {
+            let logits = crate::gemma4::forward(cfg, g, batch, kv, &tokens, &rows)?;
+            return Ok(ForwardOutput { rows, logits });
+        }
         // Linear-attention state: every slot is checked before any is touched.
         let linear_state = match (&cfg.linear_attention, states) {
             (Some(_), Some(states)) => {
@@ -271,4 +299,3 @@ impl Model {
         Ok(ForwardOutput { rows, logits })
     }
 }
-

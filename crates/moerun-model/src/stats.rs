@@ -40,13 +40,20 @@ pub struct ParamStats {
     pub shared_experts: u64,
     /// Dense SwiGLU MLPs (dense models, and MoE models' MLP-only layers).
     pub dense_mlp: u64,
-    /// Every RMSNorm weight vector outside attention (two per layer plus the final one).
+    /// Every RMSNorm weight vector outside attention (two per layer plus the final one; Gemma
+    /// 4's sandwich norms: four to seven per layer).
     pub norms: u64,
+    /// Gemma 4's per-layer input embeddings: the packed table, its projection and norm, and each
+    /// layer's gate, projection and norm.
+    pub per_layer_input: u64,
 }
 
 impl ParamStats {
     /// Count the parameters `cfg` implies.
     pub fn from_config(cfg: &ModelConfig) -> ParamStats {
+        if let Some(g) = &cfg.gemma4 {
+            return crate::gemma4::stats::param_stats(cfg, g);
+        }
         let h = cfg.hidden_size as u64;
         let v = cfg.vocab_size as u64;
         let (q, kv) = (cfg.q_dim() as u64, cfg.kv_dim() as u64);
@@ -205,6 +212,20 @@ mod tests {
         assert_eq!(s.linear_attention, 30 * 33_718_464);
         assert_eq!(s.attention, 10 * 27_263_488);
         assert_eq!(s.shared_experts, 40 * 3_147_776);
+    }
+
+    #[test]
+    fn gemma_4_26b_a4b_sandwich_norms_dense_mlp_and_experts() {
+        let s = stats(include_str!("../../../configs/gemma-4-26b-a4b.json"));
+        assert_eq!(s.total, 25_233_141_760);
+        assert_eq!(s.active, 3_822_533_376);
+        assert_eq!(s.active_bytes(DType::BF16), 7_645_066_752);
+        // 25 sliding layers (q, k, v, o, q/k norms) and 5 full ones (k_eq_v: no v_proj).
+        assert_eq!(s.attention, 25 * 34_603_520 + 5 * 49_021_952);
+        assert_eq!(s.dense_mlp, 30 * 17_842_176);
+        assert_eq!(s.router, 30 * 363_392);
+        assert_eq!(s.norms, 30 * 19_712 + 2_816);
+        assert_eq!((s.lm_head, s.per_layer_input), (0, 0));
     }
 
     #[test]

@@ -116,6 +116,8 @@ pub struct ModelWeights {
     /// The multi-token-prediction head (`mtp.*`) by name, when the checkpoint has one: kept for
     /// speculative decoding, not used by the forward pass.
     pub mtp: BTreeMap<String, Tensor>,
+    /// Gemma 4's layers, whose shape is its own (`layers` is then empty).
+    pub gemma4: Option<crate::gemma4::Gemma4Weights>,
 }
 
 /// Fetches tensors with shape checks.
@@ -177,6 +179,17 @@ impl Loader<'_> {
 impl ModelWeights {
     /// Find and check every tensor the config calls for.
     pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig) -> Result<ModelWeights> {
+        if let Some(g) = &cfg.gemma4 {
+            let w = crate::gemma4::Gemma4Weights::load(ckpt, cfg, g)?;
+            return Ok(ModelWeights {
+                embed_tokens: w.embed_tokens.clone(),
+                layers: Vec::new(),
+                norm: w.norm.clone(),
+                lm_head: w.lm_head.clone(),
+                mtp: BTreeMap::new(),
+                gemma4: Some(w),
+            });
+        }
         let ld = Loader {
             ckpt,
             norm_offset: cfg.rms_norm_unit_offset,
@@ -228,6 +241,7 @@ impl ModelWeights {
             norm: ld.norm(&format!("{base}.norm.weight"), h)?,
             lm_head,
             mtp,
+            gemma4: None,
         })
     }
 }

@@ -4,9 +4,9 @@
 
 use std::path::{Path, PathBuf};
 
+use moerun_core::Device;
 use moerun_engine::generation_config::GenerationConfig;
 use moerun_engine::sampling::SamplingParams;
-use moerun_core::Device;
 use moerun_model::Model;
 use moerun_text::{ChatArgs, ChatTemplate, TemplateValue, TextError, Tokenizer};
 use serde_json::Value;

@@ -175,7 +175,10 @@ fn load(args: &BenchArgs, device: Device) -> CliResult<(String, Model)> {
             eprintln!("bench: drawing random bf16 weights of {name} on {device}...");
             model.place(device, WeightSource::Random { seed: WEIGHT_SEED })?;
             let layers = model.config.num_layers();
-            Ok((format!("synthetic {name} ({layers} layers, random bf16 weights)"), model))
+            Ok((
+                format!("synthetic {name} ({layers} layers, random bf16 weights)"),
+                model,
+            ))
         }
         _ => Err("bench needs --model DIR or --like NAME".into()),
     }
@@ -189,7 +192,10 @@ fn parse_concurrency(list: Option<&str>) -> CliResult<Vec<usize>> {
     list.split(',')
         .map(|s| match s.trim().parse::<usize>() {
             Ok(n) if n >= 1 => Ok(n),
-            _ => Err(format!("--concurrency '{list}': expected a list of counts >= 1, e.g. 8,32,128").into()),
+            _ => Err(format!(
+                "--concurrency '{list}': expected a list of counts >= 1, e.g. 8,32,128"
+            )
+            .into()),
         })
         .collect()
 }
@@ -252,7 +258,13 @@ fn measure_concurrent(model: &Model, n: usize, prompt: usize, gen: usize) -> Cli
             s.tokens.push(t);
         }
         let mut refs: Vec<&mut Sequence> = seqs.iter_mut().collect();
-        let out = run_step(model, &mut kv, &mut refs, &vec![1; n], LogitsFor::LastOfEachSeq)?;
+        let out = run_step(
+            model,
+            &mut kv,
+            &mut refs,
+            &vec![1; n],
+            LogitsFor::LastOfEachSeq,
+        )?;
         for (j, row) in out.logits.chunks_exact(vocab).enumerate() {
             next[j] = argmax(row);
         }

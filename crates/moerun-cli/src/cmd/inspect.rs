@@ -13,6 +13,8 @@ use moerun_model::Model;
 use super::CliResult;
 use crate::InspectArgs;
 
+mod gemma4;
+
 pub fn run(args: &InspectArgs) -> CliResult {
     let model = Model::load(&args.model)?;
     let cfg = &model.config;
@@ -29,13 +31,14 @@ pub fn run(args: &InspectArgs) -> CliResult {
     }
     row("sliding window", sliding(cfg));
     row("hidden size", cfg.hidden_size.to_string());
-    row(
-        "heads",
-        format!(
+    let heads = match &cfg.gemma4 {
+        Some(g) => gemma4::heads(cfg, g),
+        None => format!(
             "{} q / {} kv, head_dim {}",
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         ),
-    );
+    };
+    row("heads", heads);
     row("experts", experts(cfg));
     row("vocab", cfg.vocab_size.to_string());
     row(
@@ -74,7 +77,15 @@ pub fn run(args: &InspectArgs) -> CliResult {
         "kv cache",
         format!("{} per token ({kv} bytes, f32){state}", human_bytes(kv)),
     );
-    row("rope", rope(cfg));
+    match &cfg.gemma4 {
+        Some(g) => {
+            row("rope", gemma4::rope(g));
+            for (key, value) in gemma4::rows(cfg, g) {
+                row(key, value);
+            }
+        }
+        None => row("rope", rope(cfg)),
+    }
     row(
         "tied embeddings",
         if cfg.tie_word_embeddings { "yes" } else { "no" }.to_string(),

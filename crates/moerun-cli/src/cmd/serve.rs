@@ -75,4 +75,3 @@ pub fn server_options(args: &ServeArgs, ctrl_c: bool) -> CliResult<ServerOptions
         handle_ctrl_c: ctrl_c,
     })
 }
-

@@ -13,8 +13,8 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use moerun_core::{DType, SharedBytes, Tensor};
-use moerun_model::stats::{human_count, ParamStats};
 use moerun_model::checkpoint::Checkpoint;
+use moerun_model::stats::{human_count, ParamStats};
 use moerun_model::{Model, ModelConfig};
 use serde_json::Value;
 
@@ -98,7 +98,11 @@ pub fn in_memory(like: &str, layers: Option<usize>, dtype: DType) -> CliResult<(
     let (name, config_json, cfg) = resolve(like, layers, dtype)?;
     let tensors = plan::tensors(&cfg);
     const STRIDE: usize = 64;
-    let largest = tensors.iter().map(|t| t.numel() * dtype.size()).max().unwrap_or(0);
+    let largest = tensors
+        .iter()
+        .map(|t| t.numel() * dtype.size())
+        .max()
+        .unwrap_or(0);
     let shared = SharedBytes::from_vec(vec![0u8; largest + STRIDE * tensors.len()]);
     let mut rng = SplitMix64::new(0x73_796e_7468);
     let mut named = Vec::with_capacity(tensors.len());

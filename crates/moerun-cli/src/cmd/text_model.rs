@@ -3,10 +3,10 @@
 
 use std::path::{Path, PathBuf};
 
+use moerun_core::Device;
 use moerun_engine::generation_config::GenerationConfig;
 use moerun_engine::stop::StopTokens;
 use moerun_engine::SequenceKv;
-use moerun_core::Device;
 use moerun_model::cuda::WeightSource;
 use moerun_model::Model;
 use moerun_text::Tokenizer;

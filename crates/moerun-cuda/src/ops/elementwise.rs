@@ -49,7 +49,11 @@ impl CudaDevice {
     }
 
     /// `x += y`.
-    pub fn add_assign(&self, x: &mut impl DevicePtrMut<f32>, y: &impl DevicePtr<f32>) -> Result<()> {
+    pub fn add_assign(
+        &self,
+        x: &mut impl DevicePtrMut<f32>,
+        y: &impl DevicePtr<f32>,
+    ) -> Result<()> {
         let n = x.len();
         ensure(y.len() == n, || format!("add: x holds {n}, y {}", y.len()))?;
         if n == 0 {
@@ -65,7 +69,11 @@ impl CudaDevice {
     }
 
     /// `x[r, :] += bias` for every row of `x` (rows of `bias.len()`).
-    pub fn add_bias(&self, x: &mut impl DevicePtrMut<f32>, bias: &impl DevicePtr<f32>) -> Result<()> {
+    pub fn add_bias(
+        &self,
+        x: &mut impl DevicePtrMut<f32>,
+        bias: &impl DevicePtr<f32>,
+    ) -> Result<()> {
         let (n, width) = (x.len(), bias.len());
         ensure(width > 0 && n.is_multiple_of(width), || {
             format!("add_bias: {n} values are not rows of {width}")
@@ -73,9 +81,14 @@ impl CudaDevice {
         if n == 0 {
             return Ok(());
         }
-        let (xp, bp) = (self.ptr_mut(x, "add_bias x")?, self.ptr(bias, "add_bias bias")?);
+        let (xp, bp) = (
+            self.ptr_mut(x, "add_bias x")?,
+            self.ptr(bias, "add_bias bias")?,
+        );
         let (n64, w) = (n as u64, to_i32(width, "bias width")?);
-        let mut b = self.stream.launch_builder(&self.kernels.elementwise.add_bias);
+        let mut b = self
+            .stream
+            .launch_builder(&self.kernels.elementwise.add_bias);
         b.arg(&xp).arg(&bp).arg(&n64).arg(&w);
         // SAFETY: x holds n f32 (whole rows of width), bias width f32; args match the kernel.
         unsafe { b.launch(self.grid_stride(n)) }.ctx("add_bias_f32")?;
@@ -111,7 +124,11 @@ impl CudaDevice {
         })?;
         if let Some(g) = gate {
             ensure(g.len() == n / width, || {
-                format!("add_sigmoid_scaled: {} gates for {} rows", g.len(), n / width)
+                format!(
+                    "add_sigmoid_scaled: {} gates for {} rows",
+                    g.len(),
+                    n / width
+                )
             })?;
         }
         if n == 0 {
@@ -124,7 +141,9 @@ impl CudaDevice {
             None => 0u64,
         };
         let (n64, w) = (n as u64, to_i32(width, "width")?);
-        let mut b = self.stream.launch_builder(&self.kernels.elementwise.add_sigmoid_scaled);
+        let mut b = self
+            .stream
+            .launch_builder(&self.kernels.elementwise.add_sigmoid_scaled);
         b.arg(&op).arg(&sp).arg(&gp).arg(&n64).arg(&w);
         // SAFETY: out and s hold n f32, gate (when non-null) n / width; args match the kernel.
         unsafe { b.launch(self.grid_stride(n)) }.ctx("add_sigmoid_scaled_f32")?;
@@ -142,7 +161,10 @@ impl CudaDevice {
     ) -> Result<()> {
         let m = rows.len();
         ensure(out.len() == m * width && width > 0, || {
-            format!("gather_rows: out holds {}, expected {m} x {width}", out.len())
+            format!(
+                "gather_rows: out holds {}, expected {m} x {width}",
+                out.len()
+            )
         })?;
         if m == 0 {
             return Ok(());
@@ -152,13 +174,18 @@ impl CudaDevice {
         let op = self.ptr_mut(out, "gather_rows out")?;
         let w = to_i32(width, "width")?;
         let cfg = LaunchConfig {
-            grid_dim: (u32::try_from(m).map_err(|_| {
-                CudaError::InvalidArgument(format!("gather_rows: {m} rows"))
-            })?, 1, 1),
+            grid_dim: (
+                u32::try_from(m)
+                    .map_err(|_| CudaError::InvalidArgument(format!("gather_rows: {m} rows")))?,
+                1,
+                1,
+            ),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = self.stream.launch_builder(&self.kernels.elementwise.gather_rows);
+        let mut b = self
+            .stream
+            .launch_builder(&self.kernels.elementwise.gather_rows);
         b.arg(&xp).arg(&rp).arg(&op).arg(&w);
         // SAFETY: rows holds m in-range row indices of x (caller's contract), out m * width f32.
         unsafe { b.launch(cfg) }.ctx("gather_rows_f32")?;
@@ -177,7 +204,10 @@ impl CudaDevice {
         scale: f32,
     ) -> Result<DeviceMatrix> {
         let n = rows * cols;
-        let mut data = self.stream.alloc_zeros::<u8>(n * dtype.size()).ctx("allocating")?;
+        let mut data = self
+            .stream
+            .alloc_zeros::<u8>(n * dtype.size())
+            .ctx("allocating")?;
         self.fill_random(&mut data, dtype, seed, scale)?;
         DeviceMatrix::from_parts(dtype, rows, cols, data)
     }

@@ -2,7 +2,7 @@
 //!
 //! Launch: grid (tokens), block 256; block t copies row `ids[t]`.
 
-use cudarc::driver::{DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use moerun_core::DType;
 
 use super::to_i32;
@@ -37,21 +37,46 @@ impl CudaDevice {
             return Ok(());
         }
         let ids_dev = self.upload(ids)?;
+        // `ids_dev` is freed on this stream after the kernel (stream-ordered free).
+        self.embed_ids(table, &ids_dev, out)
+    }
+
+    /// [`CudaDevice::embed`] with the ids already on the device (`out` is
+    /// `[ids.len(), table.cols()]`): what a CUDA graph, whose inputs are device buffers, runs. An
+    /// id outside the table gives a row of NaN, never an out-of-bounds read.
+    pub fn embed_ids(
+        &self,
+        table: &DeviceMatrix,
+        ids: &impl DevicePtr<u32>,
+        out: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        let (hidden, n) = (table.cols(), ids.len());
+        ensure(out.len() == n * hidden, || {
+            format!(
+                "embed: out holds {}, expected {n} tokens x {hidden}",
+                out.len()
+            )
+        })?;
+        if n == 0 || hidden == 0 {
+            return Ok(());
+        }
         let t = self.ptr(table.data(), "embed table")?;
-        let i = self.ptr(&ids_dev, "embed ids")?;
+        let i = self.ptr(ids, "embed ids")?;
         let o = self.ptr_mut(out, "embed out")?;
         let hidden_i = to_i32(hidden, "hidden")?;
+        let rows = u32::try_from(table.rows())
+            .map_err(|_| CudaError::InvalidArgument("embedding table too large".into()))?;
         let func = &self.kernels.embed[dtype_slot(table.dtype())];
         let cfg = LaunchConfig {
-            grid_dim: (to_i32(ids.len(), "tokens")? as u32, 1, 1),
+            grid_dim: (to_i32(n, "tokens")? as u32, 1, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
         let mut b = self.stream.launch_builder(func);
-        b.arg(&t).arg(&i).arg(&o).arg(&hidden_i);
-        // SAFETY: every id < rows (checked), the table holds rows * hidden elements of the
-        // kernel's dtype (DeviceMatrix invariant), out holds ids.len() * hidden f32. `ids_dev` is
-        // freed on this stream after the kernel (stream-ordered free).
+        b.arg(&t).arg(&i).arg(&o).arg(&hidden_i).arg(&rows);
+        // SAFETY: the kernel reads table rows only for ids < rows (others give NaN); the table
+        // holds rows * hidden elements of the kernel's dtype (DeviceMatrix invariant), out holds
+        // n * hidden f32, ids n u32.
         unsafe { b.launch(cfg) }.ctx(match table.dtype() {
             DType::BF16 => "embed_bf16",
             DType::F16 => "embed_f16",

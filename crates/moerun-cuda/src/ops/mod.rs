@@ -6,17 +6,25 @@
 //! Each wrapper documents its kernel's launch shape; the `.cu` file repeats it beside the kernel.
 
 mod activation;
+mod attention;
 mod elementwise;
 mod embedding;
 mod gemm;
 mod gemv;
+mod moe;
 mod norm;
 mod rope;
 mod router;
 
+pub(crate) use attention::AttentionKernels;
+pub use attention::{
+    AttentionPrefill, AttentionScratch, AttentionShape, DeviceKvPool, TokenPlacement,
+};
 pub(crate) use elementwise::ElementwiseKernels;
 pub use gemm::GemmOut;
 pub use gemv::GemvLayout;
+pub(crate) use moe::MoeKernels;
+pub use moe::{DecodePass, DeviceExperts, MoePath, MoeScratch};
 pub use rope::DeviceRope;
 pub use router::RouterShape;
 

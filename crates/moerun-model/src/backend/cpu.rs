@@ -11,7 +11,7 @@ use moerun_cpu::ops::{rms_norm_rows, sigmoid};
 use super::{AttentionSpec, Backend};
 use crate::attention::{split_query_gate, Rope};
 use crate::batch::Batch;
-use crate::config::{MoeConfig, ModelConfig};
+use crate::config::{ModelConfig, MoeConfig};
 use crate::ffn::{ffn_block, mlp};
 use crate::gated_deltanet::gated_deltanet_block;
 use crate::kv::KvCache;
@@ -197,6 +197,10 @@ impl Backend for CpuPass<'_> {
 
     fn to_host(&mut self, x: Vec<f32>) -> Result<Vec<f32>> {
         Ok(x)
+    }
+
+    fn upload(&mut self, x: &[f32]) -> Result<Vec<f32>> {
+        Ok(x.to_vec())
     }
 }
 

@@ -84,4 +84,6 @@ pub trait Backend {
     fn select_rows(&mut self, x: &Self::Act, width: usize, rows: &[usize]) -> Result<Self::Act>;
     /// Bring `x` to host memory.
     fn to_host(&mut self, x: Self::Act) -> Result<Vec<f32>>;
+    /// Activations from host values (tests feed both backends the same inputs this way).
+    fn upload(&mut self, x: &[f32]) -> Result<Self::Act>;
 }

@@ -15,10 +15,14 @@ pub enum Family {
     /// Qwen3.5/3.6-MoE: Gated DeltaNet layers mixed with gated full attention, MoE with a gated
     /// shared expert. `qwen3_5_moe` configs wrap it (`text_config`) with a vision tower.
     Qwen35Moe,
+    /// Gemma 4: sliding and full attention layers of different shapes, KV sharing, sandwich
+    /// norms, a dense MLP beside the routed experts (`enable_moe_block`). `gemma4` configs wrap it
+    /// (`text_config`, model_type `gemma4_text`) with vision/audio towers.
+    Gemma4,
 }
 
 impl Family {
-    pub const ALL: [Family; 8] = [
+    pub const ALL: [Family; 9] = [
         Family::Qwen3Moe,
         Family::Qwen2Moe,
         Family::Mixtral,
@@ -27,6 +31,7 @@ impl Family {
         Family::Qwen2,
         Family::Llama,
         Family::Qwen35Moe,
+        Family::Gemma4,
     ];
 
     /// The `model_type` string of `config.json`.
@@ -40,6 +45,7 @@ impl Family {
             Family::Qwen2 => "qwen2",
             Family::Llama => "llama",
             Family::Qwen35Moe => "qwen3_5_moe",
+            Family::Gemma4 => "gemma4",
         }
     }
 
@@ -49,6 +55,9 @@ impl Family {
         if name == "qwen3_5_moe_text" {
             return Some(Family::Qwen35Moe);
         }
+        if name == "gemma4_text" {
+            return Some(Family::Gemma4);
+        }
         Family::ALL.into_iter().find(|f| f.model_type() == name)
     }
 
@@ -57,6 +66,8 @@ impl Family {
         Family::ALL.map(|f| f.model_type()).join(", ")
     }
 
+    /// Whether every config of the family has routed experts (Gemma 4's depend on
+    /// `enable_moe_block`, so it is not listed).
     pub fn is_moe(self) -> bool {
         matches!(
             self,

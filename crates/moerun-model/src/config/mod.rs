@@ -6,11 +6,13 @@
 //! Anything we cannot honour exactly is refused by name, never approximated.
 
 mod family;
+mod gemma4;
 mod qwen3_5;
 mod raw;
 mod rope;
 
 pub use family::Family;
+pub use gemma4::{Gemma4Config, Gemma4Layer, Gemma4Rope, PerLayerInputConfig};
 pub use rope::{RopeConfig, RopeScaling};
 
 use moerun_core::{Error, Result};
@@ -149,6 +151,9 @@ pub struct ModelConfig {
     pub moe: Option<MoeConfig>,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
+    /// Gemma 4's per-layer attention shapes, KV sharing, RoPE per layer type and the rest of what
+    /// only that family has; `None` for every other family.
+    pub gemma4: Option<Gemma4Config>,
 }
 
 impl ModelConfig {
@@ -186,9 +191,21 @@ impl ModelConfig {
             .count()
     }
 
-    /// KV bytes per token across the attention layers, at `bytes_per_value`.
+    /// K/V heads and head width of layer `l`'s own KV pool, `None` for layers that keep none
+    /// (Gated DeltaNet layers, Gemma 4's KV-shared layers).
+    pub fn layer_kv_shape(&self, l: usize) -> Option<(usize, usize)> {
+        if let Some(g) = &self.gemma4 {
+            return g.kv_shape(l);
+        }
+        (self.layers[l].mixer == Mixer::Attention).then_some((self.num_kv_heads, self.head_dim))
+    }
+
+    /// KV bytes per token across the layers that keep K/V, at `bytes_per_value`.
     pub fn kv_bytes_per_token(&self, bytes_per_value: usize) -> usize {
-        2 * self.num_attention_layers() * self.kv_dim() * bytes_per_value
+        (0..self.num_layers())
+            .filter_map(|l| self.layer_kv_shape(l))
+            .map(|(heads, dim)| 2 * heads * dim * bytes_per_value)
+            .sum()
     }
 
     /// Bytes of one sequence's linear-attention state across all Gated DeltaNet layers (f32),

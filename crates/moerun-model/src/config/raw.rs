@@ -5,7 +5,7 @@
 use moerun_core::{Error, Result};
 use serde_json::Value;
 
-use super::qwen3_5;
+use super::{gemma4, qwen3_5};
 use super::{
     AttentionBias, Family, FfnKind, LayerSpec, Mixer, ModelConfig, MoeConfig, QkNorm, RopeConfig,
     SharedExpertConfig,
@@ -94,6 +94,10 @@ pub(super) fn resolve(value: &Value) -> Result<ModelConfig> {
     if !value.is_object() {
         return Err(Error::Config("must be a JSON object".into()));
     }
+    // Gemma 4 resolves whole in its own module: per-layer shapes, RoPE per layer type.
+    if let Some(cfg) = gemma4::resolve(value)? {
+        return Ok(cfg);
+    }
     let outer = Fields(value);
     let model_type = outer
         .str_opt("model_type")
@@ -171,7 +175,12 @@ pub(super) fn resolve(value: &Value) -> Result<ModelConfig> {
             qkv: false,
             o: false,
         },
-        Family::Qwen3 | Family::Qwen3Moe | Family::Olmoe | Family::Llama | Family::Qwen35Moe => {
+        Family::Qwen3
+        | Family::Qwen3Moe
+        | Family::Olmoe
+        | Family::Llama
+        | Family::Qwen35Moe
+        | Family::Gemma4 => {
             let b = f.bool_or("attention_bias", false)?;
             AttentionBias { qkv: b, o: b }
         }
@@ -248,6 +257,7 @@ pub(super) fn resolve(value: &Value) -> Result<ModelConfig> {
         moe,
         bos_token_id: special_ids(&f, &outer, "bos_token_id").first().copied(),
         eos_token_ids: special_ids(&f, &outer, "eos_token_id"),
+        gemma4: None,
     })
 }
 
@@ -267,7 +277,7 @@ fn sliding_windows(f: &Fields, family: Family, num_layers: usize) -> Result<Vec<
     let use_sliding = f.bool_or("use_sliding_window", false)?;
     let none = vec![None; num_layers];
     Ok(match family {
-        Family::Olmoe | Family::Llama | Family::Qwen35Moe => none,
+        Family::Olmoe | Family::Llama | Family::Qwen35Moe | Family::Gemma4 => none,
         // Mixtral slides on every layer whenever sliding_window is set.
         Family::Mixtral => vec![window; num_layers],
         // Qwen3-MoE's attention takes config.sliding_window on every layer, and its config

@@ -9,24 +9,25 @@
 //! the layer's router, so the fused MoE op can reach any expert by index without host work.
 //!
 //! Not yet on this backend, refused by name: Qwen3.5's Gated DeltaNet layers and attention
-//! output gate.
+//! output gate, and Gemma 4.
 
+pub(crate) mod graph;
 mod pass;
-mod pending;
+#[cfg(test)]
+mod tests;
 pub(crate) mod upload;
 
 use std::collections::HashMap;
-use std::sync::Mutex;
 
 use moerun_core::{Error, Result, Tensor};
-use moerun_cuda::{CudaDevice, CudaError, CudaSlice, DeviceMatrix, DeviceRope};
-#[allow(unused_imports)]
-use pending::PendingOps;
-use pending::{DeviceExperts, DeviceKvPool, MoeScratch};
+use moerun_cuda::{
+    AttentionPrefill, AttentionScratch, CudaDevice, CudaError, CudaSlice, DeviceExperts,
+    DeviceKvPool, DeviceMatrix, DeviceRope, MoeScratch,
+};
 
 use crate::config::{Mixer, ModelConfig};
 
-pub use pass::CudaPass;
+pub use pass::{CudaPass, Placement, Tokens};
 pub use upload::WeightSource;
 
 /// A device error as the library's error.
@@ -52,8 +53,9 @@ pub struct CudaModel {
     /// Each MoE layer's stacked experts, by its router's key.
     pub(crate) experts: HashMap<(usize, usize), DeviceExperts>,
     pub(crate) rope: DeviceRope,
-    /// Scratch of the fused MoE op, grown to the largest batch seen.
-    pub(crate) moe_scratch: Mutex<Option<(usize, MoeScratch)>>,
+    /// The kernel of prefill attention tiles: bf16 tensor cores for bf16 models (head_dim 64 or
+    /// 128), exact f32 otherwise.
+    pub(crate) prefill_attention: AttentionPrefill,
     /// Bytes of weights resident on the device.
     pub(crate) weight_bytes: usize,
 }
@@ -88,9 +90,50 @@ impl CudaModel {
     }
 }
 
-/// Paged K/V of every attention layer in device memory (`None` for layers without KV).
+/// Decode batches up to this many tokens get the full split-K parallelism in attention; larger
+/// ones run with fewer splits (they fill the GPU anyway).
+const ATTENTION_SCRATCH_TOKENS: usize = 256;
+
+/// Scratch buffers of a pass, kept with the KV cache they serve: a CUDA graph captured over this
+/// cache bakes their addresses in, so they live exactly as long as its graphs.
+pub(crate) struct PassScratch {
+    pub(crate) attention: AttentionScratch,
+    /// The fused MoE op's scratch and the token count it holds, grown to the largest batch seen.
+    moe: Option<(usize, MoeScratch)>,
+    /// Set when a buffer was replaced: graphs captured before must not be replayed.
+    pub(crate) replaced: bool,
+}
+
+impl PassScratch {
+    /// The MoE scratch, (re)made to hold `rows` tokens routed to `top_k` experts.
+    pub(crate) fn moe(
+        &mut self,
+        dev: &CudaDevice,
+        experts: &DeviceExperts,
+        rows: usize,
+        top_k: usize,
+    ) -> Result<&mut MoeScratch> {
+        let fits = matches!(&self.moe, Some((cap, _)) if *cap >= rows);
+        if !fits {
+            let cap = rows.next_power_of_two().max(128);
+            let scratch = dev.moe_scratch(experts, cap, top_k).map_err(dev_err)?;
+            self.moe = Some((cap, scratch));
+            self.replaced = true;
+        }
+        Ok(&mut self.moe.as_mut().expect("made above").1)
+    }
+}
+
+/// Paged K/V of every attention layer in device memory (`None` for layers without KV), the
+/// scratch of passes over it, and the decode steps captured as CUDA graphs. Each pool has one
+/// block more than the cache hands out: the padding rows of a graph's batch-size bucket write
+/// there.
 pub struct DeviceKv {
     pub(crate) pools: Vec<Option<DeviceKvPool>>,
+    pub(crate) scratch: PassScratch,
+    pub(crate) graphs: graph::DecodeGraphs,
+    /// The block no sequence owns.
+    pub(crate) trash_block: usize,
 }
 
 impl DeviceKv {
@@ -105,22 +148,50 @@ impl DeviceKv {
             .iter()
             .map(|spec| match spec.mixer {
                 Mixer::Attention => dev
-                    .kv_pool(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+                    .kv_pool(num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
                     .map(Some)
                     .map_err(dev_err),
                 Mixer::GatedDeltaNet => Ok(None),
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(DeviceKv { pools })
+        let attention = dev
+            .attention_scratch(
+                ATTENTION_SCRATCH_TOKENS,
+                cfg.num_heads,
+                cfg.head_dim,
+                cfg.max_position_embeddings,
+            )
+            .map_err(dev_err)?;
+        Ok(DeviceKv {
+            pools,
+            scratch: PassScratch {
+                attention,
+                moe: None,
+                replaced: false,
+            },
+            graphs: graph::DecodeGraphs::default(),
+            trash_block: num_blocks,
+        })
     }
 
     pub fn bytes(&self) -> usize {
-        self.pools.iter().flatten().map(DeviceKvPool::bytes).sum()
+        self.pools
+            .iter()
+            .flatten()
+            .map(DeviceKvPool::bytes)
+            .sum::<usize>()
+            + self.scratch.attention.bytes()
     }
 }
 
 /// Refuse what this backend does not run yet, by name.
 pub(crate) fn check_supported(cfg: &ModelConfig) -> Result<()> {
+    if cfg.family == crate::config::Family::Gemma4 {
+        return Err(Error::Unsupported(
+            "gemma4 on the CUDA backend (its layer runs on the CPU only so far; use --device cpu)"
+                .into(),
+        ));
+    }
     if cfg.linear_attention.is_some() || cfg.attention_output_gate {
         return Err(Error::Unsupported(format!(
             "{} on the CUDA backend (Gated DeltaNet layers and gated attention run on the CPU \

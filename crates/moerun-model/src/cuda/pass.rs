@@ -8,13 +8,11 @@
 //! prefill and the CPU (relative error ~1e-3 on bf16 models).
 
 use moerun_core::{DType, Error, Result, Tensor};
-use moerun_cuda::{CudaSlice, RouterShape};
+use moerun_cuda::{
+    AttentionShape, CudaDevice, CudaSlice, DeviceKvPool, RouterShape, TokenPlacement,
+};
 
-#[allow(unused_imports)]
-use super::pending::PendingOps;
-use super::pending::{AttentionShape, TokenPlacement};
-
-use super::{dev_err, tensor_key, CudaModel, DeviceKv};
+use super::{dev_err, tensor_key, CudaModel, DeviceKv, PassScratch};
 use crate::backend::{AttentionSpec, Backend};
 use crate::batch::Batch;
 use crate::config::MoeConfig;
@@ -24,24 +22,20 @@ use crate::weights::{GatedDeltaNetWeights, Linear, MlpWeights, MoeWeights};
 /// weights once per 8 rows, so past a few launches the GEMM's single read wins.
 pub const GEMV_MAX_ROWS: usize = 16;
 
-/// The batch's placement on the device, shared by every layer.
-struct Placement {
-    positions_u32: CudaSlice<u32>,
-    positions: CudaSlice<i32>,
-    table_start: CudaSlice<i32>,
-    block_tables: CudaSlice<i32>,
-    max_context: usize,
+/// The batch's placement on the device, shared by every layer: each token's position (i32 for
+/// attention, u32 for RoPE), where its sequence's block table starts, the tables, and the
+/// host-known bound on contexts that sizes attention's split-K grid.
+pub struct Placement {
+    pub(crate) positions_u32: CudaSlice<u32>,
+    pub(crate) positions: CudaSlice<i32>,
+    pub(crate) table_start: CudaSlice<i32>,
+    pub(crate) block_tables: CudaSlice<i32>,
+    pub(crate) max_context: usize,
 }
 
-/// A forward pass of a [`CudaModel`] over one batch, writing into `kv`.
-pub struct CudaPass<'a> {
-    m: &'a CudaModel,
-    kv: &'a mut DeviceKv,
-    at: Placement,
-}
-
-impl<'a> CudaPass<'a> {
-    pub fn new(m: &'a CudaModel, batch: &Batch, kv: &'a mut DeviceKv) -> Result<CudaPass<'a>> {
+impl Placement {
+    /// Upload the placement of `batch`'s tokens.
+    pub fn of_batch(dev: &CudaDevice, batch: &Batch) -> Result<Placement> {
         let n = batch.num_tokens();
         let mut positions = Vec::with_capacity(n);
         let mut table_start = Vec::with_capacity(n);
@@ -60,20 +54,53 @@ impl<'a> CudaPass<'a> {
         if tables.is_empty() {
             tables.push(0); // a zero-length device buffer cannot be passed to a kernel
         }
-        let dev = &m.dev;
         let positions_u32: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
-        let at = Placement {
+        Ok(Placement {
             positions_u32: dev.upload(&positions_u32).map_err(dev_err)?,
             positions: dev.upload(&positions).map_err(dev_err)?,
             table_start: dev.upload(&table_start).map_err(dev_err)?,
             block_tables: dev.upload(&tables).map_err(dev_err)?,
             max_context,
-        };
-        Ok(CudaPass { m, kv, at })
+        })
+    }
+}
+
+/// Where the pass finds the batch's token ids.
+pub enum Tokens<'a> {
+    /// On the host, uploaded (and checked) by the embedding op.
+    Host,
+    /// Already on the device: a CUDA graph's input buffer, filled before each replay.
+    Device(&'a CudaSlice<u32>),
+}
+
+/// A forward pass of a [`CudaModel`] over one batch, writing into `kv`'s pools.
+pub struct CudaPass<'a> {
+    m: &'a CudaModel,
+    pools: &'a mut [Option<DeviceKvPool>],
+    scratch: &'a mut PassScratch,
+    at: &'a Placement,
+    tokens: Tokens<'a>,
+}
+
+impl<'a> CudaPass<'a> {
+    pub fn new(
+        m: &'a CudaModel,
+        kv: &'a mut DeviceKv,
+        at: &'a Placement,
+        tokens: Tokens<'a>,
+    ) -> CudaPass<'a> {
+        CudaPass {
+            m,
+            pools: &mut kv.pools,
+            scratch: &mut kv.scratch,
+            at,
+            tokens,
+        }
     }
 
+    /// An output buffer the op about to run writes in full.
     fn alloc(&self, len: usize) -> Result<CudaSlice<f32>> {
-        self.m.dev.zeros(len).map_err(dev_err)
+        self.m.dev.alloc_f32(len).map_err(dev_err)
     }
 
     /// `x · Wᵀ` for the device copy of `w`.
@@ -97,7 +124,11 @@ impl Backend for CudaPass<'_> {
     fn embed(&mut self, table: &Tensor, tokens: &[u32]) -> Result<CudaSlice<f32>> {
         let d = self.m.mat(table)?;
         let mut out = self.alloc(tokens.len() * d.cols())?;
-        self.m.dev.embed(d, tokens, &mut out).map_err(dev_err)?;
+        match self.tokens {
+            Tokens::Host => self.m.dev.embed(d, tokens, &mut out),
+            Tokens::Device(ids) => self.m.dev.embed_ids(d, ids, &mut out),
+        }
+        .map_err(dev_err)?;
         Ok(out)
     }
 
@@ -167,7 +198,7 @@ impl Backend for CudaPass<'_> {
             block_tables: &self.at.block_tables,
             max_context: self.at.max_context,
         };
-        let pool = self.kv.pools[layer]
+        let pool = self.pools[layer]
             .as_mut()
             .ok_or_else(|| Error::Device(format!("layer {layer} has no KV pool")))?;
         dev.kv_write(pool, k, v, &at).map_err(dev_err)?;
@@ -180,10 +211,18 @@ impl Backend for CudaPass<'_> {
         };
         let rows = q.len() / (spec.num_heads * spec.head_dim);
         let mut out = dev
-            .zeros(rows * spec.num_heads * spec.head_dim)
+            .alloc_f32(rows * spec.num_heads * spec.head_dim)
             .map_err(dev_err)?;
-        dev.paged_attention(q, pool, &at, &shape, &mut out)
-            .map_err(dev_err)?;
+        dev.paged_attention_with(
+            self.m.prefill_attention,
+            q,
+            pool,
+            &at,
+            &shape,
+            &mut out,
+            &mut self.scratch.attention,
+        )
+        .map_err(dev_err)?;
         Ok(out)
     }
 
@@ -194,7 +233,12 @@ impl Backend for CudaPass<'_> {
         self.linear(&g, &w.down_proj)
     }
 
-    fn moe(&mut self, x: &CudaSlice<f32>, cfg: &MoeConfig, w: &MoeWeights) -> Result<CudaSlice<f32>> {
+    fn moe(
+        &mut self,
+        x: &CudaSlice<f32>,
+        cfg: &MoeConfig,
+        w: &MoeWeights,
+    ) -> Result<CudaSlice<f32>> {
         let dev = &self.m.dev;
         let hidden = w.router.shape[1];
         let rows = x.len() / hidden;
@@ -209,28 +253,13 @@ impl Backend for CudaPass<'_> {
         };
         dev.route_topk(&logits, shape, &mut ids, &mut weights)
             .map_err(dev_err)?;
-        let experts = self
-            .m
-            .experts
-            .get(&tensor_key(&w.router))
-            .ok_or_else(|| Error::Device("internal: a MoE layer's experts were not uploaded".into()))?;
+        let experts = self.m.experts.get(&tensor_key(&w.router)).ok_or_else(|| {
+            Error::Device("internal: a MoE layer's experts were not uploaded".into())
+        })?;
         let mut out = self.alloc(rows * hidden)?;
-        {
-            let mut guard = self
-                .m
-                .moe_scratch
-                .lock()
-                .map_err(|_| Error::Device("MoE scratch poisoned by an earlier panic".into()))?;
-            let fits = matches!(&*guard, Some((cap, _)) if *cap >= rows);
-            if !fits {
-                let cap = rows.next_power_of_two().max(16);
-                let scratch = dev.moe_scratch(experts, cap, k).map_err(dev_err)?;
-                *guard = Some((cap, scratch));
-            }
-            let (_, scratch) = guard.as_mut().expect("scratch made above");
-            dev.moe_experts(x, &ids, &weights, k, experts, scratch, &mut out)
-                .map_err(dev_err)?;
-        }
+        let scratch = self.scratch.moe(dev, experts, rows, k)?;
+        dev.moe_experts(x, &ids, &weights, k, experts, scratch, &mut out)
+            .map_err(dev_err)?;
         if let Some(shared) = &w.shared_expert {
             let s = self.mlp(x, shared)?;
             let gate = match &w.shared_expert_gate {
@@ -262,8 +291,16 @@ impl Backend for CudaPass<'_> {
         width: usize,
         rows: &[usize],
     ) -> Result<CudaSlice<f32>> {
-        let idx: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
         let dev = &self.m.dev;
+        if rows.iter().copied().eq(0..x.len() / width.max(1)) {
+            // Every row in order (decode): a copy, and no host upload (which a graph could not
+            // capture).
+            return dev
+                .stream()
+                .clone_dtod(x)
+                .map_err(|e| Error::Device(e.to_string()));
+        }
+        let idx: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
         if idx.is_empty() {
             return self.alloc(0);
         }
@@ -271,6 +308,10 @@ impl Backend for CudaPass<'_> {
         let mut out = self.alloc(rows.len() * width)?;
         dev.gather_rows(x, &idx, width, &mut out).map_err(dev_err)?;
         Ok(out)
+    }
+
+    fn upload(&mut self, x: &[f32]) -> Result<CudaSlice<f32>> {
+        self.m.dev.upload(x).map_err(dev_err)
     }
 
     fn to_host(&mut self, x: CudaSlice<f32>) -> Result<Vec<f32>> {

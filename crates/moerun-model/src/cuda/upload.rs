@@ -2,17 +2,13 @@
 //! (norm weights, biases) as f32, each MoE layer's experts stacked.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
 
 use moerun_core::{DType, Result, Tensor};
-use moerun_cuda::{CudaDevice, CudaSlice, DeviceMatrix};
-
-#[allow(unused_imports)]
-use super::pending::PendingOps;
-use super::pending::DeviceExperts;
+use moerun_cuda::{AttentionPrefill, CudaDevice, CudaSlice, DeviceExperts, DeviceMatrix};
 
 use super::{dev_err, tensor_key, vec_key, CudaModel};
 use crate::attention::Rope;
+use crate::config::ModelConfig;
 use crate::weights::{FfnWeights, Linear, MixerWeights, MlpWeights, ModelWeights, MoeWeights};
 
 /// Where the device copy of each matrix comes from.
@@ -136,12 +132,15 @@ impl Uploader<'_> {
 /// Upload `w` to `dev` (or draw it there, per `source`).
 pub(crate) fn upload(
     dev: CudaDevice,
+    cfg: &ModelConfig,
     w: &ModelWeights,
     rope: &Rope,
     source: WeightSource,
 ) -> Result<CudaModel> {
     let (inv_freq, attention_factor) = rope.parts();
-    let rope = dev.upload_rope(inv_freq, attention_factor).map_err(dev_err)?;
+    let rope = dev
+        .upload_rope(inv_freq, attention_factor)
+        .map_err(dev_err)?;
     let mut u = Uploader {
         dev: &dev,
         source,
@@ -184,13 +183,19 @@ pub(crate) fn upload(
         bytes,
         ..
     } = u;
+    let bf16 = w.embed_tokens.dtype == DType::BF16;
+    let prefill_attention = if bf16 && matches!(cfg.head_dim, 64 | 128) {
+        AttentionPrefill::TensorCoreBf16
+    } else {
+        AttentionPrefill::ExactF32
+    };
     Ok(CudaModel {
+        prefill_attention,
         dev,
         mats,
         vecs,
         experts,
         rope,
-        moe_scratch: Mutex::new(None),
         weight_bytes: bytes,
     })
 }

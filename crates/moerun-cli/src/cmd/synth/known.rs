@@ -62,8 +62,9 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_five_moe_models_and_smollm_are_supported() {
+    fn the_moe_models_gemma_4_and_smollm_are_supported() {
         for name in [
+            "gemma-4-26b-a4b",
             "qwen3-30b-a3b",
             "qwen3-235b-a22b",
             "qwen2-57b-a14b",

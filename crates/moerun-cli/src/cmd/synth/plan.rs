@@ -88,8 +88,13 @@ impl Plan {
     }
 }
 
+mod gemma4;
+
 /// Every tensor of a checkpoint of `cfg`, named as the family's Hub checkpoints name them.
 pub fn tensors(cfg: &ModelConfig) -> Vec<Planned> {
+    if let Some(g) = &cfg.gemma4 {
+        return gemma4::tensors(cfg, g);
+    }
     let (h, v) = (cfg.hidden_size, cfg.vocab_size);
     let mut p = Plan {
         out: Vec::new(),
@@ -239,6 +244,10 @@ pub fn rewrite_config(config: &Value, layers: usize, dtype: DType) -> Value {
     // One entry per layer: keep the first `layers`.
     if let Some(Value::Array(list)) = text.get_mut("layer_types") {
         list.truncate(layers);
+    }
+    // Gemma 4's per-layer overrides, keyed by layer index.
+    if let Some(Value::Object(map)) = text.get_mut("per_layer_config") {
+        map.retain(|k, _| k.parse::<usize>().is_ok_and(|i| i < layers));
     }
     let torch_name = match dtype {
         DType::BF16 => "bfloat16",

@@ -1,0 +1,153 @@
+//! Attention rows of ops_bench, on Qwen3-30B-A3B's attention shape (32 query heads, 4 kv heads,
+//! head_dim 128), block size 16, block tables of shuffled blocks:
+//! - decode (split-K + combine): GB/s = K and V rows read (batch x context x kv_heads x head_dim x
+//!   4 bytes x 2) over the time of one call; pools smaller than the L2 are cycled through copies
+//!   (separate blocks) adding up to >= 512 MiB, as for the GEMV rows;
+//! - prefill of one 4096-token sequence from position 0: TFLOP/s with causal FLOPs
+//!   4 · n²/2 · heads · head_dim, exact f32 tiles and bf16 tensor-core tiles.
+
+use moerun_cuda::{
+    AttentionPrefill, AttentionShape, CudaDevice, CudaError, CudaSlice, DeviceKvPool, Result,
+    TokenPlacement,
+};
+
+use super::{time, Row, XorShift, ROTATE_BYTES};
+
+const HEADS: usize = 32;
+const KV_HEADS: usize = 4;
+const HEAD_DIM: usize = 128;
+const BLOCK: usize = 16;
+
+fn shape() -> AttentionShape {
+    AttentionShape {
+        num_heads: HEADS,
+        num_kv_heads: KV_HEADS,
+        head_dim: HEAD_DIM,
+        scale: 1.0 / (HEAD_DIM as f32).sqrt(),
+        sliding_window: None,
+    }
+}
+
+fn driver(e: impl std::fmt::Display) -> CudaError {
+    CudaError::Unavailable(format!("bench copy: {e}"))
+}
+
+/// A pool of `blocks` blocks of random K/V (never zeros: they can time faster than real data).
+fn random_pool(dev: &CudaDevice, rng: &mut XorShift, blocks: usize) -> Result<DeviceKvPool> {
+    let mut pool = dev.kv_pool(blocks, BLOCK, KV_HEADS, HEAD_DIM)?;
+    let chunk_len = (16usize << 20).min(pool.k().len());
+    let chunk = dev.upload(&rng.f32s(chunk_len))?;
+    let (k, v) = pool.k_v_mut();
+    for buf in [k, v] {
+        let mut o = 0;
+        while o < buf.len() {
+            let len = chunk_len.min(buf.len() - o);
+            dev.stream()
+                .memcpy_dtod(&chunk.slice(..len), &mut buf.slice_mut(o..o + len))
+                .map_err(driver)?;
+            o += len;
+        }
+    }
+    Ok(pool)
+}
+
+/// 0..n in a random order (Fisher-Yates).
+fn permutation(rng: &mut XorShift, n: usize) -> Vec<i32> {
+    let mut v: Vec<i32> = (0..n as i32).collect();
+    for i in (1..n).rev() {
+        let j = (((rng.next_f32() * 0.5 + 0.5) * (i + 1) as f32) as usize).min(i);
+        v.swap(i, j);
+    }
+    v
+}
+
+fn decode_row(dev: &CudaDevice, rng: &mut XorShift, batch: usize, context: usize) -> Result<Row> {
+    let per_seq = context.div_ceil(BLOCK);
+    let bytes = batch * context * KV_HEADS * HEAD_DIM * 4 * 2;
+    let copies = ROTATE_BYTES.div_ceil(bytes).clamp(1, 64);
+    let pool = random_pool(dev, rng, copies * batch * per_seq)?;
+    let tables = dev.upload(&permutation(rng, copies * batch * per_seq))?;
+    let positions = dev.upload(&vec![context as i32 - 1; batch])?;
+    let starts: Vec<CudaSlice<i32>> = (0..copies)
+        .map(|c| {
+            let s: Vec<i32> = (0..batch)
+                .map(|b| ((c * batch + b) * per_seq) as i32)
+                .collect();
+            dev.upload(&s)
+        })
+        .collect::<Result<_>>()?;
+    let q = dev.upload(&rng.f32s(batch * HEADS * HEAD_DIM))?;
+    let mut out = dev.zeros::<f32>(batch * HEADS * HEAD_DIM)?;
+    let mut scratch = dev.attention_scratch(batch, HEADS, HEAD_DIM, context)?;
+    let ms = time(dev, || {
+        starts.iter().try_for_each(|st| {
+            let at = TokenPlacement {
+                positions: &positions,
+                table_start: st,
+                block_tables: &tables,
+                max_context: context,
+            };
+            dev.paged_attention(&q, &pool, &at, &shape(), &mut out, &mut scratch)
+        })
+    })? / copies as f64;
+    Ok(Row {
+        op: format!("attention decode b={batch}"),
+        shape: format!("ctx {context} 32/4x128"),
+        us: ms * 1e3,
+        gbs: Some(bytes as f64 / (ms * 1e-3) / 1e9),
+        tflops: None,
+    })
+}
+
+fn prefill_row(
+    dev: &CudaDevice,
+    rng: &mut XorShift,
+    n: usize,
+    prefill: AttentionPrefill,
+) -> Result<Row> {
+    let blocks = n.div_ceil(BLOCK);
+    let pool = random_pool(dev, rng, blocks)?;
+    let tables = dev.upload(&permutation(rng, blocks))?;
+    let positions = dev.upload(&(0..n as i32).collect::<Vec<_>>())?;
+    let starts = dev.upload(&vec![0i32; n])?;
+    let at = TokenPlacement {
+        positions: &positions,
+        table_start: &starts,
+        block_tables: &tables,
+        max_context: n,
+    };
+    let q = dev.upload(&rng.f32s(n * HEADS * HEAD_DIM))?;
+    let mut out = dev.zeros::<f32>(n * HEADS * HEAD_DIM)?;
+    let mut scratch = dev.attention_scratch(n, HEADS, HEAD_DIM, n)?;
+    let ms = time(dev, || {
+        dev.paged_attention_with(prefill, &q, &pool, &at, &shape(), &mut out, &mut scratch)
+    })?;
+    let flops = 4.0 * (n * n) as f64 / 2.0 * (HEADS * HEAD_DIM) as f64;
+    Ok(Row {
+        op: format!("attention prefill {prefill:?}"),
+        shape: format!("n={n} 32/4x128"),
+        us: ms * 1e3,
+        gbs: None,
+        tflops: Some(flops / (ms * 1e-3) / 1e12),
+    })
+}
+
+/// Every attention row.
+pub fn rows(dev: &CudaDevice, rng: &mut XorShift) -> Result<Vec<Row>> {
+    let mut rows = Vec::new();
+    for (batch, context) in [
+        (1, 512),
+        (1, 4096),
+        (8, 512),
+        (8, 4096),
+        (32, 4096),
+        (128, 512),
+        (128, 4096),
+    ] {
+        rows.push(decode_row(dev, rng, batch, context)?);
+    }
+    for prefill in [AttentionPrefill::ExactF32, AttentionPrefill::TensorCoreBf16] {
+        rows.push(prefill_row(dev, rng, 4096, prefill)?);
+    }
+    Ok(rows)
+}

@@ -1,0 +1,941 @@
+// Paged causal attention over one layer's KV pool, f32 activations (ops/attention.rs wraps these).
+//
+// Pool: K and V each [blocks][block_size][kv_heads][head_dim] f32. Token i of the flat batch sits
+// at position positions[i] of the sequence whose block table starts at
+// block_tables[table_start[i]]: position p of that sequence lives in block
+// block_tables[table_start[i] + p / block_size], slot p % block_size. Token i attends to its
+// sequence's positions lo..=p, lo = max(0, p + 1 - window) (window 0: no window), as
+// moerun-cpu's paged_attention does. Query head h reads kv head h / group.
+//
+// Scores live in the log2 domain: q is multiplied by scale * log2(e) once, so softmax weights are
+// exp2(s - max), the same numbers as exp(scale * q.k - max). Every online-softmax update guards
+// the all-masked case (max = -inf) so that no -inf - -inf ever makes a NaN.
+//
+// Kernels (all take one AttnArgs by value; launch shapes are repeated in ops/attention.rs):
+// - kv_write_f32: grid (n), block 128; copies token i's K and V rows into its slot.
+// - attn_split_d<D>_g<G>: split-K flash-decoding, exact f32. Grid (n, nsplit, kv_heads *
+//   head_chunks), block 128, dynamic shared 4 * G * (head_dim + 2) floats. A block owns one token,
+//   one kv head, up to G of its query heads (head chunk), and one split of the token's keys, so
+//   each K/V row is read once for all the query heads of its group. Groups of L lanes each take
+//   one key (L = D / 4 lanes of one float4 each; two float4 for D = 256), U keys per group per
+//   step with the next step's rows already loading (register double buffer). A key's G partial
+//   dot products are reduce-scattered over the group (each lane ends up owning G / L' heads'
+//   scores), so shuffles and exp2 per key are ~G / 4 instead of G * log2(L); the owners run the
+//   online softmax and broadcast the weights. Then the groups' states merge (shuffles, then
+//   shared memory). With nsplit == 1 the block writes the normalised output, else an
+//   unnormalised partial (acc, max, sum) that attn_combine_f32 merges.
+// - attn_combine_f32: grid (n, num_heads), block 64; merges a token's active splits in split
+//   order.
+// - attn_tile_f32_c<C>: tiled exact-f32 prefill on CUDA cores, tiles of 64 tokens. Grid (n / 64,
+//   num_heads), block 256, dynamic shared (3 * 64 * (head_dim + 4) + 64 * 65) floats: Q, K and V
+//   tiles of 64 rows (K/V by cp.async), P. Each thread owns 4 query rows x 4 keys of S and
+//   4 rows x C float4 columns of O.
+// - attn_tile_bf16_d<D>: tensor cores (mma.sync m16n8k16, bf16 operands, f32 accumulation),
+//   tiles of 128 tokens. Grid (n / 128, num_heads), block 256 (one warp per 16 query rows),
+//   dynamic shared: 2 stages x 64 keys x (D + 8 + D + 4) f32 (cp.async, double-buffered: the next
+//   K/V tile loads while this one computes), then the tile rounded once to bf16, K row-major
+//   [64][D + 8] and V transposed [D][72], which the fragments read.
+//
+// Which kernel owns a token (the tile rule, `tile_owned`): when the host launches a tiled kernel
+// (n >= tile_m, AttnArgs.tiled), a tile of tile_m consecutive tokens that lies wholly inside the
+// batch and whose tokens all share one table_start (one sequence) belongs to the tiled kernel;
+// every other token to attn_split (+ combine). Each kernel evaluates the rule itself from the
+// same data, so the launches cover the batch exactly once without the host reading device data.
+//
+// Keys whose block-table entry or block id is out of range (a caller bug) are skipped, never read
+// out of bounds; kv_write_f32 skips such rows too.
+
+#define TILE_M 64
+#define TILE_N 64
+#define NEG_INF __int_as_float(0xff800000)
+
+struct AttnArgs {
+    const float* q;
+    float* out;
+    const float* pool_k;
+    const float* pool_v;
+    const int* positions;
+    const int* table_start;
+    const int* block_tables;
+    float* part_acc;
+    float* part_ml;
+    int n;
+    int num_heads;
+    int kv_heads;
+    int head_dim;
+    int group;
+    int head_chunks;
+    int tables_len;
+    int blocks;
+    int block_size;
+    int block_shift;  // log2(block_size), or -1 when it is not a power of two
+    int window;
+    int chunk;
+    int nsplit;
+    int tiled;
+    int tile_m;
+    float scale_log2;
+};
+
+// Element offset of position `pos` (kv head `kh`) in the pool, or -1 when out of range.
+__device__ __forceinline__ long long kv_offset(const AttnArgs& a, int ts, int pos, int kh) {
+    if (pos < 0) return -1;
+    int bi, slot;
+    if (a.block_shift >= 0) {
+        bi = pos >> a.block_shift;
+        slot = pos & (a.block_size - 1);
+    } else {
+        bi = pos / a.block_size;
+        slot = pos - bi * a.block_size;
+    }
+    const int ti = ts + bi;
+    if (ti < 0 || ti >= a.tables_len) return -1;
+    const int blk = a.block_tables[ti];
+    if (blk < 0 || blk >= a.blocks) return -1;
+    return (((long long)blk * a.block_size + slot) * a.kv_heads + kh) * (long long)a.head_dim;
+}
+
+__device__ __forceinline__ int window_lo(const AttnArgs& a, int pos) {
+    return a.window > 0 ? max(0, pos + 1 - a.window) : 0;
+}
+
+// Whether token i lies in a tile the tiled kernel owns (see the header). Every thread of the
+// block must call it: it ends in a block-wide barrier.
+__device__ __forceinline__ bool tile_owned(const AttnArgs& a, int i) {
+    if (!a.tiled) return false;
+    const int t0 = (i / a.tile_m) * a.tile_m;
+    if (t0 + a.tile_m > a.n) return false;
+    const int ts = a.table_start[t0];
+    int same = 1;
+    for (int r = threadIdx.x; r < a.tile_m; r += blockDim.x) same &= a.table_start[t0 + r] == ts;
+    return __syncthreads_and(same) != 0;
+}
+
+__device__ __forceinline__ float4 ld4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ void st4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
+__device__ __forceinline__ float4 zero4() { return make_float4(0.0f, 0.0f, 0.0f, 0.0f); }
+__device__ __forceinline__ float dot4(float4 a, float4 b) {
+    return a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+}
+__device__ __forceinline__ float4 scale4(float4 a, float s) {
+    return make_float4(a.x * s, a.y * s, a.z * s, a.w * s);
+}
+__device__ __forceinline__ float4 axpy4(float p, float4 x, float4 y) {
+    return make_float4(y.x + p * x.x, y.y + p * x.y, y.z + p * x.z, y.w + p * x.w);
+}
+__device__ __forceinline__ float4 shfl_xor4(float4 v, int o) {
+    return make_float4(__shfl_xor_sync(0xffffffffu, v.x, o), __shfl_xor_sync(0xffffffffu, v.y, o),
+                       __shfl_xor_sync(0xffffffffu, v.z, o), __shfl_xor_sync(0xffffffffu, v.w, o));
+}
+// The reference point of an online-softmax step: the running max, or 0 while nothing is visible.
+__device__ __forceinline__ float softmax_ref(float mx) { return mx == NEG_INF ? 0.0f : mx; }
+
+// 16-byte asynchronous copy global -> shared; `src_bytes` 0 writes zeros (and reads nothing).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+    const u32 d = (u32)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src),
+                 "r"(src_bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+__host__ __device__ constexpr int ilog2(int v) { return v <= 1 ? 0 : 1 + ilog2(v >> 1); }
+
+// ---- kv_write ----
+
+extern "C" __global__ void __launch_bounds__(128)
+    kv_write_f32(const float* __restrict__ k, const float* __restrict__ v,
+                 const int* __restrict__ positions, const int* __restrict__ table_start,
+                 const int* __restrict__ block_tables, int tables_len, float* __restrict__ pool_k,
+                 float* __restrict__ pool_v, int n, int width, int block_size, int blocks) {
+    const int i = blockIdx.x;
+    if (i >= n) return;
+    const int pos = positions[i];
+    if (pos < 0) return;
+    const int ti = table_start[i] + pos / block_size;
+    if (ti < 0 || ti >= tables_len) return;
+    const int blk = block_tables[ti];
+    if (blk < 0 || blk >= blocks) return;
+    const u64 dst = ((u64)blk * block_size + pos % block_size) * width;
+    const u64 src = (u64)i * width;
+    for (int e = threadIdx.x; e < width; e += blockDim.x) {
+        pool_k[dst + e] = k[src + e];
+        pool_v[dst + e] = v[src + e];
+    }
+}
+
+// ---- split-K decode ----
+
+#define SPLIT_WARPS 4
+#define SPLIT_THREADS (32 * SPLIT_WARPS)
+// Keys per group per step (rows of d <= 128: 4; of d = 256, two float4 per lane: 2).
+#define SPLIT_KEYS 4
+
+// Reduce-scatter of GM per-lane partial sums over a group of L lanes: each halving step sends
+// half of the heads to the partner lane and keeps the other half, so after the log2(GM) halving
+// steps (as far as the group has lanes) a lane holds the group's full sums of OWN heads,
+// base(lane) .. base(lane) + OWN, in x[0 .. OWN).
+template <int L, int GM>
+struct Scatter {
+    static constexpr int NH = ilog2(GM) < ilog2(L) ? ilog2(GM) : ilog2(L);
+    static constexpr int OWN = GM >> NH;
+
+    __device__ static __forceinline__ void reduce(float (&x)[GM], int lane) {
+#pragma unroll
+        for (int k = 0; k < ilog2(L); ++k) {
+            const int o = L >> (k + 1);
+            if (k < NH) {
+                const int half = GM >> (k + 1);
+                const bool up = (lane & o) != 0;
+#pragma unroll
+                for (int j = 0; j < half; ++j) {
+                    const float send = up ? x[j] : x[j + half];
+                    const float keep = up ? x[j + half] : x[j];
+                    x[j] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+                }
+            } else {
+                x[0] += __shfl_xor_sync(0xffffffffu, x[0], o);
+            }
+        }
+    }
+
+    // The lane of this lane's group that owns head h (its slot there is h % OWN).
+    __device__ static __forceinline__ int owner(int lane, int h) {
+        int src = lane & ~(L - 1);
+#pragma unroll
+        for (int k = 0; k < NH; ++k)
+            if (h & (GM >> (k + 1))) src |= L >> (k + 1);
+        return src;
+    }
+
+    // Value `v[h % OWN]` of head h's owner, in every lane.
+    template <int N>
+    __device__ static __forceinline__ float from_owner(const float (&v)[N], int lane, int h) {
+        if constexpr (OWN == GM) {
+            return v[h];
+        } else {
+            return __shfl_sync(0xffffffffu, v[h % OWN], owner(lane, h));
+        }
+    }
+};
+
+// Rows of the U keys group `grp` takes at step jb (zeros past k1 or out of range; ok[u] says
+// which are real).
+template <int L, int VPL, int U>
+__device__ __forceinline__ void fetch_keys(const AttnArgs& a, int ts, int kh, int jb, int k1,
+                                           int grp, int sub, int d4, float4 (&kr)[U][VPL],
+                                           float4 (&vr)[U][VPL], bool (&ok)[U]) {
+    constexpr int GROUPS = SPLIT_THREADS / L;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const int j = jb + grp + GROUPS * u;
+        const long long off = j < k1 ? kv_offset(a, ts, j, kh) : -1;
+        ok[u] = off >= 0;
+#pragma unroll
+        for (int v = 0; v < VPL; ++v) {
+            const int c = sub + L * v;
+            if (ok[u] && c < d4) {
+                kr[u][v] = ld4(a.pool_k + off + 4 * c);
+                vr[u][v] = ld4(a.pool_v + off + 4 * c);
+            } else {
+                kr[u][v] = zero4();
+                vr[u][v] = zero4();
+            }
+        }
+    }
+}
+
+// L lanes per key, VPL float4 of the head per lane (L * VPL * 4 >= head_dim), up to GM query
+// heads per block.
+template <int L, int VPL, int GM>
+__device__ __forceinline__ void attn_split(const AttnArgs& a) {
+    extern __shared__ float4 split_smem4[];
+    constexpr int U = SPLIT_KEYS / VPL;
+    constexpr int GROUPS = SPLIT_THREADS / L;
+    using S = Scatter<L, GM>;
+    constexpr int OWN = S::OWN;
+    const int i = blockIdx.x;
+    const int s = blockIdx.y;
+    const int kh = blockIdx.z / a.head_chunks;
+    const int hc = blockIdx.z - kh * a.head_chunks;
+    if (tile_owned(a, i)) return;
+    const int d = a.head_dim;
+    const int d4 = d >> 2;
+    const int h0 = kh * a.group + hc * GM;
+    const int gh = min(GM, a.group - hc * GM);
+    const int pos = a.positions[i];
+    const int ts = a.table_start[i];
+    const int lo = window_lo(a, pos);
+    const int len = pos + 1 - lo;
+    const bool direct = a.nsplit == 1;
+    const int active = len <= 0 ? 0 : min(a.nsplit, (len + a.chunk - 1) / a.chunk);
+    if (s >= active) {
+        // Only a token with no visible key at all gets here with s == 0: its output is zero.
+        if (direct) {
+            float* o = a.out + ((u64)i * a.num_heads + h0) * d;
+            for (int e = threadIdx.x; e < gh * d; e += SPLIT_THREADS) o[e] = 0.0f;
+        }
+        return;
+    }
+    const int k0 = lo + s * a.chunk;
+    // The last split runs to the token itself, whatever the host's bound on the context said.
+    const int k1 = (s == a.nsplit - 1) ? pos + 1 : min(k0 + a.chunk, pos + 1);
+
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int sub = lane & (L - 1);
+    const int grp = threadIdx.x / L;
+
+    float4 qr[GM][VPL];
+#pragma unroll
+    for (int h = 0; h < GM; ++h)
+#pragma unroll
+        for (int v = 0; v < VPL; ++v) {
+            const int c = sub + L * v;
+            qr[h][v] = (h < gh && c < d4)
+                           ? scale4(ld4(a.q + ((u64)i * a.num_heads + h0 + h) * d + 4 * c),
+                                    a.scale_log2)
+                           : zero4();
+        }
+    // Running max and sum of the heads this lane owns; the accumulator of every head.
+    float mo[OWN], lo_sum[OWN];
+#pragma unroll
+    for (int j = 0; j < OWN; ++j) {
+        mo[j] = NEG_INF;
+        lo_sum[j] = 0.0f;
+    }
+    float4 acc[GM][VPL];
+#pragma unroll
+    for (int h = 0; h < GM; ++h)
+#pragma unroll
+        for (int v = 0; v < VPL; ++v) acc[h][v] = zero4();
+
+    float4 kr[U][VPL], vr[U][VPL];
+    bool ok[U];
+    fetch_keys<L, VPL, U>(a, ts, kh, k0, k1, grp, sub, d4, kr, vr, ok);
+    // The loop bound is block-uniform so that every lane takes part in the shuffles; a group past
+    // k1 sees its keys as masked.
+    for (int jb = k0; jb < k1; jb += GROUPS * U) {
+        float4 kc[U][VPL], vc[U][VPL];
+        bool okc[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            okc[u] = ok[u];
+#pragma unroll
+            for (int v = 0; v < VPL; ++v) {
+                kc[u][v] = kr[u][v];
+                vc[u][v] = vr[u][v];
+            }
+        }
+        // The next step's rows load while this one computes.
+        fetch_keys<L, VPL, U>(a, ts, kh, jb + GROUPS * U, k1, grp, sub, d4, kr, vr, ok);
+
+        float x[U][GM];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+#pragma unroll
+            for (int h = 0; h < GM; ++h) {
+                float t = 0.0f;
+#pragma unroll
+                for (int v = 0; v < VPL; ++v) t += dot4(qr[h][v], kc[u][v]);
+                x[u][h] = t;
+            }
+            S::reduce(x[u], lane);
+        }
+        float corr[OWN], p[U][OWN];
+#pragma unroll
+        for (int j = 0; j < OWN; ++j) {
+            float mx = mo[j];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                if (!okc[u]) x[u][j] = NEG_INF;
+                mx = fmaxf(mx, x[u][j]);
+            }
+            const float ref = softmax_ref(mx);
+            corr[j] = exp2f(mo[j] - ref);
+            lo_sum[j] *= corr[j];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                p[u][j] = exp2f(x[u][j] - ref);
+                lo_sum[j] += p[u][j];
+            }
+            mo[j] = mx;
+        }
+#pragma unroll
+        for (int h = 0; h < GM; ++h) {
+            const float c = S::from_owner(corr, lane, h);
+#pragma unroll
+            for (int v = 0; v < VPL; ++v) acc[h][v] = scale4(acc[h][v], c);
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const float ph = S::from_owner(p[u], lane, h);
+#pragma unroll
+                for (int v = 0; v < VPL; ++v) acc[h][v] = axpy4(ph, vc[u][v], acc[h][v]);
+            }
+        }
+    }
+
+    // Every lane gets every head's (max, sum); then the groups of each warp merge (lanes L, 2L,
+    // ... apart hold the same columns).
+    float m[GM], l[GM];
+#pragma unroll
+    for (int h = 0; h < GM; ++h) {
+        m[h] = S::from_owner(mo, lane, h);
+        l[h] = S::from_owner(lo_sum, lane, h);
+    }
+#pragma unroll
+    for (int o = L; o < 32; o <<= 1) {
+#pragma unroll
+        for (int h = 0; h < GM; ++h) {
+            const float mo_other = __shfl_xor_sync(0xffffffffu, m[h], o);
+            const float l_other = __shfl_xor_sync(0xffffffffu, l[h], o);
+            const float mx = fmaxf(m[h], mo_other);
+            const float ref = softmax_ref(mx);
+            const float ca = exp2f(m[h] - ref);
+            const float cb = exp2f(mo_other - ref);
+            l[h] = l[h] * ca + l_other * cb;
+#pragma unroll
+            for (int v = 0; v < VPL; ++v) {
+                const float4 other = shfl_xor4(acc[h][v], o);
+                acc[h][v] = make_float4(acc[h][v].x * ca + other.x * cb,
+                                        acc[h][v].y * ca + other.y * cb,
+                                        acc[h][v].z * ca + other.z * cb,
+                                        acc[h][v].w * ca + other.w * cb);
+            }
+            m[h] = mx;
+        }
+    }
+
+    // Then the warps, through shared memory: acc [warp][GM][d], then (max, sum) [warp][GM][2].
+    float* s_acc = reinterpret_cast<float*>(split_smem4);
+    float* s_ml = s_acc + SPLIT_WARPS * GM * d;
+    if (lane < L) {
+#pragma unroll
+        for (int h = 0; h < GM; ++h) {
+            if (h < gh) {
+#pragma unroll
+                for (int v = 0; v < VPL; ++v) {
+                    const int c = sub + L * v;
+                    if (c < d4) st4(s_acc + (warp * GM + h) * d + 4 * c, acc[h][v]);
+                }
+                if (lane == 0) {
+                    s_ml[(warp * GM + h) * 2] = m[h];
+                    s_ml[(warp * GM + h) * 2 + 1] = l[h];
+                }
+            }
+        }
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < gh * d; idx += SPLIT_THREADS) {
+        const int h = idx / d;
+        const int e = idx - h * d;
+        float mx = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < SPLIT_WARPS; ++w) mx = fmaxf(mx, s_ml[(w * GM + h) * 2]);
+        const float ref = softmax_ref(mx);
+        float sum = 0.0f, num = 0.0f;
+#pragma unroll
+        for (int w = 0; w < SPLIT_WARPS; ++w) {
+            const float c = exp2f(s_ml[(w * GM + h) * 2] - ref);
+            sum += c * s_ml[(w * GM + h) * 2 + 1];
+            num += c * s_acc[(w * GM + h) * d + e];
+        }
+        const u64 row = (u64)i * a.num_heads + h0 + h;
+        if (direct) {
+            a.out[row * d + e] = sum > 0.0f ? num / sum : 0.0f;
+        } else {
+            const u64 ps = row * a.nsplit + s;
+            a.part_acc[ps * d + e] = num;
+            if (e == 0) {
+                a.part_ml[ps * 2] = mx;
+                a.part_ml[ps * 2 + 1] = sum;
+            }
+        }
+    }
+}
+
+#define ATTN_SPLIT(NAME, L, VPL, GM)                                                             \
+    extern "C" __global__ void __launch_bounds__(SPLIT_THREADS) NAME(const AttnArgs a) {        \
+        attn_split<L, VPL, GM>(a);                                                               \
+    }
+
+ATTN_SPLIT(attn_split_d16_g1, 4, 1, 1)
+ATTN_SPLIT(attn_split_d16_g2, 4, 1, 2)
+ATTN_SPLIT(attn_split_d16_g4, 4, 1, 4)
+ATTN_SPLIT(attn_split_d16_g8, 4, 1, 8)
+ATTN_SPLIT(attn_split_d32_g1, 8, 1, 1)
+ATTN_SPLIT(attn_split_d32_g2, 8, 1, 2)
+ATTN_SPLIT(attn_split_d32_g4, 8, 1, 4)
+ATTN_SPLIT(attn_split_d32_g8, 8, 1, 8)
+ATTN_SPLIT(attn_split_d64_g1, 16, 1, 1)
+ATTN_SPLIT(attn_split_d64_g2, 16, 1, 2)
+ATTN_SPLIT(attn_split_d64_g4, 16, 1, 4)
+ATTN_SPLIT(attn_split_d64_g8, 16, 1, 8)
+ATTN_SPLIT(attn_split_d128_g1, 32, 1, 1)
+ATTN_SPLIT(attn_split_d128_g2, 32, 1, 2)
+ATTN_SPLIT(attn_split_d128_g4, 32, 1, 4)
+ATTN_SPLIT(attn_split_d128_g8, 32, 1, 8)
+ATTN_SPLIT(attn_split_d256_g1, 32, 2, 1)
+ATTN_SPLIT(attn_split_d256_g2, 32, 2, 2)
+ATTN_SPLIT(attn_split_d256_g4, 32, 2, 4)
+ATTN_SPLIT(attn_split_d256_g8, 32, 2, 8)
+
+// Merge token i's partials of query head h over its active splits. The splits' weights are
+// computed in parallel into shared memory (dynamic, nsplit + 8 floats: the unrolled loop below
+// may read them as vectors past the last one); each output element then sums over the splits in
+// split order, several loads in flight.
+#define COMBINE_THREADS 128
+
+extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) attn_combine_f32(const AttnArgs a) {
+    extern __shared__ float comb_w[];
+    __shared__ float red[COMBINE_THREADS / 32];
+    const int i = blockIdx.x;
+    const int h = blockIdx.y;
+    if (tile_owned(a, i)) return;
+    const int d = a.head_dim;
+    const int pos = a.positions[i];
+    const int len = pos + 1 - window_lo(a, pos);
+    const int active = len <= 0 ? 0 : min(a.nsplit, (len + a.chunk - 1) / a.chunk);
+    const u64 row = (u64)i * a.num_heads + h;
+    const float* ml = a.part_ml + row * a.nsplit * 2;
+    const float* acc = a.part_acc + row * a.nsplit * d;
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+
+    float mx = NEG_INF;
+    for (int s = tid; s < active; s += COMBINE_THREADS) mx = fmaxf(mx, ml[2 * s]);
+    mx = warp_max(mx);
+    if (lane == 0) red[warp] = mx;
+    __syncthreads();
+    mx = red[0];
+#pragma unroll
+    for (int w = 1; w < COMBINE_THREADS / 32; ++w) mx = fmaxf(mx, red[w]);
+    const float ref = softmax_ref(mx);
+    float sum = 0.0f;
+    for (int s = tid; s < active; s += COMBINE_THREADS) {
+        const float w = exp2f(ml[2 * s] - ref);
+        comb_w[s] = w;
+        sum += w * ml[2 * s + 1];
+    }
+    sum = warp_sum(sum);
+    __syncthreads();  // every thread has read red[] (and written its weights)
+    if (lane == 0) red[warp] = sum;
+    __syncthreads();
+    sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < COMBINE_THREADS / 32; ++w) sum += red[w];
+    for (int e = tid; e < d; e += COMBINE_THREADS) {
+        float num = 0.0f;
+#pragma unroll 8
+        for (int s = 0; s < active; ++s) num += comb_w[s] * acc[(u64)s * d + e];
+        a.out[row * d + e] = sum > 0.0f ? num / sum : 0.0f;
+    }
+}
+
+// ---- tiled prefill, exact f32 on CUDA cores ----
+
+#define TF_THREADS 256
+
+// The key range [kmin, kend) of tile t0's rows, into shared memory; every thread must call it.
+__device__ __forceinline__ void tile_key_range(const AttnArgs& a, int t0, int* s_kmin, int* s_kend) {
+    if (threadIdx.x == 0) {
+        *s_kmin = 0x7fffffff;
+        *s_kend = 0;
+    }
+    __syncthreads();
+    for (int r = threadIdx.x; r < a.tile_m; r += blockDim.x) {
+        const int p = a.positions[t0 + r];
+        atomicMin(s_kmin, window_lo(a, p));
+        atomicMax(s_kend, p + 1);
+    }
+    __syncthreads();
+}
+
+// C: float4 columns of O per thread and row (head_dim <= 64 * C).
+template <int C>
+__device__ __forceinline__ void attn_tile_f32(const AttnArgs& a) {
+    extern __shared__ float4 tile_smem4[];
+    __shared__ int s_kmin, s_kend;
+    // Later tiles see more keys: launch them first so the grid does not end on a long one.
+    const int t0 = (gridDim.x - 1 - blockIdx.x) * TILE_M;
+    const int h = blockIdx.y;
+    if (!tile_owned(a, t0)) return;
+    const int d = a.head_dim;
+    const int d4 = d >> 2;
+    const int ds = d + 4;  // row stride: keeps float4 rows aligned, shifts banks by one float4
+    const int H = a.num_heads;
+    const int kh = h / a.group;
+    const int ts = a.table_start[t0];
+    const int tid = threadIdx.x;
+    float* Qs = reinterpret_cast<float*>(tile_smem4);
+    float* Ks = Qs + TILE_M * ds;
+    float* Vs = Ks + TILE_N * ds;
+    float* Ps = Vs + TILE_N * ds;  // [TILE_M][TILE_N + 1]
+
+    for (int idx = tid; idx < TILE_M * d4; idx += TF_THREADS) {
+        const int r = idx / d4;
+        const int c = idx - r * d4;
+        st4(Qs + r * ds + 4 * c,
+            scale4(ld4(a.q + ((u64)(t0 + r) * H + h) * d + 4 * c), a.scale_log2));
+    }
+    tile_key_range(a, t0, &s_kmin, &s_kend);
+    const int kmin = s_kmin, kend = s_kend;
+
+    const int tr = tid >> 4;  // rows 4 tr .. 4 tr + 3
+    const int tc = tid & 15;  // keys tc + 16 j; O columns (float4) tc + 16 jj
+    int rp[4], rlo[4];
+    float m[4], l[4];
+    float4 o[4][C];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        rp[r] = a.positions[t0 + 4 * tr + r];
+        rlo[r] = window_lo(a, rp[r]);
+        m[r] = NEG_INF;
+        l[r] = 0.0f;
+#pragma unroll
+        for (int jj = 0; jj < C; ++jj) o[r][jj] = zero4();
+    }
+
+    for (int kt = kmin; kt < kend; kt += TILE_N) {
+        for (int idx = tid; idx < TILE_N * d4; idx += TF_THREADS) {
+            const int r = idx / d4;
+            const int c = idx - r * d4;
+            const int kp = kt + r;
+            const long long off = kp < kend ? kv_offset(a, ts, kp, kh) : -1;
+            const bool ok = off >= 0;
+            cp_async16(Ks + r * ds + 4 * c, ok ? a.pool_k + off + 4 * c : a.pool_k, ok ? 16 : 0);
+            cp_async16(Vs + r * ds + 4 * c, ok ? a.pool_v + off + 4 * c : a.pool_v, ok ? 16 : 0);
+        }
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();
+
+        float sc[4][4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) sc[r][j] = 0.0f;
+        for (int c = 0; c < d4; ++c) {
+            float4 qv[4], kv[4];
+#pragma unroll
+            for (int r = 0; r < 4; ++r) qv[r] = ld4(Qs + (4 * tr + r) * ds + 4 * c);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) kv[j] = ld4(Ks + (tc + 16 * j) * ds + 4 * c);
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) sc[r][j] += dot4(qv[r], kv[j]);
+        }
+
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            float mx = m[r];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int kp = kt + tc + 16 * j;
+                if (kp < rlo[r] || kp > rp[r]) sc[r][j] = NEG_INF;
+                mx = fmaxf(mx, sc[r][j]);
+            }
+            // The 16 threads of a row are lanes 0-15 or 16-31 of one warp.
+#pragma unroll
+            for (int x = 8; x > 0; x >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, x));
+            const float ref = softmax_ref(mx);
+            const float corr = exp2f(m[r] - ref);
+            l[r] *= corr;
+#pragma unroll
+            for (int jj = 0; jj < C; ++jj) o[r][jj] = scale4(o[r][jj], corr);
+            m[r] = mx;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const float p = exp2f(sc[r][j] - ref);
+                l[r] += p;
+                Ps[(4 * tr + r) * (TILE_N + 1) + tc + 16 * j] = p;
+            }
+        }
+        __syncthreads();
+
+        for (int c = 0; c < TILE_N; ++c) {
+            float pv[4];
+#pragma unroll
+            for (int r = 0; r < 4; ++r) pv[r] = Ps[(4 * tr + r) * (TILE_N + 1) + c];
+#pragma unroll
+            for (int jj = 0; jj < C; ++jj) {
+                const int g = tc + 16 * jj;
+                if (g < d4) {
+                    const float4 vv = ld4(Vs + c * ds + 4 * g);
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) o[r][jj] = axpy4(pv[r], vv, o[r][jj]);
+                }
+            }
+        }
+        __syncthreads();
+    }
+
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        float sum = l[r];
+#pragma unroll
+        for (int x = 8; x > 0; x >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, x);
+        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        float* orow = a.out + ((u64)(t0 + 4 * tr + r) * H + h) * d;
+#pragma unroll
+        for (int jj = 0; jj < C; ++jj) {
+            const int g = tc + 16 * jj;
+            if (g < d4) st4(orow + 4 * g, scale4(o[r][jj], inv));
+        }
+    }
+}
+
+#define ATTN_TILE_F32(NAME, C)                                                                   \
+    extern "C" __global__ void __launch_bounds__(TF_THREADS) NAME(const AttnArgs a) {           \
+        attn_tile_f32<C>(a);                                                                     \
+    }
+
+ATTN_TILE_F32(attn_tile_f32_c1, 1)
+ATTN_TILE_F32(attn_tile_f32_c2, 2)
+ATTN_TILE_F32(attn_tile_f32_c4, 4)
+
+// ---- tiled prefill on tensor cores (bf16 operands, f32 accumulation) ----
+//
+// mma.sync.m16n8k16 fragments (g = lane / 4, t = lane % 4): A (16x16, row-major) a0 = (g, 2t..2t+1),
+// a1 = (g + 8, 2t..), a2 = (g, 2t + 8..), a3 = (g + 8, 2t + 8..); B (16x8) b0 = (k 2t..2t+1, n g),
+// b1 = (k 2t + 8.., n g); C (16x8) c0, c1 = (g, 2t..2t+1), c2, c3 = (g + 8, 2t..). S = Q K^T takes
+// B from bf16 K rows (two adjacent dims of one key: one 4-byte load); P V takes A from S's
+// accumulators (the C layout of two 8-key tiles is the A layout of one 16-key step) and B from the
+// transposed bf16 V (two adjacent keys of one dim). Row strides of D + 8 and 72 bf16 put the 8
+// rows a fragment load touches 4 banks apart: conflict-free.
+
+#define TC_WARPS 8
+#define TC_THREADS (32 * TC_WARPS)
+#define TC_M (16 * TC_WARPS)
+
+// Two f32 as a bf16x2 register, `lo` in the low half (the lower column of a fragment).
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <int D>
+__device__ __forceinline__ void attn_tile_bf16(const AttnArgs& a) {
+    constexpr int KS = D + 8;       // f32 K row stride
+    constexpr int VS = D + 4;       // f32 V row stride
+    constexpr int STAGE = TILE_N * (KS + VS);
+    constexpr int CH = D / 4;       // 16-byte chunks of a row
+    constexpr int G8 = D / 8;       // 8-dim groups of a row
+    constexpr int KBS = D + 8;      // bf16 K row stride
+    constexpr int VTS = TILE_N + 8;  // bf16 transposed-V row stride
+    extern __shared__ float4 tc_smem4[];
+    float* smem = reinterpret_cast<float*>(tc_smem4);
+    u16* Kb = reinterpret_cast<u16*>(smem + 2 * STAGE);
+    u16* Vt = Kb + TILE_N * KBS;
+    __shared__ int s_kmin, s_kend;
+    // Later tiles see more keys: launch them first so the grid does not end on a long one.
+    const int t0 = (gridDim.x - 1 - blockIdx.x) * TC_M;
+    const int h = blockIdx.y;
+    if (!tile_owned(a, t0)) return;
+    const int H = a.num_heads;
+    const int kh = h / a.group;
+    const int ts = a.table_start[t0];
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int g = lane >> 2;
+    const int t = lane & 3;
+    tile_key_range(a, t0, &s_kmin, &s_kend);
+    const int kmin = s_kmin, kend = s_kend;
+
+    // Stage `st` <- keys kt .. kt + 63 (rows past kend or out of range are zeros).
+    auto load_tile = [&](int st, int kt) {
+        float* ks = smem + st * STAGE;
+        float* vs = ks + TILE_N * KS;
+#pragma unroll
+        for (int it = 0; it < TILE_N * CH / TC_THREADS; ++it) {
+            const int idx = tid + it * TC_THREADS;
+            const int r = idx / CH;
+            const int c = idx - r * CH;
+            const int kp = kt + r;
+            const long long off = kp < kend ? kv_offset(a, ts, kp, kh) : -1;
+            const bool ok = off >= 0;
+            cp_async16(ks + r * KS + 4 * c, ok ? a.pool_k + off + 4 * c : a.pool_k, ok ? 16 : 0);
+            cp_async16(vs + r * VS + 4 * c, ok ? a.pool_v + off + 4 * c : a.pool_v, ok ? 16 : 0);
+        }
+        cp_async_commit();
+    };
+    if (kmin < kend) load_tile(0, kmin);
+
+    const int ra = warp * 16 + g;  // this thread's two rows of the tile
+    const int rb = ra + 8;
+    const int pa = a.positions[t0 + ra], pb = a.positions[t0 + rb];
+    const int loa = window_lo(a, pa), lob = window_lo(a, pb);
+
+    u32 qf[D / 16][4];
+    {
+        const float* qa = a.q + ((u64)(t0 + ra) * H + h) * D;
+        const float* qb = a.q + ((u64)(t0 + rb) * H + h) * D;
+        const float sl = a.scale_log2;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const int c = kk * 16 + 2 * t;
+            qf[kk][0] = pack_bf16(qa[c] * sl, qa[c + 1] * sl);
+            qf[kk][1] = pack_bf16(qb[c] * sl, qb[c + 1] * sl);
+            qf[kk][2] = pack_bf16(qa[c + 8] * sl, qa[c + 9] * sl);
+            qf[kk][3] = pack_bf16(qb[c + 8] * sl, qb[c + 9] * sl);
+        }
+    }
+    float o[D / 8][4];
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.0f;
+    float ma = NEG_INF, mb = NEG_INF, la = 0.0f, lb = 0.0f;
+
+    int st = 0;
+    for (int kt = kmin; kt < kend; kt += TILE_N) {
+        // Start the next tile into the other stage (read last step, before the closing barrier),
+        // then wait for this one. An empty group keeps the wait count uniform at the end.
+        if (kt + TILE_N < kend) {
+            load_tile(st ^ 1, kt + TILE_N);
+        } else {
+            cp_async_commit();
+        }
+        cp_async_wait<1>();
+        __syncthreads();
+        {
+            // Round the stage to bf16 once: K row-major, V transposed.
+            const float* ks = smem + st * STAGE;
+            const float* vs = ks + TILE_N * KS;
+#pragma unroll
+            for (int it = 0; it < TILE_N * G8 / TC_THREADS; ++it) {
+                const int idx = tid + it * TC_THREADS;
+                const int r = idx / G8;
+                const int c8 = idx - r * G8;
+                const float4 x0 = ld4(ks + r * KS + 8 * c8);
+                const float4 x1 = ld4(ks + r * KS + 8 * c8 + 4);
+                *reinterpret_cast<uint4*>(Kb + r * KBS + 8 * c8) =
+                    make_uint4(pack_bf16(x0.x, x0.y), pack_bf16(x0.z, x0.w),
+                               pack_bf16(x1.x, x1.y), pack_bf16(x1.z, x1.w));
+            }
+#pragma unroll
+            for (int it = 0; it < TILE_N * G8 / TC_THREADS; ++it) {
+                const int idx = tid + it * TC_THREADS;
+                const int r = idx % TILE_N;  // consecutive threads: consecutive keys
+                const int c8 = idx / TILE_N;
+                const float4 x0 = ld4(vs + r * VS + 8 * c8);
+                const float4 x1 = ld4(vs + r * VS + 8 * c8 + 4);
+                u16* col = Vt + (8 * c8) * VTS + r;
+                col[0 * VTS] = f32_to_bf16(x0.x);
+                col[1 * VTS] = f32_to_bf16(x0.y);
+                col[2 * VTS] = f32_to_bf16(x0.z);
+                col[3 * VTS] = f32_to_bf16(x0.w);
+                col[4 * VTS] = f32_to_bf16(x1.x);
+                col[5 * VTS] = f32_to_bf16(x1.y);
+                col[6 * VTS] = f32_to_bf16(x1.z);
+                col[7 * VTS] = f32_to_bf16(x1.w);
+            }
+        }
+        __syncthreads();
+
+        float s[TILE_N / 8][4];
+#pragma unroll
+        for (int nt = 0; nt < TILE_N / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+            for (int nt = 0; nt < TILE_N / 8; ++nt) {
+                const u16* kb = Kb + (nt * 8 + g) * KBS + kk * 16 + 2 * t;
+                mma_bf16(s[nt], qf[kk], *reinterpret_cast<const u32*>(kb),
+                         *reinterpret_cast<const u32*>(kb + 8));
+            }
+
+        float mxa = ma, mxb = mb;
+#pragma unroll
+        for (int nt = 0; nt < TILE_N / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int kp = kt + nt * 8 + 2 * t + e;
+                if (kp < loa || kp > pa) s[nt][e] = NEG_INF;
+                if (kp < lob || kp > pb) s[nt][2 + e] = NEG_INF;
+                mxa = fmaxf(mxa, s[nt][e]);
+                mxb = fmaxf(mxb, s[nt][2 + e]);
+            }
+        // A row's 64 keys are spread over the 4 lanes of its quad.
+        mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 1));
+        mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 2));
+        mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 1));
+        mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 2));
+        const float refa = softmax_ref(mxa), refb = softmax_ref(mxb);
+        const float ca = exp2f(ma - refa), cb = exp2f(mb - refb);
+        la *= ca;
+        lb *= cb;
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) {
+            o[dt][0] *= ca;
+            o[dt][1] *= ca;
+            o[dt][2] *= cb;
+            o[dt][3] *= cb;
+        }
+        ma = mxa;
+        mb = mxb;
+#pragma unroll
+        for (int nt = 0; nt < TILE_N / 8; ++nt) {
+            s[nt][0] = exp2f(s[nt][0] - refa);
+            s[nt][1] = exp2f(s[nt][1] - refa);
+            s[nt][2] = exp2f(s[nt][2] - refb);
+            s[nt][3] = exp2f(s[nt][3] - refb);
+            la += s[nt][0] + s[nt][1];
+            lb += s[nt][2] + s[nt][3];
+        }
+
+#pragma unroll
+        for (int kk = 0; kk < TILE_N / 16; ++kk) {
+            const u32 pf[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]),
+                               pack_bf16(s[2 * kk][2], s[2 * kk][3]),
+                               pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                               pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+            for (int dt = 0; dt < D / 8; ++dt) {
+                const u16* vb = Vt + (dt * 8 + g) * VTS + kk * 16 + 2 * t;
+                mma_bf16(o[dt], pf, *reinterpret_cast<const u32*>(vb),
+                         *reinterpret_cast<const u32*>(vb + 8));
+            }
+        }
+        // Everyone is done with this stage and the bf16 tile before the next step refills them.
+        __syncthreads();
+        st ^= 1;
+    }
+
+    la += __shfl_xor_sync(0xffffffffu, la, 1);
+    la += __shfl_xor_sync(0xffffffffu, la, 2);
+    lb += __shfl_xor_sync(0xffffffffu, lb, 1);
+    lb += __shfl_xor_sync(0xffffffffu, lb, 2);
+    const float ia = la > 0.0f ? 1.0f / la : 0.0f;
+    const float ib = lb > 0.0f ? 1.0f / lb : 0.0f;
+    float* oa = a.out + ((u64)(t0 + ra) * H + h) * D;
+    float* ob = a.out + ((u64)(t0 + rb) * H + h) * D;
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+        const int c = dt * 8 + 2 * t;
+        *reinterpret_cast<float2*>(oa + c) = make_float2(o[dt][0] * ia, o[dt][1] * ia);
+        *reinterpret_cast<float2*>(ob + c) = make_float2(o[dt][2] * ib, o[dt][3] * ib);
+    }
+}
+
+#define ATTN_TILE_BF16(NAME, D)                                                                  \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS, 1) NAME(const AttnArgs a) {        \
+        attn_tile_bf16<D>(a);                                                                    \
+    }
+
+ATTN_TILE_BF16(attn_tile_bf16_d64, 64)
+ATTN_TILE_BF16(attn_tile_bf16_d128, 128)

@@ -1,0 +1,549 @@
+// MoE routed experts, decode / small-batch path (ops/moe/decode.rs launches it). One layer's
+// experts are stacked: gate_up [E][2I][H] (per expert its I gate rows, then its I up rows) and
+// down [E][H][I], in the stored dtype; activations are f32 and every sum accumulates in f32.
+// A pair p = t * k + r is token t's rank-r expert. Pairs whose id is out of range (>= E) form
+// group E: no expert runs for them and their token's output becomes NaN (loud, never a silently
+// wrong sum).
+//
+// Three launches, none of which reads device data to size itself (CUDA-graph friendly):
+// 1. moe_align: one block of 1024 threads. Counts the pairs of each group in shared memory,
+//    scans them into offsets[E + 2], lists each group's pairs contiguously in pairs[] (pos[p] is
+//    pair p's place there), compacts the non-empty groups ascending into active[0..S) (MOE_NONE
+//    after them), and zeroes the arrival counters of the down launch.
+// 2. moe_gate_up_<dt>_m<M>: grid (ceil(I / 8), S), block 256. Block (bx, s) works for group
+//    active[s] (exits at once when there is none); its warp w owns intermediate index
+//    j = 8 bx + w and streams gate row j and up row j once for all of the group's tokens, up to
+//    M tokens per pass, writing h[p, j] = silu(gate . x_t) * (up . x_t).
+// 3. moe_down_<dt>_m<M>: grid (ceil(H / 32), S), block 256. Warp w of block (bx, s) owns down rows
+//    32 bx + 4 w .. + 4 and streams them once for all of the group's tokens: y[p, row] = down_row .
+//    h[p]. After each pass the block counts, per token, one arrival on its row tile; the block
+//    that brings a token's k-th arrival sums that tile of out[t] = sum_r weights[t, r] y[t k + r]
+//    in rank order r = 0..k, so the combine needs no launch of its own and stays deterministic.
+// M (1, 4 or 8) is the most tokens a pass takes; an expert with more runs several passes. Each
+// variant has its own __launch_bounds__ minimum of blocks per SM (4, 2, 1), i.e. a register
+// budget of 64, 128, 255: a pass of M tokens keeps M x rows accumulators live.
+// At most 32 pairs take the two tiny kernels at the end of this file instead (no alignment).
+//
+// Every dot product is one fmaf chain per lane over its chunks in ascending order, then a fixed
+// butterfly: a token's result depends on its row and the weights alone, never on how many tokens
+// share its expert or which pass slot it lands in. The decode path is batch invariant, bit for bit.
+
+#define MOE_WARPS 8
+#define MOE_THREADS (32 * MOE_WARPS)
+#define MOE_NONE 0xffffffffu
+#define MOE_GU_UNROLL 4      // 16-byte chunks in flight per row per lane, gate_up
+#define MOE_DOWN_ROWS 4      // down rows per warp
+#define MOE_DOWN_UNROLL 2    // 16-byte chunks in flight per row per lane, down
+#define MOE_DOWN_TILE (MOE_WARPS * MOE_DOWN_ROWS)  // down rows per block: one arrival counter each
+#define MOE_MAX_M 8
+
+__device__ __forceinline__ uint4 moe_stream(const uint4* p) {
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+    return r;
+}
+
+// A load served by L2, the point of coherence: it sees the y rows other blocks published.
+__device__ __forceinline__ float moe_load_cg(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+
+// A 16-byte chunk of weights widened to f32.
+struct MoeBf16 {
+    static constexpr int N = 8;
+    __device__ static void widen(uint4 c, float* f) {
+        const u32 w[4] = {c.x, c.y, c.z, c.w};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            f[2 * q] = __uint_as_float(w[q] << 16);
+            f[2 * q + 1] = __uint_as_float(w[q] & 0xffff0000u);
+        }
+    }
+};
+struct MoeF16 {
+    static constexpr int N = 8;
+    __device__ static void widen(uint4 c, float* f) {
+        const u32 w[4] = {c.x, c.y, c.z, c.w};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            f[2 * q] = f16_to_f32((u16)(w[q] & 0xffffu));
+            f[2 * q + 1] = f16_to_f32((u16)(w[q] >> 16));
+        }
+    }
+};
+struct MoeF32 {
+    static constexpr int N = 4;
+    __device__ static void widen(uint4 c, float* f) {
+        f[0] = __uint_as_float(c.x);
+        f[1] = __uint_as_float(c.y);
+        f[2] = __uint_as_float(c.z);
+        f[3] = __uint_as_float(c.w);
+    }
+};
+
+// ---- 1. alignment ----
+
+extern "C" __global__ void __launch_bounds__(1024)
+    moe_align(const u32* __restrict__ ids, int pairs_n, int experts, int slots, int clear_n,
+              u32* __restrict__ offsets, u32* __restrict__ pairs, u32* __restrict__ pos,
+              u32* __restrict__ active, u32* __restrict__ arrivals) {
+    extern __shared__ u32 moe_shared[];
+    __shared__ u32 active_n;
+    const int groups = experts + 1;  // group `experts`: out-of-range ids
+    u32* count = moe_shared;
+    u32* cursor = moe_shared + groups;
+    const int tid = threadIdx.x;
+    for (int g = tid; g < groups; g += blockDim.x) count[g] = 0;
+    for (int i = tid; i < clear_n; i += blockDim.x) arrivals[i] = 0;
+    __syncthreads();
+    for (int p = tid; p < pairs_n; p += blockDim.x) atomicAdd(&count[min(ids[p], (u32)experts)], 1u);
+    __syncthreads();
+    if (tid < 32) {
+        // Warp 0: lane l owns a contiguous run of groups; warp scans of the runs' pair counts and
+        // non-empty counts give each group its offset and each non-empty group its slot.
+        const int per = (groups + 31) / 32;
+        const int g0 = min(tid * per, groups);
+        const int g1 = min(g0 + per, groups);
+        u32 sum = 0, nonempty = 0;
+        for (int g = g0; g < g1; ++g) {
+            sum += count[g];
+            nonempty += count[g] != 0u;
+        }
+        u32 sum_inc = sum, ne_inc = nonempty;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const u32 s = __shfl_up_sync(0xffffffffu, sum_inc, o);
+            const u32 n = __shfl_up_sync(0xffffffffu, ne_inc, o);
+            if (tid >= o) {
+                sum_inc += s;
+                ne_inc += n;
+            }
+        }
+        u32 run = sum_inc - sum;
+        u32 slot = ne_inc - nonempty;
+        for (int g = g0; g < g1; ++g) {
+            offsets[g] = run;
+            cursor[g] = run;
+            if (count[g] != 0u) active[slot++] = (u32)g;  // slot < min(groups, pairs_n) <= slots
+            run += count[g];
+        }
+        if (tid == 31) {
+            offsets[groups] = run;  // == pairs_n
+            active_n = ne_inc;
+        }
+    }
+    __syncthreads();
+    for (int s = (int)active_n + tid; s < slots; s += blockDim.x) active[s] = MOE_NONE;
+    // Order inside a group follows the atomics; nothing downstream depends on it (each pair is
+    // computed alone, see the file comment).
+    for (int p = tid; p < pairs_n; p += blockDim.x) {
+        const u32 at = atomicAdd(&cursor[min(ids[p], (u32)experts)], 1u);
+        pairs[at] = (u32)p;
+        pos[p] = at;
+    }
+}
+
+// ---- shared by 2. and 3. ----
+
+// acc[m][r] = w[r] . x[m] over `chunks` 16-byte chunks of weights, by one warp: lane l takes
+// chunks l, l + 32, ..., U of them in flight per row, each widened once and applied to all M rows
+// of x. Every output is one fmaf chain in a fixed order, then a butterfly; all lanes end with the
+// totals.
+template <typename C, int M, int R, int U>
+__device__ __forceinline__ void moe_warp_rows(const uint4* const (&w)[R], const float* const (&x)[M],
+                                              int chunks, float (&acc)[M][R]) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[m][r] = 0.0f;
+    for (int c0 = lane; c0 < chunks; c0 += 32 * U) {
+        uint4 q[U][R];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int c = c0 + 32 * u;
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+                q[u][r] = c < chunks ? moe_stream(w[r] + c) : make_uint4(0u, 0u, 0u, 0u);
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int c = c0 + 32 * u;
+            if (c < chunks) {
+                float f[R][C::N];
+#pragma unroll
+                for (int r = 0; r < R; ++r) C::widen(q[u][r], f[r]);
+#pragma unroll
+                for (int m = 0; m < M; ++m) {
+                    const float4* xp = reinterpret_cast<const float4*>(x[m] + (u64)c * C::N);
+                    float xv[C::N];
+#pragma unroll
+                    for (int v = 0; v < C::N / 4; ++v) {
+                        const float4 t = xp[v];
+                        xv[4 * v] = t.x;
+                        xv[4 * v + 1] = t.y;
+                        xv[4 * v + 2] = t.z;
+                        xv[4 * v + 3] = t.w;
+                    }
+#pragma unroll
+                    for (int r = 0; r < R; ++r)
+#pragma unroll
+                        for (int i = 0; i < C::N; ++i) acc[m][r] = fmaf(f[r][i], xv[i], acc[m][r]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[m][r] = warp_sum(acc[m][r]);
+}
+
+// The pairs of one pass: `taken` (1..M) real ones; the slots after them repeat the last, so every
+// load stays in bounds, and are never written.
+template <int M>
+__device__ __forceinline__ void moe_pass_pairs(const u32* __restrict__ list, int taken, u32 (&p)[M]) {
+#pragma unroll
+    for (int m = 0; m < M; ++m) p[m] = list[min(m, taken - 1)];
+}
+
+// ---- 2. gate_up + SiLU * up ----
+
+template <typename C, int M>
+__device__ __forceinline__ void moe_gate_up_pass(const uint4* wg, const uint4* wu,
+                                                 const float* __restrict__ x, const u32 (&p)[M],
+                                                 int taken, int top_k, int hidden, int inter, int j,
+                                                 float* __restrict__ h) {
+    const float* xr[M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) xr[m] = x + (u64)(p[m] / (u32)top_k) * hidden;
+    const uint4* w[2] = {wg, wu};
+    float acc[M][2];
+    moe_warp_rows<C, M, 2, MOE_GU_UNROLL>(w, xr, hidden / C::N, acc);
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+        if (lane == m && m < taken) {
+            const float g = acc[m][0];
+            h[(u64)p[m] * inter + j] = g / (1.0f + expf(-g)) * acc[m][1];
+        }
+    }
+}
+
+// One pass over `taken` pairs of an expert's list.
+template <typename C, int M>
+__device__ __forceinline__ void moe_gate_up_list(const uint4* wg, const uint4* wu,
+                                                 const float* __restrict__ x, const u32* list,
+                                                 int taken, int top_k, int hidden, int inter, int j,
+                                                 float* __restrict__ h) {
+    u32 p[M];
+    moe_pass_pairs<M>(list, taken, p);
+    moe_gate_up_pass<C, M>(wg, wu, x, p, taken, top_k, hidden, inter, j, h);
+}
+
+template <typename C, int MAXM>
+__device__ __forceinline__ void moe_gate_up(const void* __restrict__ gate_up,
+                                            const float* __restrict__ x,
+                                            const u32* __restrict__ offsets,
+                                            const u32* __restrict__ pairs,
+                                            const u32* __restrict__ active, float* __restrict__ h,
+                                            int experts, int hidden, int inter, int top_k) {
+    const u32 e = active[blockIdx.y];
+    if (e >= (u32)experts) return;  // no group here, or the out-of-range group; no barriers below
+    const int j = blockIdx.x * MOE_WARPS + (threadIdx.x >> 5);
+    if (j >= inter) return;
+    const u64 chunks = (u64)(hidden / C::N);
+    const uint4* base = reinterpret_cast<const uint4*>(gate_up) + (u64)e * 2 * inter * chunks;
+    const uint4* wg = base + (u64)j * chunks;
+    const uint4* wu = base + (u64)(inter + j) * chunks;
+    const u32 end = offsets[e + 1];
+    for (u32 at = offsets[e]; at < end;) {
+        const int rem = (int)(end - at);
+        const u32* list = pairs + at;
+        if constexpr (MAXM >= 8) {
+            if (rem > 4) {
+                const int n = min(rem, 8);
+                moe_gate_up_list<C, 8>(wg, wu, x, list, n, top_k, hidden, inter, j, h);
+                at += n;
+                continue;
+            }
+        }
+        if constexpr (MAXM >= 4) {
+            if (rem > 2) {
+                const int n = min(rem, 4);
+                moe_gate_up_list<C, 4>(wg, wu, x, list, n, top_k, hidden, inter, j, h);
+                at += n;
+                continue;
+            }
+        }
+        if constexpr (MAXM >= 2) {
+            if (rem > 1) {
+                moe_gate_up_list<C, 2>(wg, wu, x, list, 2, top_k, hidden, inter, j, h);
+                at += 2;
+                continue;
+            }
+        }
+        moe_gate_up_list<C, 1>(wg, wu, x, list, 1, top_k, hidden, inter, j, h);
+        at += 1;
+    }
+}
+
+#define MOE_GATE_UP_KERNEL(NAME, CHUNK, MAXM, MINB)                                                  \
+    extern "C" __global__ void __launch_bounds__(MOE_THREADS, MINB)                              \
+        NAME(const void* gate_up, const float* x, const u32* offsets, const u32* pairs,          \
+             const u32* active, float* h, int experts, int hidden, int inter, int top_k) {       \
+        moe_gate_up<CHUNK, MAXM>(gate_up, x, offsets, pairs, active, h, experts, hidden, inter,  \
+                                 top_k);                                                         \
+    }
+
+MOE_GATE_UP_KERNEL(moe_gate_up_bf16_m1, MoeBf16, 1, 4)
+MOE_GATE_UP_KERNEL(moe_gate_up_bf16_m4, MoeBf16, 4, 2)
+MOE_GATE_UP_KERNEL(moe_gate_up_bf16_m8, MoeBf16, 8, 1)
+MOE_GATE_UP_KERNEL(moe_gate_up_f16_m1, MoeF16, 1, 4)
+MOE_GATE_UP_KERNEL(moe_gate_up_f16_m4, MoeF16, 4, 2)
+MOE_GATE_UP_KERNEL(moe_gate_up_f16_m8, MoeF16, 8, 1)
+// f32 rows at 64 registers spilled a word: this one gets 128.
+MOE_GATE_UP_KERNEL(moe_gate_up_f32_m1, MoeF32, 1, 2)
+MOE_GATE_UP_KERNEL(moe_gate_up_f32_m4, MoeF32, 4, 2)
+MOE_GATE_UP_KERNEL(moe_gate_up_f32_m8, MoeF32, 8, 1)
+
+// ---- 3. down + rank-order combine ----
+
+// acc[m][r] = row row0 + r of the expert's down matrix at wexp . h[p[m]], for rows_here >= 1
+// rows; NaN for the out-of-range group (wexp null), so its tokens' sums become NaN too.
+template <typename C, int M>
+__device__ __forceinline__ void moe_down_rows(const uint4* wexp, const float* __restrict__ h,
+                                              const u32 (&p)[M], int inter, int row0,
+                                              int rows_here, float (&acc)[M][MOE_DOWN_ROWS]) {
+    if (wexp == nullptr) {
+#pragma unroll
+        for (int m = 0; m < M; ++m)
+#pragma unroll
+            for (int r = 0; r < MOE_DOWN_ROWS; ++r) acc[m][r] = __int_as_float(0x7fffffff);
+    } else {
+        const int chunks = inter / C::N;
+        const float* xr[M];
+#pragma unroll
+        for (int m = 0; m < M; ++m) xr[m] = h + (u64)p[m] * inter;
+        const uint4* w[MOE_DOWN_ROWS];
+#pragma unroll
+        for (int r = 0; r < MOE_DOWN_ROWS; ++r)
+            w[r] = wexp + (u64)(row0 + min(r, rows_here - 1)) * chunks;  // in bounds; unused rows
+        moe_warp_rows<C, M, MOE_DOWN_ROWS, MOE_DOWN_UNROLL>(w, xr, chunks, acc);
+    }
+}
+
+template <typename C, int M>
+__device__ __forceinline__ void moe_down_pass(const uint4* wexp, const float* __restrict__ h,
+                                              const u32* list, int taken, int hidden, int inter,
+                                              int row0, int rows_here, float* __restrict__ y) {
+    if (rows_here <= 0) return;  // warp-uniform: this warp's rows are past the end
+    u32 p[M];
+    moe_pass_pairs<M>(list, taken, p);
+    float acc[M][MOE_DOWN_ROWS];
+    moe_down_rows<C, M>(wexp, h, p, inter, row0, rows_here, acc);
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int r = 0; r < MOE_DOWN_ROWS; ++r)
+            if (lane == m * MOE_DOWN_ROWS + r && m < taken && r < rows_here)
+                y[(u64)p[m] * hidden + row0 + r] = acc[m][r];
+}
+
+template <typename C, int MAXM>
+__device__ __forceinline__ void moe_down(const void* __restrict__ down, const float* __restrict__ h,
+                                         const u32* __restrict__ offsets,
+                                         const u32* __restrict__ pairs,
+                                         const u32* __restrict__ active,
+                                         const float* __restrict__ weights, float* __restrict__ y,
+                                         float* __restrict__ out, u32* __restrict__ arrivals,
+                                         int experts, int hidden, int inter, int top_k) {
+    __shared__ u32 done[MOE_MAX_M];  // tokens of this pass whose k ranks have all arrived
+    __shared__ int done_n;
+    const u32 g = active[blockIdx.y];
+    if (g == MOE_NONE) return;  // block-uniform, before any barrier
+    const int warp = threadIdx.x >> 5;
+    const int row0 = blockIdx.x * MOE_DOWN_TILE + warp * MOE_DOWN_ROWS;
+    const int rows_here = min(MOE_DOWN_ROWS, hidden - row0);
+    const uint4* wexp = g < (u32)experts
+                            ? reinterpret_cast<const uint4*>(down) + (u64)g * hidden * (inter / C::N)
+                            : nullptr;
+    const u64 tiles = gridDim.x;
+    const u32 end = offsets[g + 1];
+    for (u32 at = offsets[g]; at < end;) {
+        const int rem = (int)(end - at);
+        const u32* list = pairs + at;
+        int taken = 1;
+        if constexpr (MAXM >= 8) {
+            if (rem > 4) taken = min(rem, 8);
+        }
+        if constexpr (MAXM >= 4) {
+            if (taken == 1 && rem > 2) taken = min(rem, 4);
+        }
+        if constexpr (MAXM >= 2) {
+            if (taken == 1 && rem > 1) taken = 2;
+        }
+        if (taken > 4) {
+            if constexpr (MAXM >= 8)
+                moe_down_pass<C, 8>(wexp, h, list, taken, hidden, inter, row0, rows_here, y);
+        } else if (taken > 2) {
+            if constexpr (MAXM >= 4)
+                moe_down_pass<C, 4>(wexp, h, list, taken, hidden, inter, row0, rows_here, y);
+        } else if (taken == 2) {
+            if constexpr (MAXM >= 2)
+                moe_down_pass<C, 2>(wexp, h, list, taken, hidden, inter, row0, rows_here, y);
+        } else {
+            moe_down_pass<C, 1>(wexp, h, list, taken, hidden, inter, row0, rows_here, y);
+        }
+        // Publish this tile's y rows, then count one arrival per pair of the pass.
+        __threadfence();
+        if (threadIdx.x == 0) done_n = 0;
+        __syncthreads();
+        if ((int)threadIdx.x < taken) {
+            const u32 t = list[threadIdx.x] / (u32)top_k;
+            const u32 before = atomicAdd(&arrivals[(u64)t * tiles + blockIdx.x], 1u);
+            if (before == (u32)top_k - 1) {
+                __threadfence();  // the other ranks' rows, published before their arrivals
+                done[atomicAdd(&done_n, 1)] = t;
+            }
+        }
+        __syncthreads();
+        const int nd = done_n;
+        for (int i = threadIdx.x; i < nd * MOE_DOWN_TILE; i += MOE_THREADS) {
+            const u64 t = done[i / MOE_DOWN_TILE];
+            const int row = blockIdx.x * MOE_DOWN_TILE + i % MOE_DOWN_TILE;
+            if (row < hidden) {
+                const u64 p0 = t * (u64)top_k;
+                float s = 0.0f;
+                for (int r = 0; r < top_k; ++r)
+                    s = fmaf(weights[p0 + r], moe_load_cg(y + (p0 + r) * hidden + row), s);
+                out[t * hidden + row] = s;
+            }
+        }
+        __syncthreads();  // done[] and done_n are rewritten by the next pass
+        at += taken;
+    }
+}
+
+#define MOE_DOWN_KERNEL(NAME, CHUNK, MAXM, MINB)                                                     \
+    extern "C" __global__ void __launch_bounds__(MOE_THREADS, MINB)                              \
+        NAME(const void* down, const float* h, const u32* offsets, const u32* pairs,             \
+             const u32* active, const float* weights, float* y, float* out, u32* arrivals,       \
+             int experts, int hidden, int inter, int top_k) {                                    \
+        moe_down<CHUNK, MAXM>(down, h, offsets, pairs, active, weights, y, out, arrivals,        \
+                              experts, hidden, inter, top_k);                                    \
+    }
+
+MOE_DOWN_KERNEL(moe_down_bf16_m1, MoeBf16, 1, 4)
+MOE_DOWN_KERNEL(moe_down_bf16_m4, MoeBf16, 4, 2)
+MOE_DOWN_KERNEL(moe_down_bf16_m8, MoeBf16, 8, 1)
+MOE_DOWN_KERNEL(moe_down_f16_m1, MoeF16, 1, 4)
+MOE_DOWN_KERNEL(moe_down_f16_m4, MoeF16, 4, 2)
+MOE_DOWN_KERNEL(moe_down_f16_m8, MoeF16, 8, 1)
+MOE_DOWN_KERNEL(moe_down_f32_m1, MoeF32, 1, 4)
+MOE_DOWN_KERNEL(moe_down_f32_m4, MoeF32, 4, 2)
+MOE_DOWN_KERNEL(moe_down_f32_m8, MoeF32, 8, 1)
+
+// ---- tiny batches: P = n k <= 32 pairs, two launches, no alignment ----
+//
+// moe_tiny_gate_up_<dt>: grid (ceil(I / 8), min(E, P)), block 256. Lane l of every warp holds pair
+//   l's expert id; one match/ballot gives the distinct in-range experts in order of first
+//   appearance, block (bx, s) takes the s-th (exits at once when there is none) and runs one-token
+//   passes over its pairs, exactly as moe_gate_up does (the same h values, bit for bit).
+// moe_tiny_down_<dt>: grid (ceil(H / 4), n), block 256. Block (bx, t) computes token t's rows
+//   4 bx .. + 4: warp w takes ranks w, w + 8, ... and computes each rank's expert rows . h[t k + r]
+//   exactly as moe_down does (NaN for an out-of-range id) into shared memory; then a thread per
+//   row sums weights[t, r] * y_r over r = 0..k in order. An expert two tokens picked is read once
+//   per token, which batches this small seldom have; no arrival counters, no y buffer.
+
+#define MOE_TINY_PAIRS 32
+#define MOE_TINY_MAX_K 32
+
+template <typename C>
+__device__ __forceinline__ void moe_tiny_gate_up(const void* __restrict__ gate_up,
+                                                 const float* __restrict__ x,
+                                                 const u32* __restrict__ ids, int pairs_n,
+                                                 float* __restrict__ h, int experts, int hidden,
+                                                 int inter, int top_k) {
+    const u32 full = 0xffffffffu;
+    const int lane = threadIdx.x & 31;
+    const u32 id = lane < pairs_n ? ids[lane] : MOE_NONE;
+    const bool valid = id < (u32)experts;
+    // Out-of-range and absent pairs get keys of their own, so they never match.
+    const u32 same = __match_any_sync(full, valid ? id : 0x80000000u | (u32)lane);
+    const bool first = valid && __ffs(same) - 1 == lane;
+    const u32 firsts = __ballot_sync(full, first);
+    const u32 slot = blockIdx.y;
+    if ((u32)__popc(firsts) <= slot) return;  // the same for every warp; no barriers below
+    const u32 mine = __ballot_sync(full, first && (u32)__popc(firsts & ((1u << lane) - 1u)) == slot);
+    const u32 e = __shfl_sync(full, id, __ffs(mine) - 1);
+    u32 todo = __ballot_sync(full, id == e);  // lanes = pair indices of expert e
+    const int j = blockIdx.x * MOE_WARPS + (threadIdx.x >> 5);
+    if (j >= inter) return;
+    const u64 chunks = (u64)(hidden / C::N);
+    const uint4* base = reinterpret_cast<const uint4*>(gate_up) + (u64)e * 2 * inter * chunks;
+    const uint4* wg = base + (u64)j * chunks;
+    const uint4* wu = base + (u64)(inter + j) * chunks;
+    while (todo != 0u) {
+        const u32 p[1] = {(u32)(__ffs(todo) - 1)};
+        todo &= todo - 1u;
+        moe_gate_up_pass<C, 1>(wg, wu, x, p, 1, top_k, hidden, inter, j, h);
+    }
+}
+
+template <typename C>
+__device__ __forceinline__ void moe_tiny_down(const void* __restrict__ down,
+                                              const float* __restrict__ h,
+                                              const u32* __restrict__ ids,
+                                              const float* __restrict__ weights,
+                                              float* __restrict__ out, int experts, int hidden,
+                                              int inter, int top_k) {
+    __shared__ float ys[MOE_TINY_MAX_K][MOE_DOWN_ROWS];
+    const int warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
+    const u64 t = blockIdx.y;
+    const int row0 = blockIdx.x * MOE_DOWN_ROWS;
+    const int rows_here = min(MOE_DOWN_ROWS, hidden - row0);  // >= 1: grid.x = ceil(H / 4)
+    for (int r = warp; r < top_k; r += MOE_WARPS) {
+        const u32 p[1] = {(u32)(t * top_k + r)};
+        const u32 e = ids[p[0]];
+        const uint4* wexp = e < (u32)experts
+                                ? reinterpret_cast<const uint4*>(down) + (u64)e * hidden * (inter / C::N)
+                                : nullptr;
+        float acc[1][MOE_DOWN_ROWS];
+        moe_down_rows<C, 1>(wexp, h, p, inter, row0, rows_here, acc);
+        if (lane == 0) {
+#pragma unroll
+            for (int i = 0; i < MOE_DOWN_ROWS; ++i) ys[r][i] = acc[0][i];
+        }
+    }
+    __syncthreads();
+    if ((int)threadIdx.x < rows_here) {
+        const u64 p0 = t * (u64)top_k;
+        float s = 0.0f;
+        for (int r = 0; r < top_k; ++r) s = fmaf(weights[p0 + r], ys[r][threadIdx.x], s);
+        out[t * hidden + row0 + threadIdx.x] = s;
+    }
+}
+
+#define MOE_TINY_KERNELS(DT, CHUNK)                                                              \
+    extern "C" __global__ void __launch_bounds__(MOE_THREADS, 4)                                 \
+        moe_tiny_gate_up_##DT(const void* gate_up, const float* x, const u32* ids, int pairs_n,  \
+                              float* h, int experts, int hidden, int inter, int top_k) {         \
+        moe_tiny_gate_up<CHUNK>(gate_up, x, ids, pairs_n, h, experts, hidden, inter, top_k);     \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(MOE_THREADS, 4)                                 \
+        moe_tiny_down_##DT(const void* down, const float* h, const u32* ids,                     \
+                           const float* weights, float* out, int experts, int hidden, int inter, \
+                           int top_k) {                                                          \
+        moe_tiny_down<CHUNK>(down, h, ids, weights, out, experts, hidden, inter, top_k);         \
+    }
+
+MOE_TINY_KERNELS(bf16, MoeBf16)
+MOE_TINY_KERNELS(f16, MoeF16)
+MOE_TINY_KERNELS(f32, MoeF32)

@@ -1,0 +1,46 @@
+// MoE routed experts, prefill path (ops/moe/prefill.rs): the elementwise steps around the two
+// cuBLAS grouped GEMMs. Pairs are in group order q (moe_align's pairs[]: q -> pair p = t * k + r,
+// pos[]: p -> q); only bf16 weights take this path.
+//
+// - moe_gather_bf16: grid P, block 256. Row q of xg = bf16(x[t]) for q's token t (round to
+//   nearest even), the tensor cores' activations.
+// - moe_silu_mul_bf16: grid P, block 256. In place on the gate_up output gu [P][2I]:
+//   gu[q][j] = bf16(silu(gu[q][j]) * gu[q][I + j]) in f32, so the down GEMM reads h with ldb = 2I.
+// - moe_combine_bf16: grid n, block 256. out[t] = sum_r weights[t, r] * y[pos[t k + r]] in rank
+//   order r = 0..k, f32.
+
+extern "C" __global__ void moe_gather_bf16(const float* __restrict__ x, const u32* __restrict__ pairs,
+                                           u16* __restrict__ xg, int hidden, int top_k) {
+    const u64 q = blockIdx.x;
+    const u64 t = pairs[q] / (u32)top_k;
+    const float4* src = reinterpret_cast<const float4*>(x + t * hidden);
+    uint2* dst = reinterpret_cast<uint2*>(xg + q * hidden);
+    for (int i = threadIdx.x; i < hidden / 4; i += blockDim.x) {
+        const float4 v = src[i];
+        const u32 lo = (u32)f32_to_bf16(v.x) | ((u32)f32_to_bf16(v.y) << 16);
+        const u32 hi = (u32)f32_to_bf16(v.z) | ((u32)f32_to_bf16(v.w) << 16);
+        dst[i] = make_uint2(lo, hi);
+    }
+}
+
+extern "C" __global__ void moe_silu_mul_bf16(u16* __restrict__ gu, int inter) {
+    u16* row = gu + (u64)blockIdx.x * 2 * inter;
+    for (int j = threadIdx.x; j < inter; j += blockDim.x) {
+        const float g = bf16_to_f32(row[j]);
+        const float u = bf16_to_f32(row[inter + j]);
+        row[j] = f32_to_bf16(g / (1.0f + expf(-g)) * u);
+    }
+}
+
+extern "C" __global__ void moe_combine_bf16(const u16* __restrict__ y, const u32* __restrict__ pos,
+                                            const float* __restrict__ weights,
+                                            float* __restrict__ out, int hidden, int top_k) {
+    const u64 t = blockIdx.x;
+    const u32* tp = pos + t * top_k;
+    const float* tw = weights + t * top_k;
+    for (int c = threadIdx.x; c < hidden; c += blockDim.x) {
+        float s = 0.0f;
+        for (int r = 0; r < top_k; ++r) s = fmaf(tw[r], bf16_to_f32(y[(u64)tp[r] * hidden + c]), s);
+        out[t * hidden + c] = s;
+    }
+}

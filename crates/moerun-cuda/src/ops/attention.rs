@@ -1,0 +1,673 @@
+//! Paged attention on the device (`kernels/attention.cu`): one layer's K/V in fixed-size blocks
+//! ([`DeviceKvPool`]), the write of a batch's K/V rows into them, and causal attention of a flat
+//! batch over each token's visible positions, with exactly the semantics of moerun-cpu's
+//! `paged_attention`: a token at position `p` sees its own sequence's positions `lo..=p`
+//! (`lo = p + 1 - window` under a sliding window), found through the sequence's block table;
+//! query head `h` reads kv head `h / (num_heads / num_kv_heads)`.
+//!
+//! One call runs up to three kernels, and each token is handled by exactly one path, chosen on
+//! the device by the *tile rule* (no host synchronisation, grid sizes from host-known bounds):
+//! - when the batch has at least `tile_m` tokens, every tile of `tile_m` consecutive tokens that
+//!   all belong to one sequence (same `table_start`) goes to a tiled prefill kernel, grid
+//!   (n / tile_m, num_heads), block 256: K/V tiles of 64 positions staged in shared memory by
+//!   `cp.async`, online softmax, causal tiles skipped, the tiles with the most keys launched first.
+//!   [`AttentionPrefill::ExactF32`] (the default) runs it on CUDA cores in f32, tile_m 64;
+//!   [`AttentionPrefill::TensorCoreBf16`] on tensor cores (`mma.sync` m16n8k16, bf16 operands,
+//!   f32 accumulation, tile_m 128, double-buffered K/V; head_dim 64 or 128).
+//! - every other token (decode, short chunks, the tails of prefills, tiles mixing sequences) goes
+//!   to split-K flash-decoding in exact f32: grid (n, splits, kv_heads * head_chunks), block 128;
+//!   a block reads each K/V row of its split once for all (up to 8) query heads of its kv head.
+//!   With more than one split, a second kernel (grid (n, num_heads), block 128) merges the splits'
+//!   partials, kept in an [`AttentionScratch`] the caller creates beforehand.
+//!
+//! Splits are chosen so the decode grid has about 4 blocks per SM: `splits = ceil(4 * SMs /
+//! (n * kv_heads * head_chunks))`, at least 64 keys per split, capped by the context bound
+//! (`max_context`, or the window) and by the scratch. The exact f32 paths agree with the CPU within
+//! f32 rounding (~1e-6 relative); results are not bitwise batch invariant (which path a token
+//! takes and its splits depend on the batch).
+
+use cudarc::driver::sys::CUfunction_attribute;
+use cudarc::driver::{
+    CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+
+use super::to_i32;
+use crate::error::{ensure, CudaError, DriverContext, Result};
+use crate::CudaDevice;
+
+/// Query tokens per tile of the exact f32 tiled kernel (`TILE_M` in the kernel file).
+const TILE_M: usize = 64;
+/// Query tokens per tile of the tensor-core kernel (`TC_M`: 8 warps of 16 rows).
+const TC_M: usize = 128;
+/// Fewest keys a split of the decode kernel takes: fewer would cost more in partials than the
+/// parallelism gains.
+const MIN_SPLIT_KEYS: usize = 64;
+/// Decode blocks per SM the split count aims for.
+const BLOCKS_PER_SM: usize = 4;
+/// Largest head_dim the kernels take (the decode kernel's widest lane layout).
+pub const MAX_HEAD_DIM: usize = 256;
+const LOG2_E: f32 = std::f32::consts::LOG2_E;
+
+/// One layer's paged KV on the device: K and V, each `[blocks][block_size][kv_heads][head_dim]`
+/// f32.
+pub struct DeviceKvPool {
+    k: CudaSlice<f32>,
+    v: CudaSlice<f32>,
+    blocks: usize,
+    block_size: usize,
+    kv_heads: usize,
+    head_dim: usize,
+}
+
+impl DeviceKvPool {
+    pub fn blocks(&self) -> usize {
+        self.blocks
+    }
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+    pub fn kv_heads(&self) -> usize {
+        self.kv_heads
+    }
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+    /// Bytes held on the device (K and V).
+    pub fn bytes(&self) -> usize {
+        (self.k.len() + self.v.len()) * 4
+    }
+    /// The keys, `[blocks][block_size][kv_heads][head_dim]`.
+    pub fn k(&self) -> &CudaSlice<f32> {
+        &self.k
+    }
+    /// The values, laid out as the keys.
+    pub fn v(&self) -> &CudaSlice<f32> {
+        &self.v
+    }
+    /// Both buffers, for callers that fill a pool themselves (benchmarks with synthetic K/V).
+    pub fn k_v_mut(&mut self) -> (&mut CudaSlice<f32>, &mut CudaSlice<f32>) {
+        (&mut self.k, &mut self.v)
+    }
+}
+
+/// Where each token of a flat batch sits: `positions[i]` (its position in its sequence) and
+/// `table_start[i]` (offset into `block_tables` where its sequence's block table begins; the
+/// table's j-th entry is the pool block holding positions `j * block_size..`). All three are
+/// device buffers of i32 the caller fills (once per forward, shared by all layers).
+#[derive(Clone, Copy)]
+pub struct TokenPlacement<'a> {
+    pub positions: &'a CudaSlice<i32>,
+    pub table_start: &'a CudaSlice<i32>,
+    pub block_tables: &'a CudaSlice<i32>,
+    /// Upper bound (host-known) on position + 1 over the batch: sizes split-K grids. A token past
+    /// it is still attended exactly (its last split runs on), only with less parallelism.
+    pub max_context: usize,
+}
+
+/// Shape of one attention layer.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttentionShape {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    /// Multiplies q·k.
+    pub scale: f32,
+    /// Attend to at most this many positions, the current one included.
+    pub sliding_window: Option<usize>,
+}
+
+/// Which kernel runs the prefill tiles (64 consecutive tokens of one sequence). Every other token
+/// is always exact f32. [`CudaDevice::paged_attention`] uses [`AttentionPrefill::ExactF32`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AttentionPrefill {
+    /// f32 on CUDA cores, as exact as the CPU (~1e-6 relative): what conformance runs.
+    #[default]
+    ExactF32,
+    /// bf16 tensor cores: q·scale, k, v and the softmax weights are rounded to bf16, sums are
+    /// f32 (~1e-3 relative error; tests allow 1e-2). head_dim 64 or 128 only.
+    TensorCoreBf16,
+}
+
+/// Scratch for split-K partials, created once (outside any CUDA graph) and passed to every
+/// attention call; sized by [`CudaDevice::attention_scratch`].
+pub struct AttentionScratch {
+    acc: CudaSlice<f32>,
+    ml: CudaSlice<f32>,
+}
+
+impl AttentionScratch {
+    /// Bytes held on the device.
+    pub fn bytes(&self) -> usize {
+        (self.acc.len() + self.ml.len()) * 4
+    }
+}
+
+/// Handles of `kernels/attention.cu`.
+pub(crate) struct AttentionKernels {
+    kv_write: CudaFunction,
+    /// `[dim class][group class]`: head_dim <= 16, 32, 64, 128, 256 x query heads per block 1,
+    /// 2, 4, 8.
+    split: [[CudaFunction; 4]; 5],
+    combine: CudaFunction,
+    /// head_dim <= 64, 128, 256.
+    tile_f32: [CudaFunction; 3],
+    /// The dynamic shared memory each `tile_f32` kernel was allowed (0: the device refused).
+    tile_f32_smem: [usize; 3],
+    /// head_dim 64, 128.
+    tile_bf16: [CudaFunction; 2],
+    /// The dynamic shared memory each `tile_bf16` kernel was allowed (as for `tile_f32_smem`).
+    tile_bf16_smem: [usize; 2],
+}
+
+const DIM_CLASSES: [usize; 5] = [16, 32, 64, 128, 256];
+const GROUP_CLASSES: [usize; 4] = [1, 2, 4, 8];
+const TILE_F32_DIMS: [usize; 3] = [64, 128, 256];
+const TILE_BF16_DIMS: [usize; 2] = [64, 128];
+
+/// Dynamic shared memory of the f32 tiled kernel: Q, K, V tiles (row stride head_dim + 4) and P.
+fn tile_f32_smem(head_dim: usize) -> usize {
+    (3 * TILE_M * (head_dim + 4) + TILE_M * (TILE_M + 1)) * 4
+}
+
+/// Dynamic shared memory of the tensor-core kernel: two stages of 64 f32 K rows (stride
+/// head_dim + 8) and V rows (stride head_dim + 4), then the bf16 tile: K [64][head_dim + 8] and
+/// transposed V [head_dim][72].
+fn tile_bf16_smem(head_dim: usize) -> usize {
+    2 * 64 * (2 * head_dim + 12) * 4 + 64 * (head_dim + 8) * 2 + head_dim * 72 * 2
+}
+
+/// Opt `func` in to `want` bytes of dynamic shared memory; returns what it may use (48 KiB, the
+/// default, when the device refuses: those head dims are then refused at launch, not at open).
+fn allow_smem(func: &CudaFunction, want: usize) -> usize {
+    let attr = CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+    match func.set_attribute(attr, want as i32) {
+        Ok(()) => want,
+        Err(_) => 48 << 10,
+    }
+}
+
+impl AttentionKernels {
+    /// `get(file, function)` loads an entry point of a compiled kernel file.
+    pub(crate) fn load(get: impl Fn(&str, &str) -> Result<CudaFunction>) -> Result<Self> {
+        let f = |name: &str| get("attention", name);
+        let split_row = |d: usize| -> Result<[CudaFunction; 4]> {
+            Ok([
+                f(&format!("attn_split_d{d}_g1"))?,
+                f(&format!("attn_split_d{d}_g2"))?,
+                f(&format!("attn_split_d{d}_g4"))?,
+                f(&format!("attn_split_d{d}_g8"))?,
+            ])
+        };
+        let tile_f32 = [
+            f("attn_tile_f32_c1")?,
+            f("attn_tile_f32_c2")?,
+            f("attn_tile_f32_c4")?,
+        ];
+        let tile_bf16 = [f("attn_tile_bf16_d64")?, f("attn_tile_bf16_d128")?];
+        let f32_smem = [0, 1, 2].map(|i| allow_smem(&tile_f32[i], tile_f32_smem(TILE_F32_DIMS[i])));
+        let bf16_smem =
+            [0, 1].map(|i| allow_smem(&tile_bf16[i], tile_bf16_smem(TILE_BF16_DIMS[i])));
+        Ok(AttentionKernels {
+            kv_write: f("kv_write_f32")?,
+            split: [
+                split_row(16)?,
+                split_row(32)?,
+                split_row(64)?,
+                split_row(128)?,
+                split_row(256)?,
+            ],
+            combine: f("attn_combine_f32")?,
+            tile_f32,
+            tile_f32_smem: f32_smem,
+            tile_bf16,
+            tile_bf16_smem: bf16_smem,
+        })
+    }
+}
+
+/// The kernels' argument block: the C layout of `struct AttnArgs` in kernels/attention.cu.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct AttnArgs {
+    q: u64,
+    out: u64,
+    pool_k: u64,
+    pool_v: u64,
+    positions: u64,
+    table_start: u64,
+    block_tables: u64,
+    part_acc: u64,
+    part_ml: u64,
+    n: i32,
+    num_heads: i32,
+    kv_heads: i32,
+    head_dim: i32,
+    group: i32,
+    head_chunks: i32,
+    tables_len: i32,
+    blocks: i32,
+    block_size: i32,
+    block_shift: i32,
+    window: i32,
+    chunk: i32,
+    nsplit: i32,
+    tiled: i32,
+    tile_m: i32,
+    scale_log2: f32,
+}
+
+const _: () = assert!(std::mem::size_of::<AttnArgs>() == 136);
+
+// SAFETY: plain data (integers, floats, device addresses) in the C layout the kernels declare;
+// passed by value as one kernel parameter.
+unsafe impl DeviceRepr for AttnArgs {}
+
+/// How the decode kernel splits each token's keys.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct SplitPlan {
+    splits: usize,
+    /// Keys per split (the last split runs on to the token).
+    chunk: usize,
+}
+
+/// `work` = n * kv_heads * head_chunks blocks per split; `context` = the most keys a token sees;
+/// `capacity` = the most splits the scratch holds for this batch.
+fn split_plan(work: usize, context: usize, sms: usize, capacity: usize) -> SplitPlan {
+    let context = context.max(1);
+    let wanted = (BLOCKS_PER_SM * sms).div_ceil(work.max(1));
+    let splits = wanted
+        .min(context.div_ceil(MIN_SPLIT_KEYS))
+        .min(capacity)
+        .max(1);
+    // Round chunks to 16 keys; that can only lower the split count.
+    let chunk = context.div_ceil(splits).div_ceil(16) * 16;
+    SplitPlan {
+        splits: context.div_ceil(chunk),
+        chunk,
+    }
+}
+
+/// Index of the smallest class that holds `v`.
+fn class_of(classes: &[usize], v: usize) -> usize {
+    classes
+        .iter()
+        .position(|&c| v <= c)
+        .unwrap_or(classes.len() - 1)
+}
+
+impl CudaDevice {
+    /// A zeroed pool of `blocks` blocks of `block_size` positions, `kv_heads * head_dim` values
+    /// each for K and for V. head_dim must be a multiple of 4 (16-byte rows), at most 256.
+    pub fn kv_pool(
+        &self,
+        blocks: usize,
+        block_size: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<DeviceKvPool> {
+        ensure(blocks > 0 && block_size > 0 && kv_heads > 0, || {
+            format!("kv_pool: blocks {blocks}, block_size {block_size}, kv_heads {kv_heads} must be > 0")
+        })?;
+        ensure(
+            head_dim > 0 && head_dim.is_multiple_of(4) && head_dim <= MAX_HEAD_DIM,
+            || {
+                format!(
+                    "kv_pool: head_dim {head_dim} must be a multiple of 4 in 4..={MAX_HEAD_DIM}"
+                )
+            },
+        )?;
+        to_i32(blocks, "kv_pool blocks")?;
+        to_i32(block_size, "kv_pool block_size")?;
+        let len = blocks
+            .checked_mul(block_size)
+            .and_then(|x| x.checked_mul(kv_heads * head_dim))
+            .ok_or_else(|| CudaError::InvalidArgument("kv_pool: size overflows".into()))?;
+        Ok(DeviceKvPool {
+            k: self.zeros(len)?,
+            v: self.zeros(len)?,
+            blocks,
+            block_size,
+            kv_heads,
+            head_dim,
+        })
+    }
+
+    /// Write the batch's k and v rows (`[n, kv_heads * head_dim]` f32) at their positions.
+    ///
+    /// Launch: grid (n), block 128. Rows whose block-table entry or block is out of range are not
+    /// written (the tables are the allocator's; the kernel only refuses to write out of bounds).
+    pub fn kv_write(
+        &self,
+        pool: &mut DeviceKvPool,
+        k: &impl DevicePtr<f32>,
+        v: &impl DevicePtr<f32>,
+        at: &TokenPlacement,
+    ) -> Result<()> {
+        let n = at.positions.len();
+        let width = pool.kv_heads * pool.head_dim;
+        ensure(at.table_start.len() == n, || {
+            format!(
+                "kv_write: {n} positions but {} table starts",
+                at.table_start.len()
+            )
+        })?;
+        ensure(k.len() == n * width && v.len() == n * width, || {
+            format!(
+                "kv_write: k holds {}, v {}, expected {n} x {width}",
+                k.len(),
+                v.len()
+            )
+        })?;
+        if n == 0 {
+            return Ok(());
+        }
+        let kp = self.ptr(k, "kv_write k")?;
+        let vp = self.ptr(v, "kv_write v")?;
+        let pos = self.ptr(at.positions, "kv_write positions")?;
+        let ts = self.ptr(at.table_start, "kv_write table_start")?;
+        let bt = self.ptr(at.block_tables, "kv_write block_tables")?;
+        let pk = self.ptr_mut(&mut pool.k, "kv_write pool k")?;
+        let pv = self.ptr_mut(&mut pool.v, "kv_write pool v")?;
+        let tables_len = to_i32(at.block_tables.len(), "block_tables length")?;
+        let (n_i, width_i) = (to_i32(n, "tokens")?, to_i32(width, "kv row width")?);
+        let (bs_i, blocks_i) = (
+            to_i32(pool.block_size, "block_size")?,
+            to_i32(pool.blocks, "blocks")?,
+        );
+        let cfg = LaunchConfig {
+            grid_dim: (n_i as u32, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream.launch_builder(&self.kernels.attention.kv_write);
+        b.arg(&kp)
+            .arg(&vp)
+            .arg(&pos)
+            .arg(&ts)
+            .arg(&bt)
+            .arg(&tables_len);
+        b.arg(&pk)
+            .arg(&pv)
+            .arg(&n_i)
+            .arg(&width_i)
+            .arg(&bs_i)
+            .arg(&blocks_i);
+        // SAFETY: k and v hold n rows of `width`; positions and table_start n entries; the kernel
+        // bounds every table index by tables_len and every block by `blocks`, so each write lands
+        // inside the pool (blocks * block_size rows of `width`).
+        unsafe { b.launch(cfg) }.ctx("kv_write_f32")?;
+        Ok(())
+    }
+
+    /// Scratch for split-K partials of batches of up to `max_tokens` tokens with `num_heads`
+    /// query heads of `head_dim` and contexts up to `max_context`. Larger batches, heads or
+    /// contexts still run, with fewer splits.
+    pub fn attention_scratch(
+        &self,
+        max_tokens: usize,
+        num_heads: usize,
+        head_dim: usize,
+        max_context: usize,
+    ) -> Result<AttentionScratch> {
+        // Splits > 1 only happen when n * kv_heads * head_chunks < 4 * SMs, and then
+        // n * splits <= n * ceil(4 * SMs / n) < 4 * SMs + n <= 8 * SMs.
+        let target = BLOCKS_PER_SM * self.info().multiprocessors as usize;
+        let max_splits = max_context.max(1).div_ceil(MIN_SPLIT_KEYS);
+        let rows = num_heads.max(1) * (2 * target).min(max_tokens.max(1) * max_splits);
+        Ok(AttentionScratch {
+            acc: self.zeros(rows * head_dim.max(1))?,
+            ml: self.zeros(rows * 2)?,
+        })
+    }
+
+    /// `out[n, num_heads * head_dim] = softmax(q · Kᵀ · scale) · V` over each token's visible
+    /// keys, with [`AttentionPrefill::ExactF32`] prefill tiles. The pool must already hold the
+    /// K/V of every visible position, the tokens' own included (call [`CudaDevice::kv_write`]
+    /// first). Enqueues 1 to 3 kernels; no allocation, no synchronisation.
+    pub fn paged_attention(
+        &self,
+        q: &impl DevicePtr<f32>,
+        pool: &DeviceKvPool,
+        at: &TokenPlacement,
+        shape: &AttentionShape,
+        out: &mut impl DevicePtrMut<f32>,
+        scratch: &mut AttentionScratch,
+    ) -> Result<()> {
+        self.paged_attention_with(AttentionPrefill::ExactF32, q, pool, at, shape, out, scratch)
+    }
+
+    /// [`CudaDevice::paged_attention`] with an explicit prefill-tile kernel.
+    #[allow(clippy::too_many_arguments)] // the brief's signature plus the one choice it adds
+    pub fn paged_attention_with(
+        &self,
+        prefill: AttentionPrefill,
+        q: &impl DevicePtr<f32>,
+        pool: &DeviceKvPool,
+        at: &TokenPlacement,
+        shape: &AttentionShape,
+        out: &mut impl DevicePtrMut<f32>,
+        scratch: &mut AttentionScratch,
+    ) -> Result<()> {
+        let AttentionShape {
+            num_heads,
+            num_kv_heads,
+            head_dim: d,
+            scale,
+            sliding_window,
+        } = *shape;
+        ensure(
+            num_kv_heads > 0 && num_heads > 0 && num_heads.is_multiple_of(num_kv_heads),
+            || format!("paged_attention: {num_heads} heads over {num_kv_heads} kv heads"),
+        )?;
+        ensure(num_kv_heads == pool.kv_heads && d == pool.head_dim, || {
+            format!(
+                "paged_attention: shape has {num_kv_heads} kv heads of {d}, the pool {} of {}",
+                pool.kv_heads, pool.head_dim
+            )
+        })?;
+        ensure(sliding_window != Some(0), || {
+            "paged_attention: a sliding window of 0 sees nothing".to_string()
+        })?;
+        ensure(scale.is_finite(), || {
+            format!("paged_attention: scale {scale}")
+        })?;
+        let n = at.positions.len();
+        ensure(at.table_start.len() == n, || {
+            format!(
+                "paged_attention: {n} positions but {} table starts",
+                at.table_start.len()
+            )
+        })?;
+        ensure(q.len() == n * num_heads * d && out.len() == q.len(), || {
+            format!(
+                "paged_attention: q holds {}, out {}, expected {n} x {num_heads} x {d}",
+                q.len(),
+                out.len()
+            )
+        })?;
+        if prefill == AttentionPrefill::TensorCoreBf16 && d != 64 && d != 128 {
+            return Err(CudaError::Unsupported(format!(
+                "tensor-core attention for head_dim {d} (64 and 128 are built)"
+            )));
+        }
+        let kernels = &self.kernels.attention;
+        // The tiled kernel of this call, its tile height and its dynamic shared memory.
+        let (tile_func, tile_m, smem, allowed) = match prefill {
+            AttentionPrefill::ExactF32 => {
+                let c = class_of(&TILE_F32_DIMS, d);
+                let smem = tile_f32_smem(d);
+                (&kernels.tile_f32[c], TILE_M, smem, kernels.tile_f32_smem[c])
+            }
+            AttentionPrefill::TensorCoreBf16 => {
+                let c = usize::from(d == 128);
+                let smem = tile_bf16_smem(d);
+                (&kernels.tile_bf16[c], TC_M, smem, kernels.tile_bf16_smem[c])
+            }
+        };
+        if smem > allowed {
+            return Err(CudaError::Unsupported(format!(
+                "{prefill:?} attention for head_dim {d}: this device gives a block too little \
+                 shared memory ({smem} bytes needed)"
+            )));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+
+        let group = num_heads / num_kv_heads;
+        let group_class = class_of(&GROUP_CLASSES, group);
+        let head_chunks = group.div_ceil(GROUP_CLASSES[group_class]);
+        let context = sliding_window.map_or(at.max_context, |w| w.min(at.max_context));
+        let per_split = n * num_heads;
+        let capacity =
+            (scratch.acc.len() / (per_split * d)).min(scratch.ml.len() / (per_split * 2));
+        let sms = self.info().multiprocessors as usize;
+        let plan = split_plan(n * num_kv_heads * head_chunks, context, sms, capacity);
+        let tiled = n >= tile_m;
+
+        let qp = self.ptr(q, "paged_attention q")?;
+        let op = self.ptr_mut(out, "paged_attention out")?;
+        ensure(qp.is_multiple_of(16) && op.is_multiple_of(16), || {
+            "paged_attention: q and out must start 16-byte aligned".to_string()
+        })?;
+        let args = AttnArgs {
+            q: qp,
+            out: op,
+            pool_k: self.ptr(&pool.k, "paged_attention pool k")?,
+            pool_v: self.ptr(&pool.v, "paged_attention pool v")?,
+            positions: self.ptr(at.positions, "paged_attention positions")?,
+            table_start: self.ptr(at.table_start, "paged_attention table_start")?,
+            block_tables: self.ptr(at.block_tables, "paged_attention block_tables")?,
+            part_acc: self.ptr_mut(&mut scratch.acc, "paged_attention scratch")?,
+            part_ml: self.ptr_mut(&mut scratch.ml, "paged_attention scratch")?,
+            n: to_i32(n, "tokens")?,
+            num_heads: to_i32(num_heads, "num_heads")?,
+            kv_heads: to_i32(num_kv_heads, "num_kv_heads")?,
+            head_dim: to_i32(d, "head_dim")?,
+            group: to_i32(group, "group")?,
+            head_chunks: to_i32(head_chunks, "head chunks")?,
+            tables_len: to_i32(at.block_tables.len(), "block_tables length")?,
+            blocks: to_i32(pool.blocks, "blocks")?,
+            block_size: to_i32(pool.block_size, "block_size")?,
+            block_shift: if pool.block_size.is_power_of_two() {
+                pool.block_size.trailing_zeros() as i32
+            } else {
+                -1
+            },
+            window: to_i32(sliding_window.unwrap_or(0), "sliding_window")?,
+            chunk: to_i32(plan.chunk, "split chunk")?,
+            nsplit: to_i32(plan.splits, "splits")?,
+            tiled: tiled as i32,
+            tile_m: tile_m as i32,
+            scale_log2: scale * LOG2_E,
+        };
+        let grid_yz = |v: usize, what: &str| -> Result<u32> {
+            ensure(v <= 65535, || {
+                format!("paged_attention: {what} ({v}) exceeds 65535")
+            })?;
+            Ok(v as u32)
+        };
+        let heads_y = grid_yz(num_heads, "num_heads")?;
+
+        if tiled {
+            // Both tiled kernels run 256 threads (8 warps).
+            let cfg = LaunchConfig {
+                grid_dim: ((n / tile_m) as u32, heads_y, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: smem as u32,
+            };
+            let mut b = self.stream.launch_builder(tile_func);
+            b.arg(&args);
+            // SAFETY: q and out hold n x num_heads x head_dim f32 (16-byte aligned), the pool
+            // blocks x block_size rows of kv_heads x head_dim; the kernel bounds every table
+            // index and block id; its tiles are whole (n / tile_m of them) and its dynamic shared
+            // memory is what this head_dim needs, within the limit set at load.
+            unsafe { b.launch(cfg) }.ctx("attention prefill tiles")?;
+        }
+
+        let split_cfg = LaunchConfig {
+            grid_dim: (
+                args.n as u32,
+                grid_yz(plan.splits, "splits")?,
+                grid_yz(num_kv_heads * head_chunks, "kv heads x head chunks")?,
+            ),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: (4 * GROUP_CLASSES[group_class] * (d + 2) * 4) as u32,
+        };
+        let func = &kernels.split[class_of(&DIM_CLASSES, d)][group_class];
+        let mut b = self.stream.launch_builder(func);
+        b.arg(&args);
+        // SAFETY: as above; with more than one split the partials of n x num_heads x splits rows
+        // fit the scratch (`capacity` bounds the plan), and the dynamic shared memory holds 4
+        // warps' states of up to 8 heads (<= 33 KiB for head_dim 256).
+        unsafe { b.launch(split_cfg) }.ctx("attention split-K")?;
+
+        if plan.splits > 1 {
+            // One weight per split in shared memory (splits <= 4 x SMs: a few KiB), plus 8: the
+            // compiler reads the weights of its unrolled loop as 16-byte vectors, which may run
+            // past the last split (compute-sanitizer flagged it with 2 splits).
+            let cfg = LaunchConfig {
+                grid_dim: (args.n as u32, heads_y, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: ((plan.splits + 8) * 4) as u32,
+            };
+            let mut b = self.stream.launch_builder(&kernels.combine);
+            b.arg(&args);
+            // SAFETY: reads the partials the split launch just wrote (same stream, same plan);
+            // the dynamic shared memory holds one float per split.
+            unsafe { b.launch(cfg) }.ctx("attention combine")?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_plan_fills_the_device_and_covers_the_context() {
+        let sms = 132;
+        for work in [1usize, 4, 8, 32, 128, 512, 4096] {
+            for context in [1usize, 15, 64, 512, 1000, 4096, 100_000] {
+                let plan = split_plan(work, context, sms, usize::MAX);
+                assert!(plan.splits >= 1 && plan.chunk >= 16, "{plan:?}");
+                assert!(
+                    plan.splits * plan.chunk >= context,
+                    "{work} {context}: {plan:?}"
+                );
+                assert!(
+                    (plan.splits - 1) * plan.chunk < context,
+                    "no empty split: {plan:?}"
+                );
+                if plan.splits > 1 {
+                    assert!(plan.chunk >= MIN_SPLIT_KEYS / 2, "{plan:?}");
+                    assert!(work * plan.splits < 2 * BLOCKS_PER_SM * sms, "{plan:?}");
+                }
+            }
+        }
+        assert_eq!(split_plan(4, 4096, sms, usize::MAX).splits, 64);
+        assert_eq!(split_plan(4096, 4096, sms, usize::MAX).splits, 1);
+    }
+
+    #[test]
+    fn split_plan_never_exceeds_the_scratch() {
+        for capacity in [0usize, 1, 3, 7] {
+            let plan = split_plan(1, 4096, 132, capacity);
+            assert!(plan.splits <= capacity.max(1), "{capacity}: {plan:?}");
+        }
+    }
+
+    #[test]
+    fn classes_pick_the_smallest_that_fits() {
+        assert_eq!(class_of(&DIM_CLASSES, 16), 0);
+        assert_eq!(class_of(&DIM_CLASSES, 24), 1);
+        assert_eq!(class_of(&DIM_CLASSES, 48), 2);
+        assert_eq!(class_of(&DIM_CLASSES, 128), 3);
+        assert_eq!(class_of(&DIM_CLASSES, 256), 4);
+        assert_eq!(class_of(&GROUP_CLASSES, 6), 3);
+        assert_eq!(class_of(&GROUP_CLASSES, 3), 2);
+        assert_eq!(class_of(&GROUP_CLASSES, 16), 3);
+        assert!(tile_f32_smem(256) <= 227 << 10, "fits an H100/H200 block");
+    }
+}

@@ -1,0 +1,212 @@
+//! The decode path of [`CudaDevice::moe_experts`] (`kernels/moe.cu`): three launches whose grids
+//! come from host-known bounds only, no host synchronisation, no allocation, so it can be
+//! captured in a CUDA graph. With P = n · k pairs and S = min(E + 1, P) expert slots:
+//!
+//! 1. `moe_align`: grid 1, block 1024, 8 (E + 1) bytes of shared memory. Groups the pairs by
+//!    expert (offsets, pair lists, the ascending list of non-empty groups) and zeroes the arrival
+//!    counters of step 3.
+//! 2. `moe_gate_up_<dt>_m<M>`: grid (ceil(I / 8), S), block 256. A warp per intermediate index
+//!    streams its gate and up rows once per pass of up to M of the expert's tokens and writes
+//!    `silu(gate · x) · (up · x)` (f32) per pair. Slots past the non-empty groups exit at once.
+//! 3. `moe_down_<dt>_m<M>`: grid (ceil(H / 32), S), block 256. A warp per 4 down rows writes each
+//!    pair's expert output rows, then counts an arrival per token and row tile; the block with a
+//!    token's k-th arrival sums that tile of `out[t]` over ranks 0..k in order.
+//!
+//! At most 32 pairs ([`DecodePass::Tiny`], batch 1-4 at top-8) skip step 1:
+//!
+//! - `moe_tiny_gate_up_<dt>`: grid (ceil(I / 8), min(E, P)), block 256. Every warp finds its
+//!   slot's expert among the ≤ 32 ids with one match/ballot, then works as step 2.
+//! - `moe_tiny_down_<dt>`: grid (ceil(H / 4), n), block 256. Block (bx, t) computes token t's 4
+//!   rows for all k ranks (a warp per rank) into shared memory and sums them in rank order.
+//!
+//! Each output is one f32 fmaf chain per lane in a fixed order plus a butterfly, and the ranks
+//! are summed by one fmaf chain in rank order, the same in every variant and independent of how
+//! many tokens an expert has: a token's result does not depend on the rest of the batch, bit for
+//! bit. Against the f32 CPU reference: ~1e-7 relative (summation order only).
+
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+use super::{
+    decode_kernel, DecodePass, DeviceExperts, MoeCall, MoeScratch, DOWN_TILE, GATE_UP_TILE,
+    TINY_DOWN_ROWS,
+};
+use crate::device::dtype_slot;
+use crate::error::{ensure, DriverContext, Result};
+use crate::ops::{blocks, to_i32};
+use crate::CudaDevice;
+
+impl CudaDevice {
+    pub(super) fn moe_decode(
+        &self,
+        c: &MoeCall,
+        w: &DeviceExperts,
+        s: &mut MoeScratch,
+    ) -> Result<()> {
+        let pairs = c.tokens * c.top_k;
+        let pass = s
+            .pass
+            .unwrap_or_else(|| DecodePass::for_pairs(pairs, w.experts));
+        if pass == DecodePass::Tiny {
+            return self.moe_decode_tiny(c, w, s);
+        }
+        let groups = w.experts + 1;
+        let slots = groups.min(pairs);
+        let tiles = w.hidden.div_ceil(DOWN_TILE);
+        self.moe_align(c, w, s, c.tokens * tiles)?;
+
+        let k = &self.kernels.moe;
+        let offsets = self.ptr(&s.offsets, "moe offsets")?;
+        let pair_list = self.ptr(&s.pairs, "moe pairs")?;
+        let active = self.ptr(&s.active, "moe active")?;
+        let h = self.ptr_mut(&mut s.inner, "moe h")?;
+        let y = self.ptr_mut(&mut s.outer, "moe y")?;
+        let arrivals = self.ptr_mut(&mut s.arrivals, "moe arrivals")?;
+        let gate_up = self.ptr(&w.gate_up, "moe gate_up")?;
+        let down = self.ptr(&w.down, "moe down")?;
+        let (experts_i, hidden_i, inter_i, k_i) = (
+            to_i32(w.experts, "experts")?,
+            to_i32(w.hidden, "hidden")?,
+            to_i32(w.intermediate, "intermediate")?,
+            to_i32(c.top_k, "top_k")?,
+        );
+        let slots_u = slots as u32; // <= E + 1 <= MAX_EXPERTS + 1
+
+        let cfg = LaunchConfig {
+            grid_dim: (blocks(w.intermediate, GATE_UP_TILE)?, slots_u, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self
+            .stream
+            .launch_builder(decode_kernel(&k.gate_up, w.dtype, pass));
+        b.arg(&gate_up).arg(&c.x).arg(&offsets).arg(&pair_list);
+        b.arg(&active).arg(&h);
+        b.arg(&experts_i).arg(&hidden_i).arg(&inter_i).arg(&k_i);
+        // SAFETY: gate_up holds E · 2I · H elements of the kernel's dtype with H a multiple of its
+        // 16-byte chunk; x holds n · H f32 (16-byte aligned); offsets, pairs and active were
+        // written by moe_align for these P pairs (pair indices < P, so tokens < n); h holds
+        // P_max · I f32 >= P · I; the grid's y dimension is the slots moe_align filled.
+        unsafe { b.launch(cfg) }.ctx("moe_gate_up")?;
+
+        let cfg = LaunchConfig {
+            grid_dim: (blocks(w.hidden, DOWN_TILE)?, slots_u, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self
+            .stream
+            .launch_builder(decode_kernel(&k.down, w.dtype, pass));
+        b.arg(&down).arg(&h).arg(&offsets).arg(&pair_list);
+        b.arg(&active)
+            .arg(&c.weights)
+            .arg(&y)
+            .arg(&c.out)
+            .arg(&arrivals);
+        b.arg(&experts_i).arg(&hidden_i).arg(&inter_i).arg(&k_i);
+        // SAFETY: down holds E · H · I elements (I a multiple of the chunk); h was written for
+        // every valid pair by the launch above; weights hold n · k f32, y P_max · H f32, out
+        // n · H f32; arrivals hold max_tokens · tiles counters, zeroed by moe_align for the n
+        // tokens, and gridDim.x = tiles.
+        unsafe { b.launch(cfg) }.ctx("moe_down")?;
+        Ok(())
+    }
+
+    /// [`DecodePass::Tiny`]: two launches, no alignment (see the module doc).
+    fn moe_decode_tiny(&self, c: &MoeCall, w: &DeviceExperts, s: &mut MoeScratch) -> Result<()> {
+        let pairs = c.tokens * c.top_k;
+        ensure(pairs <= DecodePass::TINY_PAIRS, || {
+            format!(
+                "moe_experts: the tiny decode pass takes at most {} pairs, not {pairs}",
+                DecodePass::TINY_PAIRS
+            )
+        })?;
+        let k = &self.kernels.moe;
+        let slot = dtype_slot(w.dtype);
+        let h = self.ptr_mut(&mut s.inner, "moe h")?;
+        let gate_up = self.ptr(&w.gate_up, "moe gate_up")?;
+        let down = self.ptr(&w.down, "moe down")?;
+        let (pairs_i, experts_i, hidden_i, inter_i, k_i) = (
+            to_i32(pairs, "pairs")?,
+            to_i32(w.experts, "experts")?,
+            to_i32(w.hidden, "hidden")?,
+            to_i32(w.intermediate, "intermediate")?,
+            to_i32(c.top_k, "top_k")?,
+        );
+
+        let cfg = LaunchConfig {
+            grid_dim: (
+                blocks(w.intermediate, GATE_UP_TILE)?,
+                w.experts.min(pairs) as u32, // <= 32
+                1,
+            ),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream.launch_builder(&k.tiny_gate_up[slot]);
+        b.arg(&gate_up).arg(&c.x).arg(&c.ids).arg(&pairs_i).arg(&h);
+        b.arg(&experts_i).arg(&hidden_i).arg(&inter_i).arg(&k_i);
+        // SAFETY: gate_up holds E · 2I · H elements (H a multiple of the 16-byte chunk); x holds
+        // n · H f32, 16-byte aligned; ids hold P <= 32 u32 (only ids < E index the weights); h
+        // holds P_max · I >= P · I f32.
+        unsafe { b.launch(cfg) }.ctx("moe_tiny_gate_up")?;
+
+        let cfg = LaunchConfig {
+            grid_dim: (blocks(w.hidden, TINY_DOWN_ROWS)?, c.tokens as u32, 1), // n <= 32
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream.launch_builder(&k.tiny_down[slot]);
+        b.arg(&down).arg(&h).arg(&c.ids).arg(&c.weights).arg(&c.out);
+        b.arg(&experts_i).arg(&hidden_i).arg(&inter_i).arg(&k_i);
+        // SAFETY: down holds E · H · I elements (I a multiple of the chunk); h was written above
+        // for every pair with an in-range id (the others are never read: their rows are NaN);
+        // ids and weights hold n · k <= 32 entries (k <= 32, the kernel's shared rows), out n · H
+        // f32.
+        unsafe { b.launch(cfg) }.ctx("moe_tiny_down")?;
+        Ok(())
+    }
+
+    /// Launch `moe_align` for the call's pairs, zeroing `clear` arrival counters.
+    pub(super) fn moe_align(
+        &self,
+        c: &MoeCall,
+        w: &DeviceExperts,
+        s: &mut MoeScratch,
+        clear: usize,
+    ) -> Result<()> {
+        let pairs = c.tokens * c.top_k;
+        let groups = w.experts + 1;
+        let (pairs_i, experts_i, slots_i, clear_i) = (
+            to_i32(pairs, "pairs")?,
+            to_i32(w.experts, "experts")?,
+            to_i32(groups.min(pairs), "slots")?,
+            to_i32(clear, "arrival counters")?,
+        );
+        let offsets = self.ptr_mut(&mut s.offsets, "moe offsets")?;
+        let pair_list = self.ptr_mut(&mut s.pairs, "moe pairs")?;
+        let pos = self.ptr_mut(&mut s.pos, "moe pos")?;
+        let active = self.ptr_mut(&mut s.active, "moe active")?;
+        let arrivals = self.ptr_mut(&mut s.arrivals, "moe arrivals")?;
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (1024, 1, 1),
+            shared_mem_bytes: (8 * groups) as u32, // <= 16 KiB for MAX_EXPERTS
+        };
+        let mut b = self.stream.launch_builder(&self.kernels.moe.align);
+        b.arg(&c.ids)
+            .arg(&pairs_i)
+            .arg(&experts_i)
+            .arg(&slots_i)
+            .arg(&clear_i);
+        b.arg(&offsets)
+            .arg(&pair_list)
+            .arg(&pos)
+            .arg(&active)
+            .arg(&arrivals);
+        // SAFETY: ids hold P u32; offsets E + 2, pairs and pos P_max >= P, active
+        // min(E + 1, P_max) >= slots, arrivals max_tokens · tiles >= clear; shared memory holds
+        // two u32 per group; the argument list matches the kernel's.
+        unsafe { b.launch(cfg) }.ctx("moe_align")?;
+        Ok(())
+    }
+}

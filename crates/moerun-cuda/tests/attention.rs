@@ -1,0 +1,455 @@
+//! Paged attention on the GPU against moerun-cpu's `paged_attention`, on fresh random pools:
+//! several sequences per batch, block tables of shuffled (non-contiguous, out-of-order) blocks,
+//! positions crossing blocks, cached history written by an earlier `kv_write` (chunked prefill),
+//! sliding windows, GQA ratios 1 to 16, head dims 16 to 256.
+//!
+//! Thresholds (norm-wise relative error against the CPU's f32 output): the exact paths (split-K
+//! decode, combine, f32 tiles) 1e-5 — both sides are f32, only the summation order, exp2 vs exp
+//! and the scale folded into q separate them (measured ~1e-7). The tensor-core path 1e-2: q, k, v
+//! and the softmax weights are rounded to bf16 (relative 2^-9 each), which lands near 1e-3.
+//! Outputs start as NaN, so an element no kernel wrote fails.
+//! Without a GPU every test prints "skipped: CUDA is unavailable: <reason>" and passes.
+
+mod common;
+
+use common::{check, device, poison, rel_err, rng, uniform};
+use moerun_cpu::attention::{
+    paged_attention as cpu_attention, AttentionShape as CpuShape, KvPool, TokenSlot,
+};
+use moerun_cuda::{
+    AttentionPrefill, AttentionScratch, AttentionShape, CudaDevice, CudaError, CudaSlice,
+    TokenPlacement,
+};
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+
+const EXACT_TOL: f64 = 1e-5;
+const BF16_TOL: f64 = 1e-2;
+
+/// One batch to attend: per sequence `(cached, new)`: positions already in the pool, then the
+/// batch's tokens at the positions after them.
+struct Case<'a> {
+    name: String,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    block_size: usize,
+    window: Option<usize>,
+    seqs: &'a [(usize, usize)],
+    /// Batch tokens in round-robin order over the sequences instead of grouped per sequence, so
+    /// no 64-token tile belongs to one sequence.
+    interleave: bool,
+    prefill: AttentionPrefill,
+    /// q is uniform in [-q_range, q_range]: larger makes the softmax sharper.
+    q_range: f32,
+    /// The host's bound on the context, if not the true one (an underestimate must still be
+    /// exact).
+    max_context: Option<usize>,
+}
+
+impl Case<'_> {
+    fn new(name: impl Into<String>, (heads, kv_heads, head_dim): (usize, usize, usize)) -> Self {
+        Case {
+            name: name.into(),
+            heads,
+            kv_heads,
+            head_dim,
+            block_size: 16,
+            window: None,
+            seqs: &[],
+            interleave: false,
+            prefill: AttentionPrefill::ExactF32,
+            q_range: 1.0,
+            max_context: None,
+        }
+    }
+}
+
+/// Blocks for each sequence from one shuffled list of the pool's blocks: the flat block table
+/// and where each sequence's table starts.
+fn block_tables(
+    r: &mut StdRng,
+    lens: &[usize],
+    bs: usize,
+    spare: usize,
+) -> (Vec<i32>, Vec<usize>, usize) {
+    let need: Vec<usize> = lens.iter().map(|l| l.div_ceil(bs)).collect();
+    let total = need.iter().sum::<usize>() + spare;
+    let mut ids: Vec<i32> = (0..total as i32).collect();
+    ids.shuffle(r);
+    let mut starts = Vec::new();
+    let mut at = 0;
+    for n in need {
+        starts.push(at);
+        at += n;
+    }
+    ids.truncate(at);
+    (ids, starts, total)
+}
+
+/// Upload a placement's three i32 buffers.
+fn placement_buffers(
+    dev: &CudaDevice,
+    positions: &[i32],
+    starts: &[i32],
+    tables: &[i32],
+) -> (CudaSlice<i32>, CudaSlice<i32>, CudaSlice<i32>) {
+    (
+        dev.upload(positions).unwrap(),
+        dev.upload(starts).unwrap(),
+        dev.upload(tables).unwrap(),
+    )
+}
+
+/// Run `case` on the GPU and the CPU; returns the relative error of the GPU's output.
+fn run_case(dev: &CudaDevice, r: &mut StdRng, case: &Case) -> f64 {
+    let (h, kvh, d, bs) = (case.heads, case.kv_heads, case.head_dim, case.block_size);
+    let width = kvh * d;
+    let lens: Vec<usize> = case.seqs.iter().map(|&(c, n)| c + n).collect();
+    let (tables, starts, blocks) = block_tables(r, &lens, bs, 3);
+    let table_of = |s: usize| -> Vec<u32> {
+        tables[starts[s]..starts[s] + lens[s].div_ceil(bs)]
+            .iter()
+            .map(|&b| b as u32)
+            .collect()
+    };
+
+    // (sequence, position) of the history and of the batch.
+    let history: Vec<(usize, usize)> = case
+        .seqs
+        .iter()
+        .enumerate()
+        .flat_map(|(s, &(cached, _))| (0..cached).map(move |p| (s, p)))
+        .collect();
+    let mut batch: Vec<(usize, usize)> = Vec::new();
+    if case.interleave {
+        let most = case.seqs.iter().map(|&(_, n)| n).max().unwrap_or(0);
+        for j in 0..most {
+            for (s, &(cached, new)) in case.seqs.iter().enumerate() {
+                if j < new {
+                    batch.push((s, cached + j));
+                }
+            }
+        }
+    } else {
+        for (s, &(cached, new)) in case.seqs.iter().enumerate() {
+            batch.extend((0..new).map(|j| (s, cached + j)));
+        }
+    }
+    let n = batch.len();
+
+    let mut cpu_pool = KvPool::new(blocks, bs, kvh, d);
+    let mut gpu_pool = dev.kv_pool(blocks, bs, kvh, d).unwrap();
+    let tables_d = dev.upload(&tables).unwrap();
+    for tokens in [&history, &batch] {
+        if tokens.is_empty() {
+            continue;
+        }
+        let k = uniform(r, tokens.len() * width, -1.0, 1.0);
+        let v = uniform(r, tokens.len() * width, -1.0, 1.0);
+        for (i, &(s, p)) in tokens.iter().enumerate() {
+            let row = i * width..(i + 1) * width;
+            cpu_pool.write(&table_of(s), p, &k[row.clone()], &v[row]);
+        }
+        let pos: Vec<i32> = tokens.iter().map(|&(_, p)| p as i32).collect();
+        let st: Vec<i32> = tokens.iter().map(|&(s, _)| starts[s] as i32).collect();
+        let (pos_d, st_d) = (dev.upload(&pos).unwrap(), dev.upload(&st).unwrap());
+        let at = TokenPlacement {
+            positions: &pos_d,
+            table_start: &st_d,
+            block_tables: &tables_d,
+            max_context: 1,
+        };
+        let (kd, vd) = (dev.upload(&k).unwrap(), dev.upload(&v).unwrap());
+        dev.kv_write(&mut gpu_pool, &kd, &vd, &at).unwrap();
+    }
+
+    let q = uniform(r, n * h * d, -case.q_range, case.q_range);
+    let scale = 1.0 / (d as f32).sqrt();
+    let cpu_shape = CpuShape {
+        num_heads: h,
+        num_kv_heads: kvh,
+        head_dim: d,
+        scale,
+        sliding_window: case.window,
+    };
+    let cpu_tables: Vec<Vec<u32>> = (0..case.seqs.len()).map(table_of).collect();
+    let slots: Vec<TokenSlot> = batch
+        .iter()
+        .map(|&(s, p)| TokenSlot {
+            block_table: &cpu_tables[s],
+            position: p,
+        })
+        .collect();
+    let mut want = vec![0.0f32; n * h * d];
+    cpu_attention(&q, &slots, &cpu_pool, &cpu_shape, &mut want);
+
+    let pos: Vec<i32> = batch.iter().map(|&(_, p)| p as i32).collect();
+    let st: Vec<i32> = batch.iter().map(|&(s, _)| starts[s] as i32).collect();
+    let (pos_d, st_d, _) = placement_buffers(dev, &pos, &st, &[0]);
+    let max_context = case
+        .max_context
+        .unwrap_or_else(|| lens.iter().copied().max().unwrap_or(1));
+    let at = TokenPlacement {
+        positions: &pos_d,
+        table_start: &st_d,
+        block_tables: &tables_d,
+        max_context,
+    };
+    let shape = AttentionShape {
+        num_heads: h,
+        num_kv_heads: kvh,
+        head_dim: d,
+        scale,
+        sliding_window: case.window,
+    };
+    let mut scratch = dev.attention_scratch(n, h, d, max_context).unwrap();
+    let qd = dev.upload(&q).unwrap();
+    let mut out = dev.upload(&poison(n * h * d)).unwrap();
+    dev.paged_attention_with(
+        case.prefill,
+        &qd,
+        &gpu_pool,
+        &at,
+        &shape,
+        &mut out,
+        &mut scratch,
+    )
+    .unwrap();
+    let got = dev.download(&out).unwrap();
+    let want: Vec<f64> = want.iter().map(|&x| x as f64).collect();
+    rel_err(&got, &want)
+}
+
+fn run_and_check(dev: &CudaDevice, r: &mut StdRng, case: &Case) {
+    let tol = match case.prefill {
+        AttentionPrefill::ExactF32 => EXACT_TOL,
+        AttentionPrefill::TensorCoreBf16 => BF16_TOL,
+    };
+    check(
+        &format!("attention {}", case.name),
+        run_case(dev, r, case),
+        tol,
+    );
+}
+
+#[test]
+fn kv_write_puts_each_row_in_its_block_and_slot_and_skips_out_of_range_blocks() {
+    let Some(dev) = device() else { return };
+    let mut r = rng("kv_write");
+    let (blocks, bs, kvh, d) = (6usize, 4usize, 2usize, 8usize);
+    let width = kvh * d;
+    // Two sequences: tables [4, 1, 5] and [0, 99 (out of range)].
+    let tables = vec![4, 1, 5, 0, 99];
+    let tokens: Vec<(i32, i32)> = vec![(0, 0), (0, 3), (0, 4), (0, 9), (3, 2), (3, 5)];
+    let k = uniform(&mut r, tokens.len() * width, -1.0, 1.0);
+    let v = uniform(&mut r, tokens.len() * width, -1.0, 1.0);
+    let mut want_k = vec![0.0f32; blocks * bs * width];
+    let mut want_v = want_k.clone();
+    for (i, &(start, p)) in tokens.iter().enumerate() {
+        let blk = tables[(start + p / bs as i32) as usize] as usize;
+        if blk >= blocks {
+            continue;
+        }
+        let o = (blk * bs + p as usize % bs) * width;
+        want_k[o..o + width].copy_from_slice(&k[i * width..(i + 1) * width]);
+        want_v[o..o + width].copy_from_slice(&v[i * width..(i + 1) * width]);
+    }
+    let pos: Vec<i32> = tokens.iter().map(|t| t.1).collect();
+    let st: Vec<i32> = tokens.iter().map(|t| t.0).collect();
+    let (pos_d, st_d, tables_d) = placement_buffers(dev, &pos, &st, &tables);
+    let at = TokenPlacement {
+        positions: &pos_d,
+        table_start: &st_d,
+        block_tables: &tables_d,
+        max_context: 10,
+    };
+    let mut pool = dev.kv_pool(blocks, bs, kvh, d).unwrap();
+    let (kd, vd) = (dev.upload(&k).unwrap(), dev.upload(&v).unwrap());
+    dev.kv_write(&mut pool, &kd, &vd, &at).unwrap();
+    let exact =
+        dev.download(pool.k()).unwrap() == want_k && dev.download(pool.v()).unwrap() == want_v;
+    check("kv_write placement", if exact { 0.0 } else { 1.0 }, 0.0);
+    assert_eq!(pool.bytes(), 2 * blocks * bs * width * 4);
+}
+
+#[test]
+fn decode_matches_cpu_for_every_head_dim_and_gqa_ratio() {
+    let Some(dev) = device() else { return };
+    let mut r = rng("attention decode");
+    let seqs = [(0, 1), (1, 1), (15, 1), (16, 1), (300, 1), (777, 1)];
+    for d in [16, 24, 32, 48, 64, 128, 256] {
+        for (h, kvh) in [(4, 4), (4, 2), (6, 2), (6, 1), (16, 2), (32, 2)] {
+            let mut case = Case::new(format!("decode d{d} {h}/{kvh} heads"), (h, kvh, d));
+            case.seqs = &seqs;
+            run_and_check(dev, &mut r, &case);
+        }
+    }
+}
+
+#[test]
+fn long_decode_contexts_split_and_combine_like_the_cpu() {
+    let Some(dev) = device() else { return };
+    let mut r = rng("attention long decode");
+    let seqs = [(4095, 1), (1500, 1), (2000, 1), (64, 1)];
+    for (window, bound) in [(None, None), (Some(1000), None), (None, Some(100))] {
+        let mut case = Case::new(
+            format!("long decode window {window:?} bound {bound:?}"),
+            (32, 4, 128),
+        );
+        case.seqs = &seqs;
+        case.window = window;
+        case.max_context = bound;
+        case.q_range = 4.0;
+        run_and_check(dev, &mut r, &case);
+    }
+    // Batch 1 (many splits) and a batch large enough for one split per token.
+    let one = [(3000, 1)];
+    let many: Vec<(usize, usize)> = (0..200).map(|i| (37 * i % 900, 1)).collect();
+    for (name, seqs) in [("batch 1", &one[..]), ("batch 200", &many[..])] {
+        let mut case = Case::new(format!("long decode {name}"), (8, 1, 64));
+        case.seqs = seqs;
+        run_and_check(dev, &mut r, &case);
+    }
+}
+
+#[test]
+fn prefill_and_chunked_prefill_match_cpu_on_the_exact_tiled_path() {
+    let Some(dev) = device() else { return };
+    let mut r = rng("attention prefill");
+    let one = [(0, 200)];
+    let chunked = [(130, 77), (0, 64)];
+    let long_chunk = [(500, 300)];
+    for (shape, seqs, window, bs) in [
+        ((6, 1, 48), &one[..], None, 16),
+        ((4, 2, 32), &chunked[..], None, 8),
+        ((4, 1, 16), &one[..], Some(13), 4),
+        ((8, 8, 128), &long_chunk[..], Some(100), 16),
+        ((32, 4, 128), &one[..], None, 16),
+        ((4, 2, 256), &chunked[..], Some(70), 16),
+        ((2, 1, 24), &long_chunk[..], None, 32),
+    ] {
+        let mut case = Case::new(
+            format!("prefill {seqs:?} {shape:?} window {window:?}"),
+            shape,
+        );
+        case.seqs = seqs;
+        case.window = window;
+        case.block_size = bs;
+        case.q_range = 3.0;
+        run_and_check(dev, &mut r, &case);
+    }
+}
+
+#[test]
+fn mixed_batches_of_prefills_and_decodes_match_cpu_grouped_and_interleaved() {
+    let Some(dev) = device() else { return };
+    let mut r = rng("attention mixed");
+    let seqs = [(300, 1), (0, 150), (45, 1), (1000, 70), (7, 1), (64, 128)];
+    for interleave in [false, true] {
+        for window in [None, Some(64)] {
+            let mut case = Case::new(
+                format!("mixed interleave={interleave} window {window:?}"),
+                (16, 2, 64),
+            );
+            case.seqs = &seqs;
+            case.window = window;
+            case.interleave = interleave;
+            run_and_check(dev, &mut r, &case);
+        }
+    }
+}
+
+#[test]
+fn tensor_core_prefill_is_within_bf16_rounding_of_cpu() {
+    let Some(dev) = device() else { return };
+    let mut r = rng("attention bf16");
+    let one = [(0, 600)];
+    let mixed = [(300, 200), (10, 1), (0, 130), (2000, 1)];
+    for (shape, seqs, window) in [
+        ((8, 2, 128), &one[..], None),
+        ((32, 4, 128), &mixed[..], None),
+        ((16, 2, 64), &mixed[..], Some(100)),
+        ((4, 4, 64), &one[..], Some(250)),
+    ] {
+        let mut case = Case::new(format!("bf16 prefill {shape:?} window {window:?}"), shape);
+        case.seqs = seqs;
+        case.window = window;
+        case.prefill = AttentionPrefill::TensorCoreBf16;
+        case.q_range = 2.0;
+        run_and_check(dev, &mut r, &case);
+    }
+}
+
+#[test]
+fn bad_shapes_and_unsupported_paths_are_refused() {
+    let Some(dev) = device() else { return };
+    assert!(matches!(
+        dev.kv_pool(4, 16, 2, 30),
+        Err(CudaError::InvalidArgument(_))
+    ));
+    let pool = dev.kv_pool(4, 16, 2, 48).unwrap();
+    let (pos, st, tables) = placement_buffers(dev, &[0, 1], &[0, 0], &[2]);
+    let at = TokenPlacement {
+        positions: &pos,
+        table_start: &st,
+        block_tables: &tables,
+        max_context: 2,
+    };
+    let shape = AttentionShape {
+        num_heads: 4,
+        num_kv_heads: 2,
+        head_dim: 48,
+        scale: 0.1,
+        sliding_window: None,
+    };
+    let mut scratch = dev.attention_scratch(2, 4, 48, 2).unwrap();
+    let q = dev.zeros::<f32>(2 * 4 * 48).unwrap();
+    let mut out = dev.zeros::<f32>(2 * 4 * 48).unwrap();
+    let mut short = dev.zeros::<f32>(4 * 48).unwrap();
+    let call = |shape: &AttentionShape,
+                prefill: AttentionPrefill,
+                out: &mut CudaSlice<f32>,
+                s: &mut AttentionScratch| {
+        dev.paged_attention_with(prefill, &q, &pool, &at, shape, out, s)
+    };
+    let exact = AttentionPrefill::ExactF32;
+    assert!(call(&shape, exact, &mut out, &mut scratch).is_ok());
+    let err = call(&shape, exact, &mut short, &mut scratch).unwrap_err();
+    assert!(matches!(err, CudaError::InvalidArgument(_)), "{err}");
+    for bad in [
+        AttentionShape {
+            num_kv_heads: 4,
+            ..shape
+        },
+        AttentionShape {
+            num_heads: 5,
+            ..shape
+        },
+        AttentionShape {
+            head_dim: 64,
+            ..shape
+        },
+        AttentionShape {
+            sliding_window: Some(0),
+            ..shape
+        },
+    ] {
+        let err = call(&bad, exact, &mut out, &mut scratch).unwrap_err();
+        assert!(
+            matches!(err, CudaError::InvalidArgument(_)),
+            "{bad:?}: {err}"
+        );
+    }
+    let err = call(
+        &shape,
+        AttentionPrefill::TensorCoreBf16,
+        &mut out,
+        &mut scratch,
+    )
+    .unwrap_err();
+    assert!(
+        matches!(err, CudaError::Unsupported(ref m) if m.contains("48")),
+        "{err}"
+    );
+}

@@ -1,0 +1,597 @@
+//! The routed-experts op (`moe_experts`) against a CPU reference written from moerun_cpu the way
+//! moerun-model's `ffn_block` computes it (group by expert, `matmul_t`, `silu · up`, `matmul_t`,
+//! weighted sum in router rank order), on fresh random weights, activations and routings. Routings
+//! draw k distinct experts per token from a subset, so some experts always get no token.
+//!
+//! Thresholds (norm-wise relative error):
+//! - decode path, any weight dtype: 1e-5. f32 activations and accumulation on both sides, with
+//!   the weights widened exactly; only the summation order differs (~1e-7).
+//! - prefill path (bf16 weights): 1e-2 against the f32 reference, since x, the gate/up outputs,
+//!   `silu · up` and the expert outputs are each rounded to bf16 (2⁻⁹ relative) around the tensor
+//!   cores; and 5e-4 against a reference that rounds at those same four places, which pins the
+//!   GEMM layouts and the grouping (what remains is f32 summation order flipping a rare bf16
+//!   rounding).
+
+mod common;
+
+use common::{check, device, poison, rel_err, rng, uniform};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use half::{bf16, f16};
+use moerun_core::{DType, MatRef};
+use moerun_cpu::linear::matmul_t;
+use moerun_cpu::ops::silu;
+use moerun_cuda::{CudaDevice, CudaError, DecodePass, DeviceExperts, MoePath, MoeScratch};
+use rand::rngs::StdRng;
+use rand::Rng;
+
+/// A layer's experts on the host: stored bytes per expert (gate, up, down).
+struct HostExperts {
+    dtype: DType,
+    hidden: usize,
+    inter: usize,
+    mats: Vec<[Vec<u8>; 3]>,
+}
+
+impl HostExperts {
+    fn random(r: &mut StdRng, dtype: DType, experts: usize, hidden: usize, inter: usize) -> Self {
+        // Scaled so that gate/up outputs are O(1) (SiLU's interesting range) for x in [-1, 1).
+        let (a, b) = (1.5 / (hidden as f32).sqrt(), 1.5 / (inter as f32).sqrt());
+        let mats = (0..experts)
+            .map(|_| {
+                [
+                    store(&uniform(r, inter * hidden, -a, a), dtype),
+                    store(&uniform(r, inter * hidden, -a, a), dtype),
+                    store(&uniform(r, hidden * inter, -b, b), dtype),
+                ]
+            })
+            .collect();
+        HostExperts {
+            dtype,
+            hidden,
+            inter,
+            mats,
+        }
+    }
+
+    /// (gate, up, down) views of expert `e`.
+    fn views(&self, e: usize) -> (MatRef<'_>, MatRef<'_>, MatRef<'_>) {
+        let [g, u, d] = &self.mats[e];
+        let m = |data, rows, cols| mat(self.dtype, data, rows, cols);
+        (
+            m(g, self.inter, self.hidden),
+            m(u, self.inter, self.hidden),
+            m(d, self.hidden, self.inter),
+        )
+    }
+
+    fn upload(&self, dev: &CudaDevice) -> DeviceExperts {
+        let all: Vec<_> = (0..self.mats.len()).map(|e| self.views(e)).collect();
+        dev.upload_experts(&all).unwrap()
+    }
+}
+
+fn mat(dtype: DType, data: &[u8], rows: usize, cols: usize) -> MatRef<'_> {
+    MatRef {
+        dtype,
+        rows,
+        cols,
+        data,
+    }
+}
+
+fn store(values: &[f32], dtype: DType) -> Vec<u8> {
+    match dtype {
+        DType::BF16 => values
+            .iter()
+            .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
+            .collect(),
+        DType::F16 => values
+            .iter()
+            .flat_map(|&v| f16::from_f32(v).to_le_bytes())
+            .collect(),
+        DType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+    }
+}
+
+fn round_bf16(v: &mut [f32]) {
+    v.iter_mut().for_each(|x| *x = bf16::from_f32(*x).to_f32());
+}
+
+/// A routing: per token k distinct experts drawn from `allowed`, weights in (0, 1).
+fn routing(r: &mut StdRng, tokens: usize, k: usize, allowed: &[u32]) -> (Vec<u32>, Vec<f32>) {
+    let mut ids = Vec::with_capacity(tokens * k);
+    for _ in 0..tokens {
+        let mut pool = allowed.to_vec();
+        for i in 0..k {
+            let j = r.random_range(i..pool.len());
+            pool.swap(i, j);
+        }
+        ids.extend_from_slice(&pool[..k]);
+    }
+    let weights = uniform(r, tokens * k, 0.01, 1.0);
+    (ids, weights)
+}
+
+/// The reference, as `ffn_block` runs it. `bf16_steps` rounds x, the gate/up outputs, `silu · up`
+/// and the expert outputs to bf16, where the prefill path does.
+fn moe_cpu(
+    w: &HostExperts,
+    x: &[f32],
+    ids: &[u32],
+    weights: &[f32],
+    k: usize,
+    bf16_steps: bool,
+) -> Vec<f64> {
+    let (h, i) = (w.hidden, w.inter);
+    let n = x.len() / h;
+    let mut groups: Vec<Vec<(usize, usize)>> = vec![Vec::new(); w.mats.len()];
+    for t in 0..n {
+        for rank in 0..k {
+            groups[ids[t * k + rank] as usize].push((t, rank));
+        }
+    }
+    let mut per_rank = vec![0.0f32; n * k * h];
+    for (e, group) in groups.iter().enumerate().filter(|(_, g)| !g.is_empty()) {
+        let m = group.len();
+        let mut xs: Vec<f32> = group
+            .iter()
+            .flat_map(|&(t, _)| x[t * h..(t + 1) * h].iter().copied())
+            .collect();
+        let (gate, up, down) = w.views(e);
+        let (mut g, mut u, mut y) = (vec![0.0; m * i], vec![0.0; m * i], vec![0.0; m * h]);
+        if bf16_steps {
+            round_bf16(&mut xs);
+        }
+        matmul_t(&xs, m, gate, &mut g);
+        matmul_t(&xs, m, up, &mut u);
+        if bf16_steps {
+            round_bf16(&mut g);
+            round_bf16(&mut u);
+        }
+        for (gv, uv) in g.iter_mut().zip(&u) {
+            *gv = silu(*gv) * uv;
+        }
+        if bf16_steps {
+            round_bf16(&mut g);
+        }
+        matmul_t(&g, m, down, &mut y);
+        if bf16_steps {
+            round_bf16(&mut y);
+        }
+        for (row, &(t, rank)) in y.chunks_exact(h).zip(group) {
+            let wt = weights[t * k + rank];
+            let dst = &mut per_rank[(t * k + rank) * h..][..h];
+            for (d, v) in dst.iter_mut().zip(row) {
+                *d = v * wt;
+            }
+        }
+    }
+    let mut out = vec![0.0f32; n * h];
+    for (t, o) in out.chunks_exact_mut(h).enumerate() {
+        for rank in 0..k {
+            for (d, v) in o.iter_mut().zip(&per_rank[(t * k + rank) * h..][..h]) {
+                *d += v;
+            }
+        }
+    }
+    out.into_iter().map(f64::from).collect()
+}
+
+/// Run `moe_experts` on the given inputs (output poisoned first) and download the result.
+fn run(
+    dev: &CudaDevice,
+    w: &DeviceExperts,
+    scratch: &mut MoeScratch,
+    x: &[f32],
+    ids: &[u32],
+    weights: &[f32],
+    k: usize,
+) -> Result<Vec<f32>, CudaError> {
+    let (xd, idd, wd) = (
+        dev.upload(x).unwrap(),
+        dev.upload(ids).unwrap(),
+        dev.upload(weights).unwrap(),
+    );
+    let mut out = dev.upload(&poison(x.len())).unwrap();
+    dev.moe_experts(&xd, &idd, &wd, k, w, scratch, &mut out)?;
+    Ok(dev.download(&out).unwrap())
+}
+
+/// One layer shape run at several batch sizes through `path`, against the reference.
+struct Case {
+    dtype: DType,
+    experts: usize,
+    top_k: usize,
+    hidden: usize,
+    inter: usize,
+    /// Experts routings may pick; the others never get a token.
+    allowed: fn(u32) -> bool,
+}
+
+fn run_case(dev: &CudaDevice, r: &mut StdRng, case: &Case, path: MoePath, tokens: &[usize]) {
+    let w = HostExperts::random(r, case.dtype, case.experts, case.hidden, case.inter);
+    let wd = w.upload(dev);
+    let max = *tokens.iter().max().unwrap();
+    let mut scratch = dev.moe_scratch(&wd, max, case.top_k).unwrap();
+    scratch.set_path(Some(path));
+    let allowed: Vec<u32> = (0..case.experts as u32)
+        .filter(|&e| (case.allowed)(e))
+        .collect();
+    for &n in tokens {
+        let x = uniform(r, n * case.hidden, -1.0, 1.0);
+        let (ids, weights) = routing(r, n, case.top_k, &allowed);
+        let got = run(dev, &wd, &mut scratch, &x, &ids, &weights, case.top_k).unwrap();
+        let name = format!(
+            "moe {path:?} {} E{} k{} {}x{} n={n}",
+            case.dtype, case.experts, case.top_k, case.hidden, case.inter
+        );
+        let want = moe_cpu(&w, &x, &ids, &weights, case.top_k, false);
+        if path == MoePath::Decode {
+            check(&name, rel_err(&got, &want), 1e-5);
+        } else {
+            check(&name, rel_err(&got, &want), 1e-2);
+            let matched = moe_cpu(&w, &x, &ids, &weights, case.top_k, true);
+            check(
+                &format!("{name} vs bf16 steps"),
+                rel_err(&got, &matched),
+                5e-4,
+            );
+        }
+    }
+}
+
+fn all(_: u32) -> bool {
+    true
+}
+fn not_every_third(e: u32) -> bool {
+    e % 3 != 1
+}
+
+#[test]
+fn decode_path_matches_cpu_for_every_dtype_batch_size_and_empty_experts() {
+    let Some(dev) = device() else { return };
+    let mut r = rng("moe_decode");
+    // H = 196 and I = 36 are whole f32 chunks but not whole tiles (32 down rows, 8 intermediate
+    // indices per block); E = 8 with k = 8 routes every token to every expert.
+    let cases = [
+        Case {
+            dtype: DType::F32,
+            experts: 8,
+            top_k: 2,
+            hidden: 196,
+            inter: 36,
+            allowed: not_every_third,
+        },
+        Case {
+            dtype: DType::BF16,
+            experts: 128,
+            top_k: 8,
+            hidden: 256,
+            inter: 96,
+            allowed: not_every_third,
+        },
+        Case {
+            dtype: DType::BF16,
+            experts: 8,
+            top_k: 8,
+            hidden: 264,
+            inter: 40,
+            allowed: all,
+        },
+        Case {
+            dtype: DType::F16,
+            experts: 16,
+            top_k: 1,
+            hidden: 128,
+            inter: 64,
+            allowed: not_every_third,
+        },
+    ];
+    for case in &cases {
+        run_case(dev, &mut r, case, MoePath::Decode, &[1, 3, 64, 700]);
+    }
+}
+
+#[test]
+fn every_decode_pass_size_gives_the_same_bits() {
+    let Some(dev) = device() else { return };
+    let mut r = rng("moe_decode_passes");
+    let (e, k, h, i) = (16usize, 4usize, 256usize, 64usize);
+    let w = HostExperts::random(&mut r, DType::BF16, e, h, i);
+    let wd = w.upload(dev);
+    let mut scratch = dev.moe_scratch(&wd, 96, k).unwrap();
+    scratch.set_path(Some(MoePath::Decode));
+    let all: Vec<u32> = (0..e as u32).collect();
+    // 96 tokens over 16 experts: ~24 per expert, so passes of 8, 4, 2 and 1 all run.
+    let x = uniform(&mut r, 96 * h, -1.0, 1.0);
+    let (ids, weights) = routing(&mut r, 96, k, &all);
+    let mut results = Vec::new();
+    for pass in [DecodePass::One, DecodePass::Four, DecodePass::Eight] {
+        scratch.set_decode_pass(Some(pass));
+        results.push(run(dev, &wd, &mut scratch, &x, &ids, &weights, k).unwrap());
+    }
+    check(
+        "moe decode passes 1/4/8",
+        rel_err(&results[0], &moe_cpu(&w, &x, &ids, &weights, k, false)),
+        1e-5,
+    );
+    assert!(
+        results.iter().all(|v| bits(v) == bits(&results[0])),
+        "passes of 1, 4 and 8 tokens differ"
+    );
+    // 4 tokens of top-4: 16 pairs, which the tiny variant (no alignment, per-token down) takes.
+    let (ids, weights) = routing(&mut r, 4, k, &all);
+    let x = &x[..4 * h];
+    let mut small = Vec::new();
+    for pass in [
+        DecodePass::Tiny,
+        DecodePass::One,
+        DecodePass::Four,
+        DecodePass::Eight,
+    ] {
+        scratch.set_decode_pass(Some(pass));
+        small.push(run(dev, &wd, &mut scratch, x, &ids, &weights, k).unwrap());
+    }
+    check(
+        "moe decode tiny/1/4/8",
+        rel_err(&small[0], &moe_cpu(&w, x, &ids, &weights, k, false)),
+        1e-5,
+    );
+    assert!(
+        small.iter().all(|v| bits(v) == bits(&small[0])),
+        "the tiny variant differs from the aligned passes"
+    );
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|f| f.to_bits()).collect()
+}
+
+#[test]
+fn decode_rows_do_not_depend_on_the_rest_of_the_batch() {
+    let Some(dev) = device() else { return };
+    let mut r = rng("moe_batch_invariance");
+    let (e, k, h, i) = (32usize, 4usize, 128usize, 64usize);
+    let w = HostExperts::random(&mut r, DType::BF16, e, h, i);
+    let wd = w.upload(dev);
+    let mut scratch = dev.moe_scratch(&wd, 64, k).unwrap();
+    scratch.set_path(Some(MoePath::Decode));
+    let all: Vec<u32> = (0..e as u32).collect();
+    let x = uniform(&mut r, 64 * h, -1.0, 1.0);
+    let (ids, weights) = routing(&mut r, 64, k, &all);
+    let batched = run(dev, &wd, &mut scratch, &x, &ids, &weights, k).unwrap();
+    for t in [0usize, 17, 63] {
+        let alone = run(
+            dev,
+            &wd,
+            &mut scratch,
+            &x[t * h..(t + 1) * h],
+            &ids[t * k..(t + 1) * k],
+            &weights[t * k..(t + 1) * k],
+            k,
+        )
+        .unwrap();
+        assert_eq!(
+            bits(&alone),
+            bits(&batched[t * h..(t + 1) * h]),
+            "token {t}: alone differs from in the batch"
+        );
+    }
+}
+
+#[test]
+fn decode_path_replays_from_a_cuda_graph() {
+    let Some(dev) = device() else { return };
+    let mut r = rng("moe_graph");
+    let (e, h, i) = (64usize, 256usize, 128usize);
+    let w = HostExperts::random(&mut r, DType::BF16, e, h, i);
+    let wd = w.upload(dev);
+    // 2 tokens: the tiny variant; 5 tokens (40 pairs): alignment, gate_up, down.
+    for n in [2usize, 5] {
+        replay_from_graph(dev, &mut r, &w, &wd, n);
+    }
+}
+
+fn replay_from_graph(
+    dev: &CudaDevice,
+    r: &mut StdRng,
+    w: &HostExperts,
+    wd: &DeviceExperts,
+    n: usize,
+) {
+    let (e, k, h) = (w.mats.len(), 8usize, w.hidden);
+    let mut scratch = dev.moe_scratch(wd, n, k).unwrap();
+    scratch.set_path(Some(MoePath::Decode));
+    let all: Vec<u32> = (0..e as u32).collect();
+    let x = uniform(r, n * h, -1.0, 1.0);
+    let (ids, weights) = routing(r, n, k, &all);
+    let (mut xd, mut idd, mut wtd) = (
+        dev.upload(&poison(n * h)).unwrap(),
+        dev.upload(&vec![0u32; n * k]).unwrap(),
+        dev.upload(&poison(n * k)).unwrap(),
+    );
+    let mut out = dev.upload(&poison(n * h)).unwrap();
+    let stream = dev.stream();
+    stream
+        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .unwrap();
+    let captured = dev.moe_experts(&xd, &idd, &wtd, k, wd, &mut scratch, &mut out);
+    let graph = stream
+        .end_capture(CUgraphInstantiate_flags(0))
+        .unwrap()
+        .expect("a graph");
+    captured.unwrap();
+    // The inputs are written after capture: the graph reads them at replay.
+    stream.memcpy_htod(&x, &mut xd).unwrap();
+    stream.memcpy_htod(&ids, &mut idd).unwrap();
+    stream.memcpy_htod(&weights, &mut wtd).unwrap();
+    graph.launch().unwrap();
+    let got = dev.download(&out).unwrap();
+    check(
+        &format!("moe decode graph replay n={n}"),
+        rel_err(&got, &moe_cpu(w, &x, &ids, &weights, k, false)),
+        1e-5,
+    );
+    let direct = run(dev, wd, &mut scratch, &x, &ids, &weights, k).unwrap();
+    assert_eq!(bits(&got), bits(&direct), "replay equals a direct call");
+}
+
+#[test]
+fn prefill_paths_match_cpu_for_batch_sizes_and_empty_experts() {
+    let Some(dev) = device() else { return };
+    let mut r = rng("moe_prefill");
+    let cases = [
+        Case {
+            dtype: DType::BF16,
+            experts: 16,
+            top_k: 4,
+            hidden: 256,
+            inter: 128,
+            allowed: not_every_third,
+        },
+        Case {
+            dtype: DType::BF16,
+            experts: 128,
+            top_k: 8,
+            hidden: 256,
+            inter: 96,
+            allowed: not_every_third,
+        },
+    ];
+    for path in [MoePath::Prefill, MoePath::PrefillPerExpert] {
+        for case in &cases {
+            run_case(dev, &mut r, case, path, &[1, 3, 64, 700]);
+        }
+    }
+}
+
+#[test]
+fn out_of_range_ids_poison_their_token_in_decode_and_fail_prefill() {
+    let Some(dev) = device() else { return };
+    let mut r = rng("moe_bad_ids");
+    let (e, k, h, i, n) = (8usize, 2usize, 64usize, 32usize, 3usize);
+    let w = HostExperts::random(&mut r, DType::BF16, e, h, i);
+    let wd = w.upload(dev);
+    let mut scratch = dev.moe_scratch(&wd, n, k).unwrap();
+    let x = uniform(&mut r, n * h, -1.0, 1.0);
+    let mut ids = vec![0u32, 1, 2, 3, 4, 5];
+    let weights = uniform(&mut r, n * k, 0.1, 1.0);
+    let want = moe_cpu(&w, &x, &ids, &weights, k, false);
+    ids[3] = 8; // token 1, rank 1
+    scratch.set_path(Some(MoePath::Decode));
+    for pass in [DecodePass::Tiny, DecodePass::One] {
+        scratch.set_decode_pass(Some(pass));
+        let got = run(dev, &wd, &mut scratch, &x, &ids, &weights, k).unwrap();
+        assert!(
+            got[h..2 * h].iter().all(|v| v.is_nan()),
+            "{pass:?}: token 1 is NaN"
+        );
+        for t in [0usize, 2] {
+            let err = rel_err(&got[t * h..(t + 1) * h], &want[t * h..(t + 1) * h]);
+            check(
+                &format!("moe decode {pass:?} token {t} beside a bad id"),
+                err,
+                1e-5,
+            );
+        }
+    }
+    scratch.set_path(Some(MoePath::Prefill));
+    let err = run(dev, &wd, &mut scratch, &x, &ids, &weights, k).unwrap_err();
+    assert!(
+        matches!(err, CudaError::InvalidArgument(ref m) if m.contains(">= 8")),
+        "{err}"
+    );
+}
+
+#[test]
+fn shapes_that_do_not_fit_are_refused() {
+    let Some(dev) = device() else { return };
+    let mut r = rng("moe_shapes");
+    let (e, k, h, i) = (8usize, 2usize, 64usize, 32usize);
+    let w32 = HostExperts::random(&mut r, DType::F32, e, h, i);
+    let wd = w32.upload(dev);
+    let mut scratch = dev.moe_scratch(&wd, 4, k).unwrap();
+    let x = uniform(&mut r, 4 * h, -1.0, 1.0);
+    let (ids, weights) = routing(&mut r, 4, k, &[0, 1, 2, 3, 4, 5, 6, 7]);
+    let invalid = |res: Result<Vec<f32>, CudaError>| {
+        assert!(
+            matches!(res, Err(CudaError::InvalidArgument(_))),
+            "{:?}",
+            res.map(|_| ())
+        )
+    };
+    // x not rows of H; ids of the wrong length; more tokens than the scratch; k above its top_k.
+    invalid(run(
+        dev,
+        &wd,
+        &mut scratch,
+        &x[..h + 1],
+        &ids[..2],
+        &weights[..2],
+        k,
+    ));
+    invalid(run(dev, &wd, &mut scratch, &x, &ids[..6], &weights, k));
+    let x5 = uniform(&mut r, 5 * h, -1.0, 1.0);
+    let (ids5, w5) = routing(&mut r, 5, k, &[0, 1, 2, 3]);
+    invalid(run(dev, &wd, &mut scratch, &x5, &ids5, &w5, k));
+    invalid(run(
+        dev,
+        &wd,
+        &mut scratch,
+        &x[..h],
+        &ids[..3],
+        &weights[..3],
+        3,
+    ));
+    // The tiny decode variant past its 32 pairs (forced; the rule never picks it there).
+    let mut big = dev.moe_scratch(&wd, 20, k).unwrap();
+    big.set_decode_pass(Some(DecodePass::Tiny));
+    let x20 = uniform(&mut r, 20 * h, -1.0, 1.0);
+    let (ids20, w20) = routing(&mut r, 20, k, &[0, 1, 2, 3]);
+    invalid(run(dev, &wd, &mut big, &x20, &ids20, &w20, k));
+    // A scratch of another layer shape.
+    let other = HostExperts::random(&mut r, DType::F32, e, h, i + 4).upload(dev);
+    let mut wrong = dev.moe_scratch(&other, 4, k).unwrap();
+    invalid(run(dev, &wd, &mut wrong, &x, &ids, &weights, k));
+    // The prefill path needs bf16 weights; forcing it never falls back.
+    scratch.set_path(Some(MoePath::Prefill));
+    let err = run(dev, &wd, &mut scratch, &x, &ids, &weights, k).unwrap_err();
+    assert!(matches!(err, CudaError::Unsupported(_)), "{err}");
+    // Experts of mismatched shapes, and rows that are not whole 16-byte chunks.
+    let (g, u, d) = w32.views(0);
+    let (g1, _, _) = w32.views(1);
+    let short = MatRef { rows: i - 1, ..g1 };
+    assert!(dev.upload_experts(&[(g, u, d), (short, u, d)]).is_err());
+    let odd = HostExperts::random(&mut r, DType::BF16, 2, 60, 32);
+    assert!(dev.upload_experts(&[odd.views(0), odd.views(1)]).is_err());
+    let wrong_size = dev.zeros::<u8>(10).unwrap();
+    assert!(dev
+        .experts_from_parts(
+            DType::BF16,
+            2,
+            64,
+            32,
+            wrong_size,
+            dev.zeros(2 * 64 * 32 * 2).unwrap()
+        )
+        .is_err());
+}
+
+#[test]
+fn the_path_rule_sends_small_batches_and_non_bf16_weights_to_decode() {
+    assert_eq!(MoePath::for_batch(1, DType::BF16), MoePath::Decode);
+    assert_eq!(
+        MoePath::for_batch(MoePath::DECODE_MAX_TOKENS, DType::BF16),
+        MoePath::Decode
+    );
+    assert_eq!(
+        MoePath::for_batch(MoePath::DECODE_MAX_TOKENS + 1, DType::BF16),
+        MoePath::Prefill
+    );
+    assert_eq!(MoePath::for_batch(4096, DType::F32), MoePath::Decode);
+    assert_eq!(DecodePass::for_pairs(8, 128), DecodePass::Tiny);
+    assert_eq!(DecodePass::for_pairs(32, 128), DecodePass::Tiny);
+    assert_eq!(DecodePass::for_pairs(64, 128), DecodePass::One);
+    assert_eq!(DecodePass::for_pairs(256, 128), DecodePass::Four);
+    assert_eq!(DecodePass::for_pairs(1024, 128), DecodePass::Four);
+}

@@ -1,0 +1,319 @@
+//! The fixtures of `conformance.rs` on the GPU (`--device cuda`): every fixture the CUDA backend
+//! runs must match transformers and the CPU path, through one prefill and token by token, and
+//! give transformers' greedy continuation; a mixed flat batch must equal lone runs. Fixtures of
+//! families the backend does not run yet must be refused by name. Without a GPU every test
+//! prints "skipped: <reason>" and passes (scripts/gpu-check.sh treats a skip on the GPU machine
+//! as a failure).
+//!
+//! Tolerances (norm-wise relative error of the logits), against transformers and against the CPU:
+//! - f32 weights: 1e-4, the CPU's own bar. Both GPU paths stay in f32 (the GEMV, and an f32
+//!   SGEMM for prefill), so only summation order separates them from the CPU (~1e-6 seen).
+//! - bf16 weights: 1e-3 token by token (the GEMV widens bf16 weights and keeps f32
+//!   activations, like the CPU); 2e-2 for prefill, where cuBLAS multiplies on tensor cores and
+//!   rounds the activations to bf16 first (2⁻⁹ relative per element, compounded over layers).
+//!   Greedy continuations are compared for f32 fixtures only.
+
+use std::path::{Path, PathBuf};
+
+use moerun_core::Device;
+use moerun_engine::{run_step, Sequence, SequenceKv};
+use moerun_model::npy::read_npy_f32;
+use moerun_model::{LogitsFor, Model};
+
+fn fixtures_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+}
+
+fn fixture_names() -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(fixtures_dir())
+        .expect("tests/fixtures exists")
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().join("reference.json").exists())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+/// The model on GPU 0, or `None` (with the skip line printed) when CUDA is unavailable here.
+fn on_gpu(dir: &Path) -> Option<Result<Model, String>> {
+    match Model::load_on(dir, Device::Cuda(0)) {
+        Ok(m) => Some(Ok(m)),
+        Err(e) if e.to_string().contains("CUDA is unavailable") => {
+            println!("skipped: {e}");
+            None
+        }
+        Err(e) => Some(Err(e.to_string())),
+    }
+}
+
+struct Reference {
+    tokens: Vec<u32>,
+    greedy: Vec<u32>,
+    logits: Vec<f32>,
+    f32_weights: bool,
+}
+
+fn load_reference(dir: &Path) -> Reference {
+    let text = std::fs::read_to_string(dir.join("reference.json")).unwrap();
+    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let ids = |key: &str| -> Vec<u32> {
+        json[key]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect()
+    };
+    let (_, logits) = read_npy_f32(dir.join("logits.npy")).unwrap();
+    Reference {
+        tokens: ids("tokens"),
+        greedy: ids("greedy"),
+        logits,
+        f32_weights: json["dtype"].as_str() == Some("float32"),
+    }
+}
+
+fn relative_error(got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    let diff: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(g, w)| (*g as f64 - *w as f64).powi(2))
+        .sum();
+    let norm: f64 = want.iter().map(|w| (*w as f64).powi(2)).sum();
+    (diff / norm).sqrt()
+}
+
+fn prefill_logits(model: &Model, tokens: &[u32]) -> Vec<f32> {
+    let mut kv = SequenceKv::for_model(model, tokens.len()).unwrap();
+    let mut seq = Sequence::new(tokens.to_vec());
+    run_step(
+        model,
+        &mut kv,
+        &mut [&mut seq],
+        &[usize::MAX],
+        LogitsFor::AllTokens,
+    )
+    .unwrap()
+    .logits
+}
+
+fn incremental_logits(model: &Model, tokens: &[u32]) -> Vec<f32> {
+    let mut kv = SequenceKv::for_model(model, tokens.len()).unwrap();
+    let mut seq = Sequence::new(tokens.to_vec());
+    let mut all = Vec::new();
+    for _ in 0..tokens.len() {
+        let out = run_step(
+            model,
+            &mut kv,
+            &mut [&mut seq],
+            &[1],
+            LogitsFor::LastOfEachSeq,
+        );
+        all.extend(out.unwrap().logits);
+    }
+    all
+}
+
+fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, v) in row.iter().enumerate() {
+        if *v > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+fn greedy(model: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut kv = SequenceKv::for_model(model, prompt.len() + n).unwrap();
+    let mut seq = Sequence::new(prompt.to_vec());
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let step = run_step(
+            model,
+            &mut kv,
+            &mut [&mut seq],
+            &[usize::MAX],
+            LogitsFor::LastOfEachSeq,
+        );
+        let next = argmax(&step.unwrap().logits);
+        out.push(next);
+        seq.tokens.push(next);
+    }
+    out
+}
+
+/// Families the CUDA backend refuses for now, by `model_type`, with the word the refusal names.
+const NOT_ON_CUDA_YET: &[&str] = &["qwen3_5", "gemma4"];
+
+#[test]
+fn every_fixture_matches_transformers_and_the_cpu_on_the_gpu() {
+    let mut failures = Vec::new();
+    let mut ran = 0;
+    for name in fixture_names() {
+        let dir = fixtures_dir().join(&name);
+        let Some(gpu) = on_gpu(&dir) else { return };
+        let config = std::fs::read_to_string(dir.join("config.json")).unwrap();
+        if let Some(family) = NOT_ON_CUDA_YET.iter().find(|f| config.contains(*f)) {
+            match gpu {
+                Err(e) if e.contains("CUDA backend") => {
+                    println!("{name:36} refused on CUDA, as expected ({family}): {e}")
+                }
+                Err(e) => failures.push(format!("{name}: refused without naming why: {e}")),
+                Ok(_) => {
+                    failures.push(format!("{name}: {family} loaded on CUDA; update this test"))
+                }
+            }
+            continue;
+        }
+        let gpu = match gpu {
+            Ok(m) => m,
+            Err(e) => {
+                failures.push(format!("{name}: {e}"));
+                continue;
+            }
+        };
+        let cpu = Model::load(&dir).unwrap();
+        let r = load_reference(&dir);
+        let (tol_prefill, tol_step) = if r.f32_weights {
+            (1e-4, 1e-4)
+        } else {
+            (2e-2, 1e-3)
+        };
+        let prefill = prefill_logits(&gpu, &r.tokens);
+        let steps = incremental_logits(&gpu, &r.tokens);
+        let cpu_prefill = prefill_logits(&cpu, &r.tokens);
+        let errs = [
+            (
+                "prefill vs transformers",
+                relative_error(&prefill, &r.logits),
+                tol_prefill,
+            ),
+            (
+                "incremental vs transformers",
+                relative_error(&steps, &r.logits),
+                tol_step,
+            ),
+            (
+                "prefill vs cpu",
+                relative_error(&prefill, &cpu_prefill),
+                tol_prefill,
+            ),
+            (
+                "incremental vs cpu",
+                relative_error(&steps, &cpu_prefill),
+                tol_step,
+            ),
+        ];
+        println!(
+            "{name:36} {}",
+            errs.iter()
+                .map(|(what, e, _)| format!("{what} {e:.2e}"))
+                .collect::<Vec<_>>()
+                .join("  ")
+        );
+        for (what, e, tol) in errs {
+            println!(
+                "RESULT|gpu {name} {what}|{e:.2e}|{tol:.0e}|{}",
+                if e <= tol { "ok" } else { "FAIL" }
+            );
+            if e > tol {
+                failures.push(format!("{name}: {what} {e:.3e} > {tol:.0e}"));
+            }
+        }
+        if r.f32_weights {
+            let continuation = greedy(&gpu, &r.tokens, r.greedy.len());
+            if continuation != r.greedy {
+                failures.push(format!(
+                    "{name}: greedy {continuation:?} != transformers {:?}",
+                    r.greedy
+                ));
+            }
+        }
+        ran += 1;
+    }
+    assert!(ran >= 7, "only {ran} fixtures ran on the GPU");
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn mixed_flat_batch_equals_each_sequence_alone_on_the_gpu() {
+    let dir = fixtures_dir().join("qwen3_moe_f32");
+    let Some(model) = on_gpu(&dir) else { return };
+    let model = model.unwrap();
+    let r = load_reference(&dir);
+    let prompts: Vec<Vec<u32>> = vec![
+        r.tokens[..37].to_vec(),
+        r.tokens[5..12].to_vec(),
+        r.tokens[20..].to_vec(),
+    ];
+    let alone: Vec<Vec<f32>> = prompts.iter().map(|p| prefill_logits(&model, p)).collect();
+    let mut kv = SequenceKv::for_model(&model, 256).unwrap();
+    let mut seqs: Vec<Sequence> = prompts.iter().map(|p| Sequence::new(p.clone())).collect();
+    // The third sequence is mid-way when batched with the other two's prefills.
+    let head = run_step(
+        &model,
+        &mut kv,
+        &mut [&mut seqs[2]],
+        &[prompts[2].len() - 1],
+        LogitsFor::AllTokens,
+    )
+    .unwrap();
+    let [a, b, c] = &mut seqs[..] else {
+        unreachable!()
+    };
+    let batched = run_step(
+        &model,
+        &mut kv,
+        &mut [a, b, c],
+        &[usize::MAX; 3],
+        LogitsFor::AllTokens,
+    )
+    .unwrap()
+    .logits;
+    let vocab = model.config.vocab_size;
+    let (n0, n1) = (prompts[0].len() * vocab, prompts[1].len() * vocab);
+    let mut third = head.logits;
+    third.extend_from_slice(&batched[n0 + n1..]);
+    // Batched rows may take cuBLAS where lone decode rows take the GEMV: both f32 here, so the
+    // summation order is all that differs.
+    for (i, (got, want)) in [&batched[..n0], &batched[n0..n0 + n1], &third[..]]
+        .into_iter()
+        .zip(&alone)
+        .enumerate()
+    {
+        let e = relative_error(got, want);
+        println!(
+            "RESULT|gpu batched seq {i} vs alone|{e:.2e}|1e-5|{}",
+            if e <= 1e-5 { "ok" } else { "FAIL" }
+        );
+        assert!(e <= 1e-5, "sequence {i}: batched vs alone {e:.3e}");
+    }
+}
+
+/// Two models on the same GPU, each driven by its own thread at the same time (each with its
+/// own stream, KV cache and graphs), must give what one alone gives.
+#[test]
+fn two_models_decoding_at_once_in_two_threads_agree_with_one_alone() {
+    let dir = fixtures_dir().join("qwen3_moe_f32");
+    let Some(first) = on_gpu(&dir) else { return };
+    let first = first.unwrap();
+    let r = load_reference(&dir);
+    let alone = incremental_logits(&first, &r.tokens);
+    let second = on_gpu(&dir).unwrap().unwrap();
+    let (a, b) = std::thread::scope(|s| {
+        let ta = s.spawn(|| incremental_logits(&first, &r.tokens));
+        let tb = s.spawn(|| incremental_logits(&second, &r.tokens));
+        (ta.join().unwrap(), tb.join().unwrap())
+    });
+    for (what, got) in [("thread a", a), ("thread b", b)] {
+        let e = relative_error(&got, &alone);
+        println!(
+            "RESULT|gpu two models at once: {what} vs alone|{e:.2e}|1e-6|{}",
+            if e <= 1e-6 { "ok" } else { "FAIL" }
+        );
+        assert!(e <= 1e-6, "{what}: {e:.3e} against the lone run");
+    }
+}

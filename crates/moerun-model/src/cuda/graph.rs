@@ -1,0 +1,221 @@
+//! Decode steps replayed from CUDA graphs. A decode step (one new token per sequence) is the
+//! same few hundred kernels every time; launching them one by one costs more than running them
+//! at small batch. So the first step of each batch-size bucket is captured into a graph over
+//! fixed input buffers (token ids, positions, block tables) and later steps only copy their
+//! inputs in and replay it.
+//!
+//! - Buckets: a batch of n sequences runs in the smallest bucket >= n; the padding rows decode
+//!   token 0 at position 0 into the cache's trash block, which no sequence owns, and their
+//!   logits are dropped.
+//! - Block tables are captured at a fixed width per sequence; a longer table recaptures the
+//!   bucket at double the width. Attention's split-K grid is sized for that width's context.
+//! - A graph bakes in the addresses of the KV pools and scratch it was captured over, so the
+//!   graphs live in the [`DeviceKv`] and are dropped when its MoE scratch is replaced.
+//! - If a capture fails, graphs are switched off for this cache with the reason on stderr and
+//!   every step runs eagerly (same kernels, same results). `MOERUN_CUDA_GRAPHS=0` switches them
+//!   off too, to measure what they buy.
+
+use std::collections::HashMap;
+
+use moerun_core::{Error, Result};
+use moerun_cuda::{CudaSlice, DeviceGraph, MoePath};
+
+use super::pass::{CudaPass, Placement, Tokens};
+use super::{dev_err, CudaModel, DeviceExperts, DeviceKv};
+use crate::batch::Batch;
+use crate::config::ModelConfig;
+use crate::forward;
+use crate::weights::{FfnWeights, ModelWeights};
+
+/// Batch sizes captured; larger decode batches run eagerly (their kernels are long enough).
+const BUCKETS: &[usize] = &[1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128];
+
+/// Block-table width (blocks per sequence) of a first capture.
+const MIN_TABLE_BLOCKS: usize = 64;
+
+#[derive(Default)]
+pub(crate) struct DecodeGraphs {
+    by_bucket: HashMap<usize, DecodeGraph>,
+    /// Why graphs are off for this cache, once a capture failed.
+    disabled: Option<String>,
+}
+
+impl DecodeGraphs {
+    pub(crate) fn clear(&mut self) {
+        self.by_bucket.clear();
+    }
+}
+
+/// One bucket's graph and the buffers it reads and writes.
+struct DecodeGraph {
+    table_blocks: usize,
+    tokens: CudaSlice<u32>,
+    at: Placement,
+    logits: CudaSlice<f32>,
+    graph: DeviceGraph,
+}
+
+fn graphs_enabled() -> bool {
+    std::env::var_os("MOERUN_CUDA_GRAPHS").is_none_or(|v| v != "0")
+}
+
+/// Run `batch` from a graph if it is a decode step a graph can take; `None` means run it
+/// eagerly. `rows` are the rows whose logits are wanted.
+pub(crate) fn try_decode(
+    m: &CudaModel,
+    cfg: &ModelConfig,
+    w: &ModelWeights,
+    kv: &mut DeviceKv,
+    batch: &Batch,
+    rows: &[usize],
+) -> Result<Option<Vec<f32>>> {
+    let n = batch.seqs.len();
+    let decode = batch.seqs.iter().all(|s| s.tokens.len() == 1);
+    if !decode || !rows.iter().copied().eq(0..n) || kv.graphs.disabled.is_some() {
+        return Ok(None);
+    }
+    // Past its decode limit the MoE op groups tokens on the host, which a graph cannot hold.
+    let limit = match first_moe(m, cfg, w) {
+        Some((e, _)) if e.dtype() == moerun_core::DType::BF16 => MoePath::DECODE_MAX_TOKENS,
+        _ => usize::MAX,
+    };
+    let Some(&bucket) = BUCKETS.iter().find(|&&b| b >= n && b <= limit) else {
+        return Ok(None);
+    };
+    if !graphs_enabled() {
+        return Ok(None);
+    }
+    let need_blocks = batch
+        .seqs
+        .iter()
+        .map(|s| s.block_table.blocks.len())
+        .max()
+        .unwrap_or(1);
+    // The MoE scratch must hold the bucket before capture: replacing it later would leave the
+    // graph pointing at freed memory.
+    if let Some((experts, top_k)) = first_moe(m, cfg, w) {
+        kv.scratch.moe(&m.dev, experts, bucket, top_k)?;
+    }
+    if kv.scratch.replaced {
+        kv.graphs.clear();
+        kv.scratch.replaced = false;
+    }
+    let fits = kv
+        .graphs
+        .by_bucket
+        .get(&bucket)
+        .is_some_and(|g| g.table_blocks >= need_blocks);
+    if !fits {
+        let table_blocks = need_blocks.next_power_of_two().max(MIN_TABLE_BLOCKS);
+        match capture(m, cfg, w, kv, bucket, table_blocks) {
+            Ok(g) => {
+                kv.graphs.by_bucket.insert(bucket, g);
+            }
+            Err(e) => {
+                eprintln!("moerun: CUDA graphs off for this KV cache, decoding eagerly: {e}");
+                kv.graphs.disabled = Some(e.to_string());
+                kv.graphs.clear();
+                return Ok(None);
+            }
+        }
+    }
+    let trash = kv.trash_block as i32;
+    let g = kv
+        .graphs
+        .by_bucket
+        .get_mut(&bucket)
+        .expect("captured above");
+    let mut tokens = vec![0u32; bucket];
+    let mut positions = vec![0i32; bucket];
+    let mut tables = vec![trash; bucket * g.table_blocks];
+    for (i, seq) in batch.seqs.iter().enumerate() {
+        tokens[i] = seq.tokens[0];
+        positions[i] = seq.start_pos as i32;
+        for (j, &b) in seq.block_table.blocks.iter().enumerate() {
+            tables[i * g.table_blocks + j] = b as i32;
+        }
+    }
+    let positions_u32: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
+    let dev = &m.dev;
+    dev.copy_to_device(&tokens, &mut g.tokens)
+        .map_err(dev_err)?;
+    dev.copy_to_device(&positions, &mut g.at.positions)
+        .map_err(dev_err)?;
+    dev.copy_to_device(&positions_u32, &mut g.at.positions_u32)
+        .map_err(dev_err)?;
+    dev.copy_to_device(&tables, &mut g.at.block_tables)
+        .map_err(dev_err)?;
+    g.graph.launch().map_err(dev_err)?;
+    let vocab = cfg.vocab_size;
+    let logits = dev
+        .download(&g.logits.slice(0..n * vocab))
+        .map_err(dev_err)?;
+    Ok(Some(logits))
+}
+
+/// Capture a decode step of `bucket` sequences with block tables `table_blocks` wide.
+fn capture(
+    m: &CudaModel,
+    cfg: &ModelConfig,
+    w: &ModelWeights,
+    kv: &mut DeviceKv,
+    bucket: usize,
+    table_blocks: usize,
+) -> Result<DecodeGraph> {
+    let dev = &m.dev;
+    let block_size = kv
+        .pools
+        .iter()
+        .flatten()
+        .next()
+        .map(|p| p.block_size())
+        .ok_or_else(|| Error::Device("a model without attention layers".into()))?;
+    let trash = kv.trash_block as i32;
+    let table_start: Vec<i32> = (0..bucket).map(|i| (i * table_blocks) as i32).collect();
+    let at = Placement {
+        positions_u32: dev.zeros(bucket).map_err(dev_err)?,
+        positions: dev.zeros(bucket).map_err(dev_err)?,
+        table_start: dev.upload(&table_start).map_err(dev_err)?,
+        block_tables: dev
+            .upload(&vec![trash; bucket * table_blocks])
+            .map_err(dev_err)?,
+        max_context: table_blocks * block_size,
+    };
+    let tokens = dev.zeros::<u32>(bucket).map_err(dev_err)?;
+    let mut logits = dev.zeros::<f32>(bucket * cfg.vocab_size).map_err(dev_err)?;
+    let host_tokens = vec![0u32; bucket];
+    let rows: Vec<usize> = (0..bucket).collect();
+    // Nothing may be pending when capture starts (uploads above finish first).
+    dev.synchronize().map_err(dev_err)?;
+    let graph = dev
+        .capture(|| {
+            let mut pass = CudaPass::new(m, kv, &at, Tokens::Device(&tokens));
+            let out = forward::decoder_logits(&mut pass, cfg, w, &host_tokens, &rows)
+                .map_err(|e| moerun_cuda::CudaError::Unsupported(e.to_string()))?;
+            dev.copy_within(&out, &mut logits)
+        })
+        .map_err(dev_err)?;
+    Ok(DecodeGraph {
+        table_blocks,
+        tokens,
+        at,
+        logits,
+        graph,
+    })
+}
+
+/// The first MoE layer's experts and top-k (every MoE layer of a model has the same shapes).
+fn first_moe<'a>(
+    m: &'a CudaModel,
+    cfg: &ModelConfig,
+    w: &ModelWeights,
+) -> Option<(&'a DeviceExperts, usize)> {
+    let moe_cfg = cfg.moe.as_ref()?;
+    w.layers.iter().find_map(|l| match &l.ffn {
+        FfnWeights::Moe(moe) => m
+            .experts
+            .get(&super::tensor_key(&moe.router))
+            .map(|e| (e, moe_cfg.top_k)),
+        FfnWeights::Dense(_) => None,
+    })
+}

@@ -1,0 +1,263 @@
+//! The CUDA backend's ops against the CPU's, one by one through the [`Backend`] trait, on the
+//! same inputs (the f32 qwen3_moe fixture's first layer): where a whole-model mismatch would only
+//! say "wrong", this says which op. Without a GPU each test prints "skipped: <reason>".
+
+use std::path::Path;
+
+use moerun_core::{BlockTable, Device};
+
+use super::{CudaPass, Placement, Tokens};
+use crate::backend::cpu::CpuPass;
+use crate::backend::{AttentionSpec, Backend};
+use crate::batch::{Batch, SeqChunk};
+use crate::kv::KvCache;
+use crate::weights::{FfnWeights, MixerWeights};
+use crate::Model;
+
+/// Layer 0's q, k, v or o projection.
+fn proj(w: &crate::weights::ModelWeights, i: usize) -> &crate::weights::Linear {
+    match &w.layers[0].mixer {
+        MixerWeights::Attention(a) => [&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj][i],
+        MixerWeights::GatedDeltaNet(_) => unreachable!("layer 0 is attention"),
+    }
+}
+
+fn rel(got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len(), "lengths differ");
+    let d: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| (*a as f64 - *b as f64).powi(2))
+        .sum();
+    let n: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum();
+    (d / n.max(1e-30)).sqrt()
+}
+
+#[test]
+fn every_backend_op_matches_the_cpu_on_the_gpu() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen3_moe_f32");
+    let gpu = match Model::load_on(&dir, Device::Cuda(0)) {
+        Ok(m) => m,
+        Err(e) if e.to_string().contains("CUDA is unavailable") => {
+            println!("skipped: {e}");
+            return;
+        }
+        Err(e) => panic!("{e}"),
+    };
+    let cpu = Model::load(&dir).unwrap();
+    let cfg = &cpu.config;
+    let tokens: Vec<u32> = (0..21u32)
+        .map(|i| (i * 37 + 5) % cfg.vocab_size as u32)
+        .collect();
+    let table = BlockTable {
+        blocks: vec![3, 0, 2],
+    };
+    let batch = Batch::new(vec![SeqChunk {
+        tokens: &tokens,
+        start_pos: 0,
+        block_table: &table,
+    }]);
+    let mut cpu_kv = KvCache::new(cfg, 4, 16);
+    let mut gpu_kv = gpu.new_kv_cache(4, 16).unwrap();
+    let cuda = gpu.cuda().unwrap();
+    let at = Placement::of_batch(cuda.device(), &batch).unwrap();
+    let mut c = CpuPass::new(cfg, &cpu.rope, &batch, &mut cpu_kv, None);
+    let mut g = CudaPass::new(cuda, gpu_kv.device.as_mut().unwrap(), &at, Tokens::Host);
+    // The GPU model's host weights are its own copy: same values, other addresses.
+    let (wc, wg) = (&cpu.weights, &gpu.weights);
+    let mut failures = Vec::new();
+    let mut check = |what: &str, got: Vec<f32>, want: &[f32]| {
+        let e = rel(&got, want);
+        let verdict = if e <= 1e-5 { "ok" } else { "FAIL" };
+        println!("RESULT|backend op {what}|{e:.2e}|1e-5|{verdict}");
+        if e > 1e-5 {
+            failures.push(format!("{what}: {e:.3e}"));
+        }
+    };
+    macro_rules! both {
+        ($what:expr, |$b:ident, $w:ident| $op:expr) => {{
+            let want = {
+                let ($b, $w) = (&mut c, wc);
+                let a = $op;
+                $b.to_host(a).unwrap()
+            };
+            let got = {
+                let ($b, $w) = (&mut g, wg);
+                let a = $op;
+                $b.to_host(a).unwrap()
+            };
+            check($what, got, &want);
+            want
+        }};
+    }
+    let x = both!("embed", |b, w| b.embed(&w.embed_tokens, &tokens).unwrap());
+    let xn = both!("rms_norm", |b, w| {
+        let x = b.upload(&x).unwrap();
+        b.rms_norm(&x, &w.layers[0].input_layernorm, cfg.rms_norm_eps)
+            .unwrap()
+    });
+    let MixerWeights::Attention(_) = &wc.layers[0].mixer else {
+        panic!("layer 0 is attention")
+    };
+    let q = both!("linear q_proj", |b, w| {
+        let x = b.upload(&xn).unwrap();
+        b.linear(&x, proj(w, 0)).unwrap()
+    });
+    let k = both!("linear k_proj", |b, w| {
+        let x = b.upload(&xn).unwrap();
+        b.linear(&x, proj(w, 1)).unwrap()
+    });
+    let v = both!("linear v_proj", |b, w| {
+        let x = b.upload(&xn).unwrap();
+        b.linear(&x, proj(w, 2)).unwrap()
+    });
+    let qr = both!("rope q", |b, w| {
+        let _ = w;
+        let mut x = b.upload(&q).unwrap();
+        b.rope(&mut x, cfg.num_heads, cfg.head_dim).unwrap();
+        x
+    });
+    let kr = both!("rope k", |b, w| {
+        let _ = w;
+        let mut x = b.upload(&k).unwrap();
+        b.rope(&mut x, cfg.num_kv_heads, cfg.head_dim).unwrap();
+        x
+    });
+    let spec = AttentionSpec {
+        num_heads: cfg.num_heads,
+        num_kv_heads: cfg.num_kv_heads,
+        head_dim: cfg.head_dim,
+        scale: (cfg.head_dim as f64).powf(-0.5) as f32,
+        sliding_window: None,
+    };
+    let attn = both!("attention", |b, w| {
+        let _ = w;
+        let (q, k, v) = (
+            b.upload(&qr).unwrap(),
+            b.upload(&kr).unwrap(),
+            b.upload(&v).unwrap(),
+        );
+        b.attention(0, &q, &k, &v, &spec).unwrap()
+    });
+    both!("linear o_proj", |b, w| {
+        let x = b.upload(&attn).unwrap();
+        b.linear(&x, proj(w, 3)).unwrap()
+    });
+    both!("add", |b, w| {
+        let _ = w;
+        let mut a = b.upload(&x).unwrap();
+        let y = b.upload(&xn).unwrap();
+        b.add_assign(&mut a, &y).unwrap();
+        a
+    });
+    let moe_cfg = cfg.moe.as_ref().unwrap();
+    both!("moe", |b, w| {
+        let FfnWeights::Moe(m) = &w.layers[0].ffn else {
+            panic!("layer 0 is MoE")
+        };
+        let x = b.upload(&xn).unwrap();
+        b.moe(&x, moe_cfg, m).unwrap()
+    });
+    both!("select_rows", |b, w| {
+        let _ = w;
+        let x = b.upload(&x).unwrap();
+        b.select_rows(&x, cfg.hidden_size, &[20, 3, 7]).unwrap()
+    });
+    both!("lm_head", |b, w| {
+        let x = b.upload(&xn).unwrap();
+        b.matmul(&x, &w.lm_head).unwrap()
+    });
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// The whole decoder, layer by layer, on both backends from the same start, for every f32
+/// fixture the CUDA backend runs: names the first layer (and part of it) that drifts.
+#[test]
+fn every_layer_matches_the_cpu_on_the_gpu() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures");
+    let mut failures = Vec::new();
+    for name in [
+        "qwen3_moe_f32",
+        "llama_bf16_bias_dynamic_v4",
+        "qwen2_dense_swa_yarn",
+    ] {
+        let dir = root.join(name);
+        let gpu = match Model::load_on(&dir, Device::Cuda(0)) {
+            Ok(m) => m,
+            Err(e) if e.to_string().contains("CUDA is unavailable") => {
+                println!("skipped: {e}");
+                return;
+            }
+            Err(e) => panic!("{e}"),
+        };
+        let cpu = Model::load(&dir).unwrap();
+        let cfg = &cpu.config;
+        let text = std::fs::read_to_string(dir.join("reference.json")).unwrap();
+        let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let tokens: Vec<u32> = json["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        let blocks = tokens.len().div_ceil(16);
+        let table = BlockTable {
+            blocks: (0..blocks as u32).rev().collect(),
+        };
+        let batch = Batch::new(vec![SeqChunk {
+            tokens: &tokens,
+            start_pos: 0,
+            block_table: &table,
+        }]);
+        let mut cpu_kv = KvCache::new(cfg, blocks, 16);
+        let mut gpu_kv = gpu.new_kv_cache(blocks, 16).unwrap();
+        let cuda = gpu.cuda().unwrap();
+        let at = Placement::of_batch(cuda.device(), &batch).unwrap();
+        let mut c = CpuPass::new(cfg, &cpu.rope, &batch, &mut cpu_kv, None);
+        let mut g = CudaPass::new(cuda, gpu_kv.device.as_mut().unwrap(), &at, Tokens::Host);
+        let eps = cfg.rms_norm_eps;
+        let mut xc = c.embed(&cpu.weights.embed_tokens, &tokens).unwrap();
+        let mut xg = g.embed(&gpu.weights.embed_tokens, &tokens).unwrap();
+        for l in 0..cfg.num_layers() {
+            let (lc, lg) = (&cpu.weights.layers[l], &gpu.weights.layers[l]);
+            let nc = c.rms_norm(&xc, &lc.input_layernorm, eps).unwrap();
+            let ng = g.rms_norm(&xg, &lg.input_layernorm, eps).unwrap();
+            let (MixerWeights::Attention(ac), MixerWeights::Attention(ag)) = (&lc.mixer, &lg.mixer)
+            else {
+                panic!("attention layers only")
+            };
+            let sw = cfg.layers[l].sliding_window;
+            let mc = crate::forward::attention_block(&mut c, cfg, ac, l, sw, &nc).unwrap();
+            let mg = crate::forward::attention_block(&mut g, cfg, ag, l, sw, &ng).unwrap();
+            let e_attn = rel(&g.to_host(mg.clone()).unwrap(), &mc);
+            c.add_assign(&mut xc, &mc).unwrap();
+            g.add_assign(&mut xg, &mg).unwrap();
+            let nc = c.rms_norm(&xc, &lc.post_attention_layernorm, eps).unwrap();
+            let ng = g.rms_norm(&xg, &lg.post_attention_layernorm, eps).unwrap();
+            let (fc, fg) = match (&lc.ffn, &lg.ffn) {
+                (FfnWeights::Moe(a), FfnWeights::Moe(b)) => {
+                    let mcfg = cfg.moe.as_ref().unwrap();
+                    (c.moe(&nc, mcfg, a).unwrap(), g.moe(&ng, mcfg, b).unwrap())
+                }
+                (FfnWeights::Dense(a), FfnWeights::Dense(b)) => {
+                    (c.mlp(&nc, a).unwrap(), g.mlp(&ng, b).unwrap())
+                }
+                _ => unreachable!(),
+            };
+            let e_ffn = rel(&g.to_host(fg.clone()).unwrap(), &fc);
+            c.add_assign(&mut xc, &fc).unwrap();
+            g.add_assign(&mut xg, &fg).unwrap();
+            let e_x = rel(&g.to_host(xg.clone()).unwrap(), &xc);
+            println!(
+                "RESULT|{name} layer {l} (attention {e_attn:.1e}, ffn {e_ffn:.1e})|{e_x:.2e}|1e-4|{}",
+                if e_x <= 1e-4 { "ok" } else { "FAIL" }
+            );
+            if e_x > 1e-4 {
+                failures.push(format!(
+                    "{name} layer {l}: attention {e_attn:.2e} ffn {e_ffn:.2e}"
+                ));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
