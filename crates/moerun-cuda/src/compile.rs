@@ -79,6 +79,10 @@ pub const KERNEL_FILES: &[KernelFile] = &[
         name: "elementwise",
         source: include_str!("../kernels/elementwise.cu"),
     },
+    KernelFile {
+        name: "fused",
+        source: include_str!("../kernels/fused.cu"),
+    },
 ];
 
 /// The NVRTC target name of a compute capability, e.g. `sm_90` for (9, 0).

@@ -62,6 +62,7 @@ pub(crate) struct Kernels {
     /// 1 block per rows (see `ops::gemv`).
     pub gemv: [[[CudaFunction; 4]; 3]; 2],
     pub elementwise: crate::ops::ElementwiseKernels,
+    pub fused: crate::ops::FusedKernels,
     pub moe: crate::ops::MoeKernels,
     pub attention: crate::ops::AttentionKernels,
 }
@@ -124,6 +125,7 @@ impl Kernels {
             ],
             gemv: [layout("gemv")?, layout("gemv_rows")?],
             elementwise: crate::ops::ElementwiseKernels::load(|f| get("elementwise", f))?,
+            fused: crate::ops::FusedKernels::load(|f| get("fused", f))?,
             moe: crate::ops::MoeKernels::load(get)?,
             attention: crate::ops::AttentionKernels::load(get)?,
         })

@@ -143,6 +143,10 @@ pub fn run(args: &BenchArgs, threads: Option<usize>) -> CliResult {
     } else {
         report.print(&model);
     }
+    let profile = moerun_model::cuda::profile::report();
+    if !profile.is_empty() {
+        eprintln!("bench: device time per op (MOERUN_CUDA_PROFILE=1, all passes):\n{profile}");
+    }
     Ok(())
 }
 

@@ -8,6 +8,7 @@
 mod activation;
 mod attention;
 mod elementwise;
+mod fused;
 mod embedding;
 mod gemm;
 mod gemv;
@@ -21,6 +22,8 @@ pub use attention::{
     AttentionPrefill, AttentionScratch, AttentionShape, DeviceKvPool, TokenPlacement,
 };
 pub(crate) use elementwise::ElementwiseKernels;
+pub(crate) use fused::FusedKernels;
+pub use fused::{QkvShape, FUSED_MAX_HEAD_DIM};
 pub use gemm::GemmOut;
 pub use gemv::GemvLayout;
 pub(crate) use moe::MoeKernels;

@@ -26,6 +26,14 @@ impl DeviceRope {
     pub fn half(&self) -> usize {
         self.inv_freq.len()
     }
+
+    pub(crate) fn inv_freq(&self) -> &CudaSlice<f32> {
+        &self.inv_freq
+    }
+
+    pub(crate) fn attention_factor(&self) -> f32 {
+        self.attention_factor
+    }
 }
 
 impl CudaDevice {

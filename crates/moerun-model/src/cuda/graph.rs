@@ -56,7 +56,7 @@ struct DecodeGraph {
 }
 
 fn graphs_enabled() -> bool {
-    std::env::var_os("MOERUN_CUDA_GRAPHS").is_none_or(|v| v != "0")
+    !super::profile::enabled() && std::env::var_os("MOERUN_CUDA_GRAPHS").is_none_or(|v| v != "0")
 }
 
 /// Run `batch` from a graph if it is a decode step a graph can take; `None` means run it

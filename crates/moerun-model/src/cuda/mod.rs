@@ -13,6 +13,7 @@
 
 pub(crate) mod graph;
 mod pass;
+pub mod profile;
 #[cfg(test)]
 mod tests;
 pub(crate) mod upload;

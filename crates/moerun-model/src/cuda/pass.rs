@@ -12,7 +12,7 @@ use moerun_cuda::{
     AttentionShape, CudaDevice, CudaSlice, DeviceKvPool, RouterShape, TokenPlacement,
 };
 
-use super::{dev_err, tensor_key, CudaModel, DeviceKv, PassScratch};
+use super::{dev_err, profile, tensor_key, CudaModel, DeviceKv, PassScratch};
 use crate::backend::{AttentionSpec, Backend};
 use crate::batch::Batch;
 use crate::config::MoeConfig;
@@ -122,49 +122,70 @@ impl Backend for CudaPass<'_> {
     type Act = CudaSlice<f32>;
 
     fn embed(&mut self, table: &Tensor, tokens: &[u32]) -> Result<CudaSlice<f32>> {
-        let d = self.m.mat(table)?;
-        let mut out = self.alloc(tokens.len() * d.cols())?;
-        match self.tokens {
-            Tokens::Host => self.m.dev.embed(d, tokens, &mut out),
-            Tokens::Device(ids) => self.m.dev.embed_ids(d, ids, &mut out),
-        }
-        .map_err(dev_err)?;
-        Ok(out)
+        let m = self.m;
+        profile::timed(&m.dev, "embed", || {
+            let d = self.m.mat(table)?;
+            let mut out = self.alloc(tokens.len() * d.cols())?;
+            match self.tokens {
+                Tokens::Host => self.m.dev.embed(d, tokens, &mut out),
+                Tokens::Device(ids) => self.m.dev.embed_ids(d, ids, &mut out),
+            }
+            .map_err(dev_err)?;
+            Ok(out)
+        })
     }
 
     fn rms_norm(&mut self, x: &CudaSlice<f32>, weight: &[f32], eps: f32) -> Result<CudaSlice<f32>> {
-        let w = self.m.vec(weight)?;
-        let mut out = self.alloc(x.len())?;
-        self.m.dev.rms_norm(x, w, eps, &mut out).map_err(dev_err)?;
-        Ok(out)
+        let m = self.m;
+        profile::timed(&m.dev, "rms_norm", || {
+            let w = self.m.vec(weight)?;
+            let mut out = self.alloc(x.len())?;
+            self.m.dev.rms_norm(x, w, eps, &mut out).map_err(dev_err)?;
+            Ok(out)
+        })
     }
 
     fn add_assign(&mut self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>) -> Result<()> {
-        self.m.dev.add_assign(x, y).map_err(dev_err)
+        let m = self.m;
+        profile::timed(&m.dev, "add_assign", || {
+            self.m.dev.add_assign(x, y).map_err(dev_err)
+        })
     }
 
     fn linear(&mut self, x: &CudaSlice<f32>, l: &Linear) -> Result<CudaSlice<f32>> {
-        let mut out = self.product(x, &l.weight)?;
-        if let Some(b) = &l.bias {
-            let bias = self.m.vec(b)?;
-            self.m.dev.add_bias(&mut out, bias).map_err(dev_err)?;
-        }
-        Ok(out)
+        let m = self.m;
+        profile::timed(&m.dev, "linear", || {
+            let mut out = self.product(x, &l.weight)?;
+            if let Some(b) = &l.bias {
+                let bias = self.m.vec(b)?;
+                self.m.dev.add_bias(&mut out, bias).map_err(dev_err)?;
+            }
+            Ok(out)
+        })
     }
 
     fn matmul(&mut self, x: &CudaSlice<f32>, w: &Tensor) -> Result<CudaSlice<f32>> {
-        self.product(x, w)
+        let m = self.m;
+        profile::timed(&m.dev, "matmul", || {
+            self.product(x, w)
+        })
     }
 
     fn clamp(&mut self, x: &mut CudaSlice<f32>, c: f32) -> Result<()> {
-        self.m.dev.clamp(x, c).map_err(dev_err)
+        let m = self.m;
+        profile::timed(&m.dev, "clamp", || {
+            self.m.dev.clamp(x, c).map_err(dev_err)
+        })
     }
 
     fn rope(&mut self, x: &mut CudaSlice<f32>, heads: usize, head_dim: usize) -> Result<()> {
-        self.m
-            .dev
-            .rope(x, &self.at.positions_u32, &self.m.rope, heads, head_dim)
-            .map_err(dev_err)
+        let m = self.m;
+        profile::timed(&m.dev, "rope", || {
+            self.m
+                .dev
+                .rope(x, &self.at.positions_u32, &self.m.rope, heads, head_dim)
+                .map_err(dev_err)
+        })
     }
 
     fn split_query_gate(
@@ -191,46 +212,52 @@ impl Backend for CudaPass<'_> {
         v: &CudaSlice<f32>,
         spec: &AttentionSpec,
     ) -> Result<CudaSlice<f32>> {
-        let dev = &self.m.dev;
-        let at = TokenPlacement {
-            positions: &self.at.positions,
-            table_start: &self.at.table_start,
-            block_tables: &self.at.block_tables,
-            max_context: self.at.max_context,
-        };
-        let pool = self.pools[layer]
-            .as_mut()
-            .ok_or_else(|| Error::Device(format!("layer {layer} has no KV pool")))?;
-        dev.kv_write(pool, k, v, &at).map_err(dev_err)?;
-        let shape = AttentionShape {
-            num_heads: spec.num_heads,
-            num_kv_heads: spec.num_kv_heads,
-            head_dim: spec.head_dim,
-            scale: spec.scale,
-            sliding_window: spec.sliding_window,
-        };
-        let rows = q.len() / (spec.num_heads * spec.head_dim);
-        let mut out = dev
-            .alloc_f32(rows * spec.num_heads * spec.head_dim)
+        let m = self.m;
+        profile::timed(&m.dev, "attention", || {
+            let dev = &self.m.dev;
+            let at = TokenPlacement {
+                positions: &self.at.positions,
+                table_start: &self.at.table_start,
+                block_tables: &self.at.block_tables,
+                max_context: self.at.max_context,
+            };
+            let pool = self.pools[layer]
+                .as_mut()
+                .ok_or_else(|| Error::Device(format!("layer {layer} has no KV pool")))?;
+            dev.kv_write(pool, k, v, &at).map_err(dev_err)?;
+            let shape = AttentionShape {
+                num_heads: spec.num_heads,
+                num_kv_heads: spec.num_kv_heads,
+                head_dim: spec.head_dim,
+                scale: spec.scale,
+                sliding_window: spec.sliding_window,
+            };
+            let rows = q.len() / (spec.num_heads * spec.head_dim);
+            let mut out = dev
+                .alloc_f32(rows * spec.num_heads * spec.head_dim)
+                .map_err(dev_err)?;
+            dev.paged_attention_with(
+                self.m.prefill_attention,
+                q,
+                pool,
+                &at,
+                &shape,
+                &mut out,
+                &mut self.scratch.attention,
+            )
             .map_err(dev_err)?;
-        dev.paged_attention_with(
-            self.m.prefill_attention,
-            q,
-            pool,
-            &at,
-            &shape,
-            &mut out,
-            &mut self.scratch.attention,
-        )
-        .map_err(dev_err)?;
-        Ok(out)
+            Ok(out)
+        })
     }
 
     fn mlp(&mut self, x: &CudaSlice<f32>, w: &MlpWeights) -> Result<CudaSlice<f32>> {
-        let mut g = self.linear(x, &w.gate_proj)?;
-        let u = self.linear(x, &w.up_proj)?;
-        self.m.dev.silu_mul(&mut g, &u).map_err(dev_err)?;
-        self.linear(&g, &w.down_proj)
+        let m = self.m;
+        profile::timed(&m.dev, "mlp", || {
+            let mut g = self.linear(x, &w.gate_proj)?;
+            let u = self.linear(x, &w.up_proj)?;
+            self.m.dev.silu_mul(&mut g, &u).map_err(dev_err)?;
+            self.linear(&g, &w.down_proj)
+        })
     }
 
     fn moe(
@@ -239,39 +266,42 @@ impl Backend for CudaPass<'_> {
         cfg: &MoeConfig,
         w: &MoeWeights,
     ) -> Result<CudaSlice<f32>> {
-        let dev = &self.m.dev;
-        let hidden = w.router.shape[1];
-        let rows = x.len() / hidden;
-        let k = cfg.top_k;
-        let logits = self.product(x, &w.router)?;
-        let mut ids = dev.zeros::<u32>(rows * k).map_err(dev_err)?;
-        let mut weights = self.alloc(rows * k)?;
-        let shape = RouterShape {
-            experts: cfg.num_experts,
-            top_k: k,
-            renormalise: cfg.norm_topk_prob,
-        };
-        dev.route_topk(&logits, shape, &mut ids, &mut weights)
-            .map_err(dev_err)?;
-        let experts = self.m.experts.get(&tensor_key(&w.router)).ok_or_else(|| {
-            Error::Device("internal: a MoE layer's experts were not uploaded".into())
-        })?;
-        let mut out = self.alloc(rows * hidden)?;
-        let scratch = self.scratch.moe(dev, experts, rows, k)?;
-        dev.moe_experts(x, &ids, &weights, k, experts, scratch, &mut out)
-            .map_err(dev_err)?;
-        if let Some(shared) = &w.shared_expert {
-            let s = self.mlp(x, shared)?;
-            let gate = match &w.shared_expert_gate {
-                Some(g) => Some(self.product(x, g)?),
-                None => None,
+        let m = self.m;
+        profile::timed(&m.dev, "moe", || {
+            let dev = &self.m.dev;
+            let hidden = w.router.shape[1];
+            let rows = x.len() / hidden;
+            let k = cfg.top_k;
+            let logits = self.product(x, &w.router)?;
+            let mut ids = dev.zeros::<u32>(rows * k).map_err(dev_err)?;
+            let mut weights = self.alloc(rows * k)?;
+            let shape = RouterShape {
+                experts: cfg.num_experts,
+                top_k: k,
+                renormalise: cfg.norm_topk_prob,
             };
-            self.m
-                .dev
-                .add_sigmoid_scaled(&mut out, &s, gate.as_ref(), hidden)
+            dev.route_topk(&logits, shape, &mut ids, &mut weights)
                 .map_err(dev_err)?;
-        }
-        Ok(out)
+            let experts = self.m.experts.get(&tensor_key(&w.router)).ok_or_else(|| {
+                Error::Device("internal: a MoE layer's experts were not uploaded".into())
+            })?;
+            let mut out = self.alloc(rows * hidden)?;
+            let scratch = self.scratch.moe(dev, experts, rows, k)?;
+            dev.moe_experts(x, &ids, &weights, k, experts, scratch, &mut out)
+                .map_err(dev_err)?;
+            if let Some(shared) = &w.shared_expert {
+                let s = self.mlp(x, shared)?;
+                let gate = match &w.shared_expert_gate {
+                    Some(g) => Some(self.product(x, g)?),
+                    None => None,
+                };
+                self.m
+                    .dev
+                    .add_sigmoid_scaled(&mut out, &s, gate.as_ref(), hidden)
+                    .map_err(dev_err)?;
+            }
+            Ok(out)
+        })
     }
 
     fn gated_deltanet(
@@ -291,23 +321,26 @@ impl Backend for CudaPass<'_> {
         width: usize,
         rows: &[usize],
     ) -> Result<CudaSlice<f32>> {
-        let dev = &self.m.dev;
-        if rows.iter().copied().eq(0..x.len() / width.max(1)) {
-            // Every row in order (decode): a copy, and no host upload (which a graph could not
-            // capture).
-            return dev
-                .stream()
-                .clone_dtod(x)
-                .map_err(|e| Error::Device(e.to_string()));
-        }
-        let idx: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
-        if idx.is_empty() {
-            return self.alloc(0);
-        }
-        let idx = dev.upload(&idx).map_err(dev_err)?;
-        let mut out = self.alloc(rows.len() * width)?;
-        dev.gather_rows(x, &idx, width, &mut out).map_err(dev_err)?;
-        Ok(out)
+        let m = self.m;
+        profile::timed(&m.dev, "select_rows", || {
+            let dev = &self.m.dev;
+            if rows.iter().copied().eq(0..x.len() / width.max(1)) {
+                // Every row in order (decode): a copy, and no host upload (which a graph could not
+                // capture).
+                return dev
+                    .stream()
+                    .clone_dtod(x)
+                    .map_err(|e| Error::Device(e.to_string()));
+            }
+            let idx: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
+            if idx.is_empty() {
+                return self.alloc(0);
+            }
+            let idx = dev.upload(&idx).map_err(dev_err)?;
+            let mut out = self.alloc(rows.len() * width)?;
+            dev.gather_rows(x, &idx, width, &mut out).map_err(dev_err)?;
+            Ok(out)
+        })
     }
 
     fn upload(&mut self, x: &[f32]) -> Result<CudaSlice<f32>> {

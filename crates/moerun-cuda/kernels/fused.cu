@@ -1,0 +1,86 @@
+// Fusions of the small steps between a decoder layer's big kernels (a decode step at batch 1 is
+// bound by how many kernels run, not by their bytes):
+// - add_rms_norm_f32: the residual add and the next RMSNorm in one pass over the row.
+//   x[r] += y[r]; out[r] = w * (x[r] * inv_rms(x[r])). Same arithmetic, in the same order, as
+//   add_f32 then rms_norm_f32 (a warp per row). Launch: block (32, 4), grid ceil(rows / 4).
+// - qkv_split_norm_rope_f32: the attention prologue after one GEMV of the stacked [q; k; v]
+//   projection: split each token's row into q, k and v, RMSNorm each q and k head (per-head
+//   weights; skipped when the weight pointer is null), then rotate q and k (rotate-half RoPE on
+//   the leading 2 * half dims, angle inv_freq[i] * pos in f32, cos/sin scaled by the attention
+//   factor), exactly as rms_norm_f32 then rope_rotate_half_f32 compute them.
+//   Launch: grid (tokens, heads_q + 2 * heads_kv), block 32 (one warp per head, head_dim <= 256).
+
+#define FUSED_MAX_HEAD_DIM 256
+
+extern "C" __global__ void add_rms_norm_f32(float* x, const float* __restrict__ y,
+                                            const float* __restrict__ w, float* out, int rows,
+                                            int width, float eps) {
+    const int row = blockIdx.x * blockDim.y + threadIdx.y;
+    if (row >= rows) return;
+    float* xr = x + (u64)row * width;
+    const float* yr = y + (u64)row * width;
+    float* o = out + (u64)row * width;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < width; i += 32) {
+        const float v = xr[i] + yr[i];
+        xr[i] = v;
+        ss += v * v;
+    }
+    ss = warp_sum(ss);
+    const float inv = 1.0f / sqrtf(ss / (float)width + eps);
+    for (int i = threadIdx.x; i < width; i += 32) o[i] = w[i] * (xr[i] * inv);
+}
+
+extern "C" __global__ void qkv_split_norm_rope_f32(
+    const float* __restrict__ qkv, float* q, float* k, float* v, const u32* __restrict__ positions,
+    const float* __restrict__ q_norm, const float* __restrict__ k_norm,
+    const float* __restrict__ inv_freq, int heads_q, int heads_kv, int head_dim, int half,
+    float attention_factor, float eps) {
+    __shared__ float hd[FUSED_MAX_HEAD_DIM];
+    const int t = blockIdx.x;
+    const int h = blockIdx.y;
+    const int lane = threadIdx.x;
+    const int width = (heads_q + 2 * heads_kv) * head_dim;
+    const float* src = qkv + (u64)t * width + (u64)h * head_dim;
+    float* dst;
+    const float* norm;
+    bool rotate = true;
+    if (h < heads_q) {
+        dst = q + ((u64)t * heads_q + h) * head_dim;
+        norm = q_norm;
+    } else if (h < heads_q + heads_kv) {
+        dst = k + ((u64)t * heads_kv + (h - heads_q)) * head_dim;
+        norm = k_norm;
+    } else {
+        dst = v + ((u64)t * heads_kv + (h - heads_q - heads_kv)) * head_dim;
+        norm = 0;
+        rotate = false;
+    }
+    float ss = 0.0f;
+    for (int i = lane; i < head_dim; i += 32) {
+        const float a = src[i];
+        hd[i] = a;
+        ss += a * a;
+    }
+    if (norm) {
+        ss = warp_sum(ss);
+        const float inv = 1.0f / sqrtf(ss / (float)head_dim + eps);
+        for (int i = lane; i < head_dim; i += 32) hd[i] = norm[i] * (hd[i] * inv);
+    }
+    __syncwarp();
+    if (rotate) {
+        const float pos = (float)positions[t];
+        for (int i = lane; i < half; i += 32) {
+            float s, c;
+            sincosf(inv_freq[i] * pos, &s, &c);
+            c *= attention_factor;
+            s *= attention_factor;
+            const float a = hd[i];
+            const float b = hd[i + half];
+            hd[i] = a * c - b * s;
+            hd[i + half] = b * c + a * s;
+        }
+        __syncwarp();
+    }
+    for (int i = lane; i < head_dim; i += 32) dst[i] = hd[i];
+}

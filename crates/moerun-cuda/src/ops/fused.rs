@@ -1,0 +1,167 @@
+//! Fused small steps of a decoder layer (`kernels/fused.cu`): the residual add with the next
+//! RMSNorm, and the attention prologue (split of the stacked q/k/v projection, per-head q/k
+//! RMSNorm, RoPE). Each computes what the unfused ops compute, in the same order, so results
+//! match them to the last bit or within an ulp (tests/fused.rs).
+//!
+//! Launch: `add_rms_norm` block (32, 4), grid ceil(rows / 4); `qkv_split_norm_rope` grid
+//! (tokens, heads_q + 2 * heads_kv), block 32.
+
+use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+
+use super::{blocks, to_i32, DeviceRope};
+use crate::error::{ensure, DriverContext, Result};
+use crate::CudaDevice;
+
+/// Widest head the prologue kernel takes (its shared buffer).
+pub const FUSED_MAX_HEAD_DIM: usize = 256;
+
+/// Handles of `kernels/fused.cu`.
+pub(crate) struct FusedKernels {
+    add_rms_norm: CudaFunction,
+    qkv_split_norm_rope: CudaFunction,
+}
+
+impl FusedKernels {
+    pub(crate) fn load(get: impl Fn(&str) -> Result<CudaFunction>) -> Result<Self> {
+        Ok(FusedKernels {
+            add_rms_norm: get("add_rms_norm_f32")?,
+            qkv_split_norm_rope: get("qkv_split_norm_rope_f32")?,
+        })
+    }
+}
+
+/// Shape of the attention prologue.
+#[derive(Clone, Copy, Debug)]
+pub struct QkvShape {
+    pub heads_q: usize,
+    pub heads_kv: usize,
+    pub head_dim: usize,
+    pub eps: f32,
+}
+
+impl CudaDevice {
+    /// `x += y`, then `out = weight * (x / sqrt(mean(x²) + eps))` per row of `weight.len()`.
+    pub fn add_rms_norm(
+        &self,
+        x: &mut impl DevicePtrMut<f32>,
+        y: &impl DevicePtr<f32>,
+        weight: &impl DevicePtr<f32>,
+        eps: f32,
+        out: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        let (len, width) = (x.len(), weight.len());
+        ensure(y.len() == len && out.len() == len, || {
+            format!("add_rms_norm: x {len}, y {}, out {}", y.len(), out.len())
+        })?;
+        ensure(width > 0 && len.is_multiple_of(width), || {
+            format!("add_rms_norm: {len} values are not rows of {width}")
+        })?;
+        let rows = len / width;
+        if rows == 0 {
+            return Ok(());
+        }
+        let xp = self.ptr_mut(x, "add_rms_norm x")?;
+        let yp = self.ptr(y, "add_rms_norm y")?;
+        let wp = self.ptr(weight, "add_rms_norm weight")?;
+        let op = self.ptr_mut(out, "add_rms_norm out")?;
+        let (rows_i, width_i) = (to_i32(rows, "rows")?, to_i32(width, "width")?);
+        let cfg = LaunchConfig {
+            grid_dim: (blocks(rows, 4)?, 1, 1),
+            block_dim: (32, 4, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream.launch_builder(&self.kernels.fused.add_rms_norm);
+        b.arg(&xp).arg(&yp).arg(&wp).arg(&op).arg(&rows_i).arg(&width_i).arg(&eps);
+        // SAFETY: x, y and out hold rows * width f32 (checked), weight width; args match.
+        unsafe { b.launch(cfg) }.ctx("add_rms_norm_f32")?;
+        Ok(())
+    }
+
+    /// Split `qkv` (`[tokens, (heads_q + 2 * heads_kv) * head_dim]`, each token's q heads then k
+    /// heads then v heads) into `q`, `k`, `v`; RMSNorm each q and k head by `q_norm`/`k_norm`
+    /// (`head_dim` weights) when given; rotate q and k at `positions`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn qkv_split_norm_rope(
+        &self,
+        qkv: &impl DevicePtr<f32>,
+        shape: QkvShape,
+        positions: &impl DevicePtr<u32>,
+        q_norm: Option<&CudaSlice<f32>>,
+        k_norm: Option<&CudaSlice<f32>>,
+        rope: &DeviceRope,
+        q: &mut impl DevicePtrMut<f32>,
+        k: &mut impl DevicePtrMut<f32>,
+        v: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        let QkvShape {
+            heads_q,
+            heads_kv,
+            head_dim,
+            eps,
+        } = shape;
+        let tokens = positions.len();
+        let width = (heads_q + 2 * heads_kv) * head_dim;
+        ensure(qkv.len() == tokens * width, || {
+            format!("qkv_split_norm_rope: qkv {} is not {tokens} x {width}", qkv.len())
+        })?;
+        ensure(
+            q.len() == tokens * heads_q * head_dim
+                && k.len() == tokens * heads_kv * head_dim
+                && v.len() == tokens * heads_kv * head_dim,
+            || "qkv_split_norm_rope: q/k/v outputs do not match the shape".to_string(),
+        )?;
+        ensure(head_dim <= FUSED_MAX_HEAD_DIM && 2 * rope.half() <= head_dim, || {
+            format!(
+                "qkv_split_norm_rope: head_dim {head_dim} (max {FUSED_MAX_HEAD_DIM}), rotary {}",
+                2 * rope.half()
+            )
+        })?;
+        for n in [q_norm, k_norm].into_iter().flatten() {
+            ensure(n.len() == head_dim, || {
+                format!("qkv_split_norm_rope: a norm of {} for head_dim {head_dim}", n.len())
+            })?;
+        }
+        if tokens == 0 {
+            return Ok(());
+        }
+        let src = self.ptr(qkv, "qkv")?;
+        let (qp, kp, vp) = (
+            self.ptr_mut(q, "q")?,
+            self.ptr_mut(k, "k")?,
+            self.ptr_mut(v, "v")?,
+        );
+        let pos = self.ptr(positions, "positions")?;
+        let qn = match q_norm {
+            Some(n) => self.ptr(n, "q_norm")?,
+            None => 0,
+        };
+        let kn = match k_norm {
+            Some(n) => self.ptr(n, "k_norm")?,
+            None => 0,
+        };
+        let freq = self.ptr(rope.inv_freq(), "inv_freq")?;
+        let (hq, hkv, d, half) = (
+            to_i32(heads_q, "heads_q")?,
+            to_i32(heads_kv, "heads_kv")?,
+            to_i32(head_dim, "head_dim")?,
+            to_i32(rope.half(), "half")?,
+        );
+        let factor = rope.attention_factor();
+        let cfg = LaunchConfig {
+            grid_dim: (
+                u32::try_from(tokens).unwrap_or(u32::MAX),
+                (heads_q + 2 * heads_kv) as u32,
+                1,
+            ),
+            block_dim: (32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream.launch_builder(&self.kernels.fused.qkv_split_norm_rope);
+        b.arg(&src).arg(&qp).arg(&kp).arg(&vp).arg(&pos).arg(&qn).arg(&kn).arg(&freq);
+        b.arg(&hq).arg(&hkv).arg(&d).arg(&half).arg(&factor).arg(&eps);
+        // SAFETY: qkv holds tokens * width f32, q/k/v their parts, positions tokens, norms
+        // head_dim (or null), inv_freq half <= head_dim / 2; args match the kernel.
+        unsafe { b.launch(cfg) }.ctx("qkv_split_norm_rope_f32")?;
+        Ok(())
+    }
+}
