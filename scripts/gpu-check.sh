@@ -30,11 +30,14 @@ status=0
 
 if [ "$mode" != bench ]; then
 echo "== tests"
+# One test at a time: a test that captures a CUDA graph while another thread of the same process
+# works on the GPU has crashed the process (seen with tests/moe.rs at --test-threads=4, cause
+# not established); the server and the CLI never do both at once.
 for t in "$bin"/test-*; do
     name=$(basename "$t")
     start=$(date +%s%N)
     log=$(mktemp)
-    if "$t" --nocapture --test-threads=4 >"$log" 2>&1; then verdict=ok; else verdict=FAILED; status=1; fi
+    if "$t" --nocapture --test-threads=1 >"$log" 2>&1; then verdict=ok; else verdict=FAILED; status=1; fi
     { echo "##### $name"; cat "$log"; } >>"$out/tests.log"
     ms=$(( ($(date +%s%N) - start) / 1000000 ))
     printf '%-24s %-6s %6d ms  %s\n' "$name" "$verdict" "$ms" \

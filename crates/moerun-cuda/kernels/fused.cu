@@ -1,8 +1,11 @@
 // Fusions of the small steps between a decoder layer's big kernels (a decode step at batch 1 is
 // bound by how many kernels run, not by their bytes):
 // - add_rms_norm_f32: the residual add and the next RMSNorm in one pass over the row.
-//   x[r] += y[r]; out[r] = w * (x[r] * inv_rms(x[r])). Same arithmetic, in the same order, as
-//   add_f32 then rms_norm_f32 (a warp per row). Launch: block (32, 4), grid ceil(rows / 4).
+//   x[r] += y[r]; out[r] = w * (x[r] * inv_rms(x[r])), the formula of rms_norm_f32. A block of
+//   256 per row: at batch 1 a warp per 2048-wide row took 19 us (latency of a serial walk over
+//   the row), a block takes a few. Launch: grid (rows), block 256.
+// - rms_norm_block_f32: RMSNorm alone, the same layout, for wide rows (rms_norm_f32 keeps a warp
+//   per row for narrow ones: per-head q/k norms).
 // - qkv_split_norm_rope_f32: the attention prologue after one GEMV of the stacked [q; k; v]
 //   projection: split each token's row into q, k and v, RMSNorm each q and k head (per-head
 //   weights; skipped when the weight pointer is null), then rotate q and k (rotate-half RoPE on
@@ -12,23 +15,52 @@
 
 #define FUSED_MAX_HEAD_DIM 256
 
+// Sum of `v` over the block (blockDim.x a multiple of 32, at most 1024); every thread gets it.
+__device__ __forceinline__ float block_sum(float v) {
+    __shared__ float partial[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum(v);
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    const int warps = blockDim.x >> 5;
+    v = lane < warps ? partial[lane] : 0.0f;
+    v = warp_sum(v);
+    __syncthreads();  // `partial` may be reused by a following call
+    return v;
+}
+
 extern "C" __global__ void add_rms_norm_f32(float* x, const float* __restrict__ y,
-                                            const float* __restrict__ w, float* out, int rows,
-                                            int width, float eps) {
-    const int row = blockIdx.x * blockDim.y + threadIdx.y;
-    if (row >= rows) return;
-    float* xr = x + (u64)row * width;
-    const float* yr = y + (u64)row * width;
-    float* o = out + (u64)row * width;
+                                            const float* __restrict__ w, float* out, int width,
+                                            float eps) {
+    const u64 row = blockIdx.x;
+    float* xr = x + row * width;
+    const float* yr = y + row * width;
+    float* o = out + row * width;
     float ss = 0.0f;
-    for (int i = threadIdx.x; i < width; i += 32) {
+    for (int i = threadIdx.x; i < width; i += blockDim.x) {
         const float v = xr[i] + yr[i];
         xr[i] = v;
         ss += v * v;
     }
-    ss = warp_sum(ss);
+    ss = block_sum(ss);
     const float inv = 1.0f / sqrtf(ss / (float)width + eps);
-    for (int i = threadIdx.x; i < width; i += 32) o[i] = w[i] * (xr[i] * inv);
+    for (int i = threadIdx.x; i < width; i += blockDim.x) o[i] = w[i] * (xr[i] * inv);
+}
+
+// RMSNorm of wide rows (hidden states), a block per row: out may alias x.
+extern "C" __global__ void rms_norm_block_f32(const float* x, const float* __restrict__ w,
+                                              float* out, int width, float eps) {
+    const u64 row = blockIdx.x;
+    const float* xr = x + row * width;
+    float* o = out + row * width;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) {
+        const float v = xr[i];
+        ss += v * v;
+    }
+    ss = block_sum(ss);
+    const float inv = 1.0f / sqrtf(ss / (float)width + eps);
+    for (int i = threadIdx.x; i < width; i += blockDim.x) o[i] = w[i] * (xr[i] * inv);
 }
 
 extern "C" __global__ void qkv_split_norm_rope_f32(

@@ -7,7 +7,7 @@
 
 use moerun_core::Result;
 
-use crate::backend::{AttentionSpec, Backend};
+use crate::backend::{AttentionInputs, AttentionSpec, Backend};
 use crate::config::{ModelConfig, QkNorm};
 use crate::weights::{AttentionWeights, FfnWeights, MixerWeights, ModelWeights};
 
@@ -34,24 +34,31 @@ pub fn decoder_logits<B: Backend>(
 ) -> Result<B::Act> {
     let eps = cfg.rms_norm_eps;
     let mut x = b.embed(&w.embed_tokens, tokens)?;
+    let Some(first) = w.layers.first() else {
+        return Err(moerun_core::Error::Config("a model without layers".into()));
+    };
+    let mut xn = b.rms_norm(&x, &first.input_layernorm, eps)?;
     for (l, layer) in w.layers.iter().enumerate() {
-        let xn = b.rms_norm(&x, &layer.input_layernorm, eps)?;
         let mixed = match &layer.mixer {
             MixerWeights::Attention(aw) => {
                 attention_block(b, cfg, aw, l, cfg.layers[l].sliding_window, &xn)?
             }
             MixerWeights::GatedDeltaNet(gw) => b.gated_deltanet(l, gw, &xn)?,
         };
-        b.add_assign(&mut x, &mixed)?;
-        let xn = b.rms_norm(&x, &layer.post_attention_layernorm, eps)?;
+        let post = b.add_rms_norm(&mut x, &mixed, &layer.post_attention_layernorm, eps)?;
         let ffn_out = match &layer.ffn {
-            FfnWeights::Dense(mlp) => b.mlp(&xn, mlp)?,
+            FfnWeights::Dense(mlp) => b.mlp(&post, mlp)?,
             FfnWeights::Moe(moe) => {
                 let moe_cfg = cfg.moe.as_ref().expect("MoE weights imply a MoE config");
-                b.moe(&xn, moe_cfg, moe)?
+                b.moe(&post, moe_cfg, moe)?
             }
         };
-        b.add_assign(&mut x, &ffn_out)?;
+        // The residual add, then the next layer's input norm (the final norm comes after the
+        // rows are selected, below).
+        match w.layers.get(l + 1) {
+            Some(next) => xn = b.add_rms_norm(&mut x, &ffn_out, &next.input_layernorm, eps)?,
+            None => b.add_assign(&mut x, &ffn_out)?,
+        }
     }
     let last = b.select_rows(&x, cfg.hidden_size, rows)?;
     let last = b.rms_norm(&last, &w.norm, eps)?;
@@ -69,6 +76,31 @@ pub(crate) fn attention_block<B: Backend>(
     sliding_window: Option<usize>,
     xn: &B::Act,
 ) -> Result<B::Act> {
+    let d = cfg.head_dim;
+    let AttentionInputs { q, k, v, gate } = b.attention_inputs(cfg, w, xn)?;
+    let spec = AttentionSpec {
+        num_heads: cfg.num_heads,
+        num_kv_heads: cfg.num_kv_heads,
+        head_dim: d,
+        scale: (d as f64).powf(-0.5) as f32,
+        sliding_window,
+    };
+    let mut out = b.attention(l, &q, &k, &v, &spec)?;
+    if let Some(gate) = gate {
+        b.sigmoid_gate(&mut out, &gate)?;
+    }
+    b.linear(&out, &w.o_proj)
+}
+
+/// The attention prologue as the plain composition of ops: q/k/v projections (with biases where
+/// the family has them; Qwen3.5's doubled q split into query and gate), q/k RMSNorm (per head or
+/// over the whole projection), OLMoE's `clip_qkv`, RoPE.
+pub fn attention_inputs<B: Backend>(
+    b: &mut B,
+    cfg: &ModelConfig,
+    w: &AttentionWeights,
+    xn: &B::Act,
+) -> Result<AttentionInputs<B::Act>> {
     let d = cfg.head_dim;
     let (mut q, gate) = if cfg.attention_output_gate {
         let q_and_gate = b.linear(xn, &w.q_proj)?;
@@ -96,16 +128,5 @@ pub(crate) fn attention_block<B: Backend>(
     }
     b.rope(&mut q, cfg.num_heads, d)?;
     b.rope(&mut k, cfg.num_kv_heads, d)?;
-    let spec = AttentionSpec {
-        num_heads: cfg.num_heads,
-        num_kv_heads: cfg.num_kv_heads,
-        head_dim: d,
-        scale: (d as f64).powf(-0.5) as f32,
-        sliding_window,
-    };
-    let mut out = b.attention(l, &q, &k, &v, &spec)?;
-    if let Some(gate) = gate {
-        b.sigmoid_gate(&mut out, &gate)?;
-    }
-    b.linear(&out, &w.o_proj)
+    Ok(AttentionInputs { q, k, v, gate })
 }

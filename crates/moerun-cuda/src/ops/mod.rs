@@ -8,7 +8,7 @@
 mod activation;
 mod attention;
 mod elementwise;
-mod fused;
+pub(crate) mod fused;
 mod embedding;
 mod gemm;
 mod gemv;

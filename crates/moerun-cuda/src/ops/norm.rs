@@ -10,6 +10,8 @@ use crate::error::{ensure, DriverContext, Result};
 use crate::CudaDevice;
 
 const ROWS_PER_BLOCK: usize = 4;
+/// Rows at least this wide get a block each instead of a warp.
+const WIDE_ROW: usize = 512;
 
 impl CudaDevice {
     /// `out[r, :] = weight * (x[r, :] / sqrt(mean(x[r, :]²) + eps))` for every `weight.len()`-wide
@@ -59,6 +61,20 @@ impl CudaDevice {
             return Ok(());
         }
         let w = self.ptr(weight, "rms_norm weight")?;
+        if width >= WIDE_ROW {
+            // A block per row: one warp walking a hidden-size row is latency bound.
+            let width_i = to_i32(width, "width")?;
+            let cfg = LaunchConfig {
+                grid_dim: (blocks(rows, 1)?, 1, 1),
+                block_dim: (crate::ops::fused::ROW_BLOCK, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = self.stream.launch_builder(&self.kernels.fused.rms_norm_block);
+            b.arg(&x).arg(&w).arg(&out).arg(&width_i).arg(&eps);
+            // SAFETY: as below; the block kernel takes one row per block.
+            unsafe { b.launch(cfg) }.ctx("rms_norm_block_f32")?;
+            return Ok(());
+        }
         let (rows_i, width_i) = (to_i32(rows, "rows")?, to_i32(width, "width")?);
         let cfg = LaunchConfig {
             grid_dim: (blocks(rows, ROWS_PER_BLOCK)?, 1, 1),

@@ -15,8 +15,8 @@ pub mod cpu;
 
 use moerun_core::{Result, Tensor};
 
-use crate::config::MoeConfig;
-use crate::weights::{GatedDeltaNetWeights, Linear, MlpWeights, MoeWeights};
+use crate::config::{ModelConfig, MoeConfig};
+use crate::weights::{AttentionWeights, GatedDeltaNetWeights, Linear, MlpWeights, MoeWeights};
 
 /// Shape of one attention layer's softmax attention, as the generic block hands it over.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -26,6 +26,15 @@ pub struct AttentionSpec {
     pub head_dim: usize,
     pub scale: f32,
     pub sliding_window: Option<usize>,
+}
+
+/// What attention needs from a layer's input: rotated q and k, v, and the output gate where the
+/// family has one.
+pub struct AttentionInputs<A> {
+    pub q: A,
+    pub k: A,
+    pub v: A,
+    pub gate: Option<A>,
 }
 
 /// The ops of the forward pass over activations `Act`, rows of f32 values (`[rows, width]`; the
@@ -39,6 +48,32 @@ pub trait Backend {
     fn rms_norm(&mut self, x: &Self::Act, weight: &[f32], eps: f32) -> Result<Self::Act>;
     /// `x += y`.
     fn add_assign(&mut self, x: &mut Self::Act, y: &Self::Act) -> Result<()>;
+    /// `x += y`, then the RMSNorm of the new `x` (the residual add and the next layer's input
+    /// norm). A backend may fuse the two; the composition is the reference.
+    fn add_rms_norm(
+        &mut self,
+        x: &mut Self::Act,
+        y: &Self::Act,
+        weight: &[f32],
+        eps: f32,
+    ) -> Result<Self::Act> {
+        self.add_assign(x, y)?;
+        self.rms_norm(x, weight, eps)
+    }
+    /// The attention prologue of a layer over its normed input: q (and Qwen3.5's output gate),
+    /// k and v, normed and rotated as the family says ([`crate::forward::attention_inputs`]).
+    /// A backend may fuse it; the composition is the reference.
+    fn attention_inputs(
+        &mut self,
+        cfg: &ModelConfig,
+        w: &AttentionWeights,
+        xn: &Self::Act,
+    ) -> Result<AttentionInputs<Self::Act>>
+    where
+        Self: Sized,
+    {
+        crate::forward::attention_inputs(self, cfg, w, xn)
+    }
     /// `x · Wᵀ (+ b)`.
     fn linear(&mut self, x: &Self::Act, l: &Linear) -> Result<Self::Act>;
     /// `x · Wᵀ` for a bare matrix (the LM head, which may be the tied embedding).

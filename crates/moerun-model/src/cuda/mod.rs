@@ -26,7 +26,7 @@ use moerun_cuda::{
     DeviceKvPool, DeviceMatrix, DeviceRope, MoeScratch,
 };
 
-use crate::config::{Mixer, ModelConfig};
+use crate::config::{Mixer, ModelConfig, QkNorm};
 
 pub use pass::{CudaPass, Placement, Tokens};
 pub use upload::WeightSource;
@@ -51,6 +51,9 @@ pub struct CudaModel {
     pub(crate) dev: CudaDevice,
     pub(crate) mats: HashMap<(usize, usize), DeviceMatrix>,
     pub(crate) vecs: HashMap<(usize, usize), CudaSlice<f32>>,
+    /// Each attention layer's `[q; k; v]` projection stacked into one matrix (and bias), by its
+    /// q_proj's key, where the fused prologue applies (see [`pass::CudaPass`]).
+    pub(crate) qkv: HashMap<(usize, usize), StackedQkv>,
     /// Each MoE layer's stacked experts, by its router's key.
     pub(crate) experts: HashMap<(usize, usize), DeviceExperts>,
     pub(crate) rope: DeviceRope,
@@ -123,6 +126,21 @@ impl PassScratch {
         }
         Ok(&mut self.moe.as_mut().expect("made above").1)
     }
+}
+
+/// A layer's q, k and v projections as one matrix: one GEMV instead of three.
+pub(crate) struct StackedQkv {
+    pub(crate) weight: DeviceMatrix,
+    pub(crate) bias: Option<CudaSlice<f32>>,
+}
+
+/// Whether the fused attention prologue (stacked q/k/v, per-head q/k norm, RoPE in one kernel)
+/// computes this family's attention inputs: no output gate, no whole-projection norm, no clip.
+pub(crate) fn fused_prologue(cfg: &ModelConfig) -> bool {
+    !cfg.attention_output_gate
+        && matches!(cfg.qk_norm, QkNorm::None | QkNorm::PerHead)
+        && cfg.clip_qkv.is_none()
+        && cfg.head_dim <= moerun_cuda::FUSED_MAX_HEAD_DIM
 }
 
 /// Paged K/V of every attention layer in device memory (`None` for layers without KV), the

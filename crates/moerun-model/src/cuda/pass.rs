@@ -9,14 +9,15 @@
 
 use moerun_core::{DType, Error, Result, Tensor};
 use moerun_cuda::{
-    AttentionShape, CudaDevice, CudaSlice, DeviceKvPool, RouterShape, TokenPlacement,
+    AttentionShape, CudaDevice, CudaSlice, DeviceKvPool, DeviceMatrix, QkvShape, RouterShape,
+    TokenPlacement,
 };
 
 use super::{dev_err, profile, tensor_key, CudaModel, DeviceKv, PassScratch};
-use crate::backend::{AttentionSpec, Backend};
+use crate::backend::{AttentionInputs, AttentionSpec, Backend};
 use crate::batch::Batch;
-use crate::config::MoeConfig;
-use crate::weights::{GatedDeltaNetWeights, Linear, MlpWeights, MoeWeights};
+use crate::config::{ModelConfig, MoeConfig};
+use crate::weights::{AttentionWeights, GatedDeltaNetWeights, Linear, MlpWeights, MoeWeights};
 
 /// Rows up to which a linear layer runs the GEMV rather than cuBLAS: the GEMV streams the
 /// weights once per 8 rows, so past a few launches the GEMM's single read wins.
@@ -105,7 +106,11 @@ impl<'a> CudaPass<'a> {
 
     /// `x · Wᵀ` for the device copy of `w`.
     fn product(&self, x: &CudaSlice<f32>, w: &Tensor) -> Result<CudaSlice<f32>> {
-        let d = self.m.mat(w)?;
+        self.product_with(x, self.m.mat(w)?)
+    }
+
+    /// `x · Dᵀ` for a device matrix.
+    fn product_with(&self, x: &CudaSlice<f32>, d: &DeviceMatrix) -> Result<CudaSlice<f32>> {
         let rows = x.len() / d.cols();
         let mut out = self.alloc(rows * d.rows())?;
         let dev = &self.m.dev;
@@ -142,6 +147,66 @@ impl Backend for CudaPass<'_> {
             let mut out = self.alloc(x.len())?;
             self.m.dev.rms_norm(x, w, eps, &mut out).map_err(dev_err)?;
             Ok(out)
+        })
+    }
+
+    fn add_rms_norm(
+        &mut self,
+        x: &mut CudaSlice<f32>,
+        y: &CudaSlice<f32>,
+        weight: &[f32],
+        eps: f32,
+    ) -> Result<CudaSlice<f32>> {
+        let m = self.m;
+        profile::timed(&m.dev, "add_rms_norm", || {
+            let w = m.vec(weight)?;
+            let mut out = self.alloc(x.len())?;
+            m.dev.add_rms_norm(x, y, w, eps, &mut out).map_err(dev_err)?;
+            Ok(out)
+        })
+    }
+
+    fn attention_inputs(
+        &mut self,
+        cfg: &ModelConfig,
+        w: &AttentionWeights,
+        xn: &CudaSlice<f32>,
+    ) -> Result<AttentionInputs<CudaSlice<f32>>> {
+        let m = self.m;
+        let Some(stacked) = m.qkv.get(&tensor_key(&w.q_proj.weight)) else {
+            return crate::forward::attention_inputs(self, cfg, w, xn);
+        };
+        profile::timed(&m.dev, "qkv_prologue", || {
+            let mut qkv = self.product_with(xn, &stacked.weight)?;
+            if let Some(b) = &stacked.bias {
+                m.dev.add_bias(&mut qkv, b).map_err(dev_err)?;
+            }
+            let d = cfg.head_dim;
+            let rows = xn.len() / cfg.hidden_size;
+            let mut q = self.alloc(rows * cfg.num_heads * d)?;
+            let mut k = self.alloc(rows * cfg.num_kv_heads * d)?;
+            let mut v = self.alloc(rows * cfg.num_kv_heads * d)?;
+            let norm = |n: &Option<Vec<f32>>| n.as_deref().map(|n| m.vec(n)).transpose();
+            let shape = QkvShape {
+                heads_q: cfg.num_heads,
+                heads_kv: cfg.num_kv_heads,
+                head_dim: d,
+                eps: cfg.rms_norm_eps,
+            };
+            m.dev
+                .qkv_split_norm_rope(
+                    &qkv,
+                    shape,
+                    &self.at.positions_u32,
+                    norm(&w.q_norm)?,
+                    norm(&w.k_norm)?,
+                    &m.rope,
+                    &mut q,
+                    &mut k,
+                    &mut v,
+                )
+                .map_err(dev_err)?;
+            Ok(AttentionInputs { q, k, v, gate: None })
         })
     }
 

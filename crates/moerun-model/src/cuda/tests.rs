@@ -99,30 +99,21 @@ fn every_backend_op_matches_the_cpu_on_the_gpu() {
     let MixerWeights::Attention(_) = &wc.layers[0].mixer else {
         panic!("layer 0 is attention")
     };
-    let q = both!("linear q_proj", |b, w| {
-        let x = b.upload(&xn).unwrap();
-        b.linear(&x, proj(w, 0)).unwrap()
-    });
-    let k = both!("linear k_proj", |b, w| {
-        let x = b.upload(&xn).unwrap();
-        b.linear(&x, proj(w, 1)).unwrap()
-    });
-    let v = both!("linear v_proj", |b, w| {
-        let x = b.upload(&xn).unwrap();
-        b.linear(&x, proj(w, 2)).unwrap()
-    });
-    let qr = both!("rope q", |b, w| {
-        let _ = w;
-        let mut x = b.upload(&q).unwrap();
-        b.rope(&mut x, cfg.num_heads, cfg.head_dim).unwrap();
-        x
-    });
-    let kr = both!("rope k", |b, w| {
-        let _ = w;
-        let mut x = b.upload(&k).unwrap();
-        b.rope(&mut x, cfg.num_kv_heads, cfg.head_dim).unwrap();
-        x
-    });
+    // The attention prologue: the GPU's fused kernel (stacked q/k/v GEMV, per-head norms,
+    // RoPE) against the CPU's composition, each output on its own.
+    let mut parts: Vec<Vec<f32>> = Vec::new();
+    for part in 0..3 {
+        let name = ["attention_inputs q", "attention_inputs k", "attention_inputs v"][part];
+        parts.push(both!(name, |b, w| {
+            let MixerWeights::Attention(a) = &w.layers[0].mixer else {
+                unreachable!()
+            };
+            let x = b.upload(&xn).unwrap();
+            let i = b.attention_inputs(cfg, a, &x).unwrap();
+            [i.q, i.k, i.v].into_iter().nth(part).unwrap()
+        }));
+    }
+    let (qr, kr, v) = (parts[0].clone(), parts[1].clone(), parts[2].clone());
     let spec = AttentionSpec {
         num_heads: cfg.num_heads,
         num_kv_heads: cfg.num_kv_heads,
@@ -194,6 +185,13 @@ fn every_layer_matches_the_cpu_on_the_gpu() {
         let cfg = &cpu.config;
         let text = std::fs::read_to_string(dir.join("reference.json")).unwrap();
         let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+        // bf16 weights: this prefill's projections run on cuBLAS with activations rounded to
+        // bf16 (the conformance test's 2e-2 prefill bar); f32 weights stay exact f32.
+        let tol = if json["dtype"].as_str() == Some("float32") {
+            1e-4
+        } else {
+            2e-2
+        };
         let tokens: Vec<u32> = json["tokens"]
             .as_array()
             .unwrap()
@@ -249,10 +247,10 @@ fn every_layer_matches_the_cpu_on_the_gpu() {
             g.add_assign(&mut xg, &fg).unwrap();
             let e_x = rel(&g.to_host(xg.clone()).unwrap(), &xc);
             println!(
-                "RESULT|{name} layer {l} (attention {e_attn:.1e}, ffn {e_ffn:.1e})|{e_x:.2e}|1e-4|{}",
-                if e_x <= 1e-4 { "ok" } else { "FAIL" }
+                "RESULT|{name} layer {l} (attention {e_attn:.1e}, ffn {e_ffn:.1e})|{e_x:.2e}|{tol:.0e}|{}",
+                if e_x <= tol { "ok" } else { "FAIL" }
             );
-            if e_x > 1e-4 {
+            if e_x > tol {
                 failures.push(format!(
                     "{name} layer {l}: attention {e_attn:.2e} ffn {e_ffn:.2e}"
                 ));

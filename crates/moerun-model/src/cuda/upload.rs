@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use moerun_core::{DType, Result, Tensor};
 use moerun_cuda::{AttentionPrefill, CudaDevice, CudaSlice, DeviceExperts, DeviceMatrix};
 
-use super::{dev_err, tensor_key, vec_key, CudaModel};
+use super::{dev_err, tensor_key, vec_key, CudaModel, StackedQkv};
 use crate::attention::Rope;
 use crate::config::ModelConfig;
 use crate::weights::{FfnWeights, Linear, MixerWeights, MlpWeights, ModelWeights, MoeWeights};
@@ -31,6 +31,7 @@ struct Uploader<'a> {
     mats: HashMap<(usize, usize), DeviceMatrix>,
     vecs: HashMap<(usize, usize), CudaSlice<f32>>,
     experts: HashMap<(usize, usize), DeviceExperts>,
+    qkv: HashMap<(usize, usize), StackedQkv>,
     bytes: usize,
     next_seed: u64,
 }
@@ -82,6 +83,54 @@ impl Uploader<'_> {
         self.linear(&w.gate_proj)?;
         self.linear(&w.up_proj)?;
         self.linear(&w.down_proj)
+    }
+
+    /// q, k and v stacked (rows of q, then k, then v) into one matrix, and their biases.
+    fn stacked_qkv(&mut self, parts: [&Linear; 3]) -> Result<()> {
+        let mats = parts.map(|l| l.weight.mat());
+        let (dtype, cols) = (mats[0].dtype, mats[0].cols);
+        if mats.iter().any(|m| m.dtype != dtype || m.cols != cols) {
+            return Err(moerun_core::Error::Config(
+                "q, k and v projections differ in dtype or input width".into(),
+            ));
+        }
+        let rows: usize = mats.iter().map(|m| m.rows).sum();
+        let weight = match self.source {
+            WeightSource::Host => {
+                let mut bytes = Vec::with_capacity(rows * cols * dtype.size());
+                for m in &mats {
+                    bytes.extend_from_slice(m.data);
+                }
+                self.dev.upload_matrix(moerun_core::MatRef {
+                    dtype,
+                    rows,
+                    cols,
+                    data: &bytes,
+                })
+            }
+            WeightSource::Random { seed } => {
+                let seed = self.seed(seed);
+                self.dev
+                    .random_matrix(dtype, rows, cols, seed, RANDOM_BOUND)
+            }
+        }
+        .map_err(dev_err)?;
+        let bias = if parts.iter().any(|l| l.bias.is_some()) {
+            let mut b = Vec::with_capacity(rows);
+            for (l, m) in parts.iter().zip(&mats) {
+                match &l.bias {
+                    Some(v) => b.extend_from_slice(v),
+                    None => b.extend(std::iter::repeat_n(0.0, m.rows)),
+                }
+            }
+            Some(self.dev.upload(&b).map_err(dev_err)?)
+        } else {
+            None
+        };
+        self.bytes += weight.byte_len();
+        self.qkv
+            .insert(tensor_key(&parts[0].weight), StackedQkv { weight, bias });
+        Ok(())
     }
 
     fn random_bytes(&mut self, dtype: DType, len: usize, seed: u64) -> Result<CudaSlice<u8>> {
@@ -147,6 +196,7 @@ pub(crate) fn upload(
         mats: HashMap::new(),
         vecs: HashMap::new(),
         experts: HashMap::new(),
+        qkv: HashMap::new(),
         bytes: 0,
         next_seed: 0,
     };
@@ -156,9 +206,14 @@ pub(crate) fn upload(
         u.vector(&layer.post_attention_layernorm)?;
         match &layer.mixer {
             MixerWeights::Attention(a) => {
-                for l in [&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj] {
-                    u.linear(l)?;
+                if super::fused_prologue(cfg) {
+                    u.stacked_qkv([&a.q_proj, &a.k_proj, &a.v_proj])?;
+                } else {
+                    for l in [&a.q_proj, &a.k_proj, &a.v_proj] {
+                        u.linear(l)?;
+                    }
                 }
+                u.linear(&a.o_proj)?;
                 for n in [&a.q_norm, &a.k_norm].into_iter().flatten() {
                     u.vector(n)?;
                 }
@@ -180,6 +235,7 @@ pub(crate) fn upload(
         mats,
         vecs,
         experts,
+        qkv,
         bytes,
         ..
     } = u;
@@ -195,6 +251,7 @@ pub(crate) fn upload(
         mats,
         vecs,
         experts,
+        qkv,
         rope,
         weight_bytes: bytes,
     })
