@@ -6,7 +6,9 @@
 //! Launch: `add_rms_norm` grid (rows), block 256; `qkv_split_norm_rope` grid
 //! (tokens, heads_q + 2 * heads_kv), block 32.
 
-use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+};
 
 use super::{blocks, to_i32, DeviceRope};
 use crate::error::{ensure, DriverContext, Result};
@@ -76,7 +78,12 @@ impl CudaDevice {
             shared_mem_bytes: 0,
         };
         let mut b = self.stream.launch_builder(&self.kernels.fused.add_rms_norm);
-        b.arg(&xp).arg(&yp).arg(&wp).arg(&op).arg(&width_i).arg(&eps);
+        b.arg(&xp)
+            .arg(&yp)
+            .arg(&wp)
+            .arg(&op)
+            .arg(&width_i)
+            .arg(&eps);
         // SAFETY: x, y and out hold rows * width f32 (checked), weight width; args match.
         unsafe { b.launch(cfg) }.ctx("add_rms_norm_f32")?;
         Ok(())
@@ -107,7 +114,10 @@ impl CudaDevice {
         let tokens = positions.len();
         let width = (heads_q + 2 * heads_kv) * head_dim;
         ensure(qkv.len() == tokens * width, || {
-            format!("qkv_split_norm_rope: qkv {} is not {tokens} x {width}", qkv.len())
+            format!(
+                "qkv_split_norm_rope: qkv {} is not {tokens} x {width}",
+                qkv.len()
+            )
         })?;
         ensure(
             q.len() == tokens * heads_q * head_dim
@@ -115,15 +125,21 @@ impl CudaDevice {
                 && v.len() == tokens * heads_kv * head_dim,
             || "qkv_split_norm_rope: q/k/v outputs do not match the shape".to_string(),
         )?;
-        ensure(head_dim <= FUSED_MAX_HEAD_DIM && 2 * rope.half() <= head_dim, || {
-            format!(
+        ensure(
+            head_dim <= FUSED_MAX_HEAD_DIM && 2 * rope.half() <= head_dim,
+            || {
+                format!(
                 "qkv_split_norm_rope: head_dim {head_dim} (max {FUSED_MAX_HEAD_DIM}), rotary {}",
                 2 * rope.half()
             )
-        })?;
+            },
+        )?;
         for n in [q_norm, k_norm].into_iter().flatten() {
             ensure(n.len() == head_dim, || {
-                format!("qkv_split_norm_rope: a norm of {} for head_dim {head_dim}", n.len())
+                format!(
+                    "qkv_split_norm_rope: a norm of {} for head_dim {head_dim}",
+                    n.len()
+                )
             })?;
         }
         if tokens == 0 {
@@ -161,9 +177,23 @@ impl CudaDevice {
             block_dim: (32, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = self.stream.launch_builder(&self.kernels.fused.qkv_split_norm_rope);
-        b.arg(&src).arg(&qp).arg(&kp).arg(&vp).arg(&pos).arg(&qn).arg(&kn).arg(&freq);
-        b.arg(&hq).arg(&hkv).arg(&d).arg(&half).arg(&factor).arg(&eps);
+        let mut b = self
+            .stream
+            .launch_builder(&self.kernels.fused.qkv_split_norm_rope);
+        b.arg(&src)
+            .arg(&qp)
+            .arg(&kp)
+            .arg(&vp)
+            .arg(&pos)
+            .arg(&qn)
+            .arg(&kn)
+            .arg(&freq);
+        b.arg(&hq)
+            .arg(&hkv)
+            .arg(&d)
+            .arg(&half)
+            .arg(&factor)
+            .arg(&eps);
         // SAFETY: qkv holds tokens * width f32, q/k/v their parts, positions tokens, norms
         // head_dim (or null), inv_freq half <= head_dim / 2; args match the kernel.
         unsafe { b.launch(cfg) }.ctx("qkv_split_norm_rope_f32")?;

@@ -8,8 +8,8 @@
 mod activation;
 mod attention;
 mod elementwise;
-pub(crate) mod fused;
 mod embedding;
+pub(crate) mod fused;
 mod gemm;
 mod gemv;
 mod moe;

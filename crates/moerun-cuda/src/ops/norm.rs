@@ -69,7 +69,9 @@ impl CudaDevice {
                 block_dim: (crate::ops::fused::ROW_BLOCK, 1, 1),
                 shared_mem_bytes: 0,
             };
-            let mut b = self.stream.launch_builder(&self.kernels.fused.rms_norm_block);
+            let mut b = self
+                .stream
+                .launch_builder(&self.kernels.fused.rms_norm_block);
             b.arg(&x).arg(&w).arg(&out).arg(&width_i).arg(&eps);
             // SAFETY: as below; the block kernel takes one row per block.
             unsafe { b.launch(cfg) }.ctx("rms_norm_block_f32")?;

@@ -161,7 +161,9 @@ impl Backend for CudaPass<'_> {
         profile::timed(&m.dev, "add_rms_norm", || {
             let w = m.vec(weight)?;
             let mut out = self.alloc(x.len())?;
-            m.dev.add_rms_norm(x, y, w, eps, &mut out).map_err(dev_err)?;
+            m.dev
+                .add_rms_norm(x, y, w, eps, &mut out)
+                .map_err(dev_err)?;
             Ok(out)
         })
     }
@@ -206,7 +208,12 @@ impl Backend for CudaPass<'_> {
                     &mut v,
                 )
                 .map_err(dev_err)?;
-            Ok(AttentionInputs { q, k, v, gate: None })
+            Ok(AttentionInputs {
+                q,
+                k,
+                v,
+                gate: None,
+            })
         })
     }
 
@@ -231,16 +238,12 @@ impl Backend for CudaPass<'_> {
 
     fn matmul(&mut self, x: &CudaSlice<f32>, w: &Tensor) -> Result<CudaSlice<f32>> {
         let m = self.m;
-        profile::timed(&m.dev, "matmul", || {
-            self.product(x, w)
-        })
+        profile::timed(&m.dev, "matmul", || self.product(x, w))
     }
 
     fn clamp(&mut self, x: &mut CudaSlice<f32>, c: f32) -> Result<()> {
         let m = self.m;
-        profile::timed(&m.dev, "clamp", || {
-            self.m.dev.clamp(x, c).map_err(dev_err)
-        })
+        profile::timed(&m.dev, "clamp", || self.m.dev.clamp(x, c).map_err(dev_err))
     }
 
     fn rope(&mut self, x: &mut CudaSlice<f32>, heads: usize, head_dim: usize) -> Result<()> {

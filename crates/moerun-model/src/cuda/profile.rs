@@ -56,7 +56,10 @@ pub fn report() -> String {
     rows.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
     let mut s = String::new();
     if total > 0.0 {
-        s.push_str(&format!("{:<16} {:>8} {:>10} {:>9} {:>6}\n", "op", "calls", "ms", "us/call", "%"));
+        s.push_str(&format!(
+            "{:<16} {:>8} {:>10} {:>9} {:>6}\n",
+            "op", "calls", "ms", "us/call", "%"
+        ));
         for (name, (n, ms)) in rows {
             s.push_str(&format!(
                 "{name:<16} {n:>8} {ms:>10.2} {:>9.1} {:>5.1}%\n",

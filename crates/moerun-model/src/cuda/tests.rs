@@ -103,7 +103,11 @@ fn every_backend_op_matches_the_cpu_on_the_gpu() {
     // RoPE) against the CPU's composition, each output on its own.
     let mut parts: Vec<Vec<f32>> = Vec::new();
     for part in 0..3 {
-        let name = ["attention_inputs q", "attention_inputs k", "attention_inputs v"][part];
+        let name = [
+            "attention_inputs q",
+            "attention_inputs k",
+            "attention_inputs v",
+        ][part];
         parts.push(both!(name, |b, w| {
             let MixerWeights::Attention(a) = &w.layers[0].mixer else {
                 unreachable!()
