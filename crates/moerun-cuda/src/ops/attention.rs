@@ -41,7 +41,7 @@ const TILE_M: usize = 64;
 const TC_M: usize = 128;
 /// Fewest keys a split of the decode kernel takes: fewer would cost more in partials than the
 /// parallelism gains.
-const MIN_SPLIT_KEYS: usize = 64;
+const MIN_SPLIT_KEYS: usize = 16;
 /// Decode blocks per SM the split count aims for.
 const BLOCKS_PER_SM: usize = 4;
 /// Largest head_dim the kernels take (the decode kernel's widest lane layout).

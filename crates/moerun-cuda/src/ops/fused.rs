@@ -3,7 +3,7 @@
 //! RMSNorm, RoPE). Each computes the unfused ops' formula; only the order of the sum of squares
 //! differs (a block reduction), so results agree within f32 rounding.
 //!
-//! Launch: `add_rms_norm` grid (rows), block 256; `qkv_split_norm_rope` grid
+//! Launch: `add_rms_norm` grid (rows), block 1024; `qkv_split_norm_rope` grid
 //! (tokens, heads_q + 2 * heads_kv), block 32.
 
 use cudarc::driver::{
@@ -15,7 +15,7 @@ use crate::error::{ensure, DriverContext, Result};
 use crate::CudaDevice;
 
 /// Threads of the block that norms one row.
-pub(crate) const ROW_BLOCK: u32 = 256;
+pub(crate) const ROW_BLOCK: u32 = 1024;
 
 /// Widest head the prologue kernel takes (its shared buffer).
 pub const FUSED_MAX_HEAD_DIM: usize = 256;
