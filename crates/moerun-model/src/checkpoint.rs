@@ -105,6 +105,20 @@ impl Checkpoint {
         }
     }
 
+    /// Copy every weight file into anonymous memory (see
+    /// [`SafetensorsFile::copy_to_memory`]); tensors fetched afterwards borrow the copies.
+    pub fn copy_to_memory(&mut self) -> Result<()> {
+        for f in &mut self.files {
+            f.copy_to_memory()?;
+        }
+        Ok(())
+    }
+
+    /// Bytes of all weight files.
+    pub fn file_bytes(&self) -> u64 {
+        self.files.iter().map(|f| f.file_len() as u64).sum()
+    }
+
     /// The checkpoint directory.
     pub fn dir(&self) -> &Path {
         &self.dir

@@ -27,6 +27,55 @@ pub struct Model {
     cuda: Option<CudaModel>,
 }
 
+/// Where a CPU model's weights live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightsIn {
+    /// Mapped from the files: nothing copied, pages read on demand from the page cache.
+    Mapped,
+    /// Copied into anonymous memory advised for huge pages. Decode streams every active weight
+    /// byte per token, and from page-cache pages it reached about half the bandwidth the same
+    /// bytes reach in anonymous memory on the machines measured (docs/perf/cpu-engine.md).
+    Memory,
+    /// `Memory` when the files fit in three quarters of the available memory, else `Mapped`;
+    /// `MOERUN_WEIGHTS=mmap` or `MOERUN_WEIGHTS=memory` decides instead.
+    Auto,
+}
+
+impl WeightsIn {
+    /// How to hold the host weights of a model that will run on `device`: a GPU reads them once
+    /// to upload them, so they stay mapped.
+    pub fn for_device(device: Device) -> WeightsIn {
+        match device {
+            Device::Cpu => WeightsIn::Auto,
+            Device::Cuda(_) => WeightsIn::Mapped,
+        }
+    }
+
+    /// The concrete choice for `bytes` of weight files.
+    pub fn resolve(self, bytes: u64) -> WeightsIn {
+        if self != WeightsIn::Auto {
+            return self;
+        }
+        match std::env::var("MOERUN_WEIGHTS").as_deref() {
+            Ok("mmap") => return WeightsIn::Mapped,
+            Ok("memory") => return WeightsIn::Memory,
+            _ => {}
+        }
+        match available_memory() {
+            Some(avail) if bytes <= avail / 4 * 3 => WeightsIn::Memory,
+            _ => WeightsIn::Mapped,
+        }
+    }
+}
+
+/// `MemAvailable` of /proc/meminfo, in bytes (Linux; `None` elsewhere or if unreadable).
+fn available_memory() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
 /// What a forward pass returns: logits for the requested rows, `[rows.len(), vocab]`.
 #[derive(Debug)]
 pub struct ForwardOutput {
@@ -35,14 +84,25 @@ pub struct ForwardOutput {
 }
 
 impl Model {
-    /// Open a Hugging Face checkpoint directory and map its weights.
+    /// Open a Hugging Face checkpoint directory for the CPU: its weights copied into memory
+    /// when they fit, else mapped ([`WeightsIn::Auto`]).
     pub fn load(dir: &Path) -> Result<Model> {
-        Model::from_checkpoint(Checkpoint::open(dir)?)
+        Model::load_with(dir, WeightsIn::Auto)
     }
 
-    /// [`Model::load`], then place the weights on `device`.
+    /// Open a checkpoint directory, its weights held as `how` says.
+    pub fn load_with(dir: &Path, how: WeightsIn) -> Result<Model> {
+        let mut checkpoint = Checkpoint::open(dir)?;
+        if how.resolve(checkpoint.file_bytes()) == WeightsIn::Memory {
+            checkpoint.copy_to_memory()?;
+        }
+        Model::from_checkpoint(checkpoint)
+    }
+
+    /// Open a checkpoint directory for `device`: on the CPU as [`Model::load`]; on a GPU the
+    /// weights stay mapped on the host (they are read once, to upload them).
     pub fn load_on(dir: &Path, device: Device) -> Result<Model> {
-        let mut model = Model::load(dir)?;
+        let mut model = Model::load_with(dir, WeightsIn::for_device(device))?;
         model.place(device, WeightSource::Host)?;
         Ok(model)
     }

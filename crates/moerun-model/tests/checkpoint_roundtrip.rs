@@ -301,3 +301,37 @@ fn single_file_takes_precedence_over_index() {
     let ckpt = Checkpoint::open(dir).unwrap();
     assert_eq!(ckpt.tensor("w").unwrap().to_f32_vec(), [9.0]);
 }
+
+#[test]
+fn weights_copied_to_memory_are_the_same_bytes_and_leave_the_file() {
+    let tmp = ckpt_dir();
+    let values: Vec<f32> = (0..4096).map(|i| i as f32 * 0.25 - 7.0).collect();
+    let emb = bf16_tensor(vec![1024, 4], &values);
+    let path = tmp.path().join("model.safetensors");
+    write_safetensors(&path, &[("model.embed_tokens.weight", &emb)], None).unwrap();
+    let mut ckpt = Checkpoint::open(tmp.path()).unwrap();
+    let mapped = ckpt.tensor("model.embed_tokens.weight").unwrap();
+    let file_len = std::fs::metadata(&path).unwrap().len();
+    assert_eq!(ckpt.file_bytes(), file_len);
+    ckpt.copy_to_memory().unwrap();
+    let copied = ckpt.tensor("model.embed_tokens.weight").unwrap();
+    assert_eq!(copied.bytes(), mapped.bytes());
+    assert_ne!(
+        copied.bytes().as_ptr(),
+        mapped.bytes().as_ptr(),
+        "tensors made after the copy borrow the copy"
+    );
+    // The copy does not depend on the file any more.
+    std::fs::remove_file(&path).unwrap();
+    assert_eq!(copied.to_f32_vec(), emb.to_f32_vec());
+}
+
+#[test]
+fn explicit_weight_placements_are_kept_and_auto_picks_one() {
+    use moerun_model::WeightsIn;
+    assert_eq!(WeightsIn::Mapped.resolve(1), WeightsIn::Mapped);
+    assert_eq!(WeightsIn::Memory.resolve(u64::MAX), WeightsIn::Memory);
+    // More than any machine has: mapped.
+    assert_eq!(WeightsIn::Auto.resolve(u64::MAX), WeightsIn::Mapped);
+    assert_ne!(WeightsIn::Auto.resolve(1), WeightsIn::Auto);
+}

@@ -16,7 +16,7 @@ use moerun_cpu::bandwidth::measure_read_bandwidth;
 use moerun_engine::{run_step, Sequence, SequenceKv};
 use moerun_model::cuda::WeightSource;
 use moerun_model::stats::{human_count, ParamStats};
-use moerun_model::{LogitsFor, Model};
+use moerun_model::{LogitsFor, Model, WeightsIn};
 use serde_json::json;
 
 use super::inspect::StoredDtypes;
@@ -154,7 +154,7 @@ pub fn run(args: &BenchArgs, threads: Option<usize>) -> CliResult {
 fn load(args: &BenchArgs, device: Device) -> CliResult<(String, Model)> {
     match (&args.model, &args.like) {
         (Some(dir), None) => {
-            let mut model = Model::load(dir)?;
+            let mut model = Model::load_with(dir, WeightsIn::for_device(device))?;
             eprintln!(
                 "bench: touching {} of mapped weights...",
                 decimal_bytes(model.checkpoint().weight_bytes() as f64)

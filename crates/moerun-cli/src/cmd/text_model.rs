@@ -8,7 +8,7 @@ use moerun_engine::generation_config::GenerationConfig;
 use moerun_engine::stop::StopTokens;
 use moerun_engine::SequenceKv;
 use moerun_model::cuda::WeightSource;
-use moerun_model::Model;
+use moerun_model::{Model, WeightsIn};
 use moerun_text::Tokenizer;
 
 use super::CliResult;
@@ -25,7 +25,7 @@ impl TextModel {
     /// Load the checkpoint at `--model`, or the embedded default model when none is given.
     pub fn load(model: Option<&Path>, device: Device) -> CliResult<TextModel> {
         let dir = super::default_model::resolve(model)?;
-        let mut model = Model::load(&dir)?;
+        let mut model = Model::load_with(&dir, WeightsIn::for_device(device))?;
         // The tokenizer first: a missing file is reported before any slow paging in.
         let tokenizer = Tokenizer::from_dir(&dir)?;
         super::progress::load_weights_with_progress(&model);
