@@ -13,27 +13,17 @@
 //!   rounds the activations to bf16 first (2⁻⁹ relative per element, compounded over layers).
 //!   Greedy continuations are compared for f32 fixtures only.
 
-use std::path::{Path, PathBuf};
+mod reference;
+
+use std::path::Path;
 
 use moerun_core::Device;
 use moerun_engine::{run_step, Sequence, SequenceKv};
-use moerun_model::npy::read_npy_f32;
 use moerun_model::{LogitsFor, Model};
-
-fn fixtures_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
-}
-
-fn fixture_names() -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(fixtures_dir())
-        .expect("tests/fixtures exists")
-        .filter_map(|e| e.ok())
-        .filter(|e| e.path().join("reference.json").exists())
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .collect();
-    names.sort();
-    names
-}
+use reference::{
+    fixture_names, fixtures_dir, greedy, incremental_logits, load_reference, prefill_logits,
+    relative_error,
+};
 
 /// The model on GPU 0, or `None` (with the skip line printed) when CUDA is unavailable here.
 fn on_gpu(dir: &Path) -> Option<Result<Model, String>> {
@@ -45,104 +35,6 @@ fn on_gpu(dir: &Path) -> Option<Result<Model, String>> {
         }
         Err(e) => Some(Err(e.to_string())),
     }
-}
-
-struct Reference {
-    tokens: Vec<u32>,
-    greedy: Vec<u32>,
-    logits: Vec<f32>,
-    f32_weights: bool,
-}
-
-fn load_reference(dir: &Path) -> Reference {
-    let text = std::fs::read_to_string(dir.join("reference.json")).unwrap();
-    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let ids = |key: &str| -> Vec<u32> {
-        json[key]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_u64().unwrap() as u32)
-            .collect()
-    };
-    let (_, logits) = read_npy_f32(dir.join("logits.npy")).unwrap();
-    Reference {
-        tokens: ids("tokens"),
-        greedy: ids("greedy"),
-        logits,
-        f32_weights: json["dtype"].as_str() == Some("float32"),
-    }
-}
-
-fn relative_error(got: &[f32], want: &[f32]) -> f64 {
-    assert_eq!(got.len(), want.len());
-    let diff: f64 = got
-        .iter()
-        .zip(want)
-        .map(|(g, w)| (*g as f64 - *w as f64).powi(2))
-        .sum();
-    let norm: f64 = want.iter().map(|w| (*w as f64).powi(2)).sum();
-    (diff / norm).sqrt()
-}
-
-fn prefill_logits(model: &Model, tokens: &[u32]) -> Vec<f32> {
-    let mut kv = SequenceKv::for_model(model, tokens.len()).unwrap();
-    let mut seq = Sequence::new(tokens.to_vec());
-    run_step(
-        model,
-        &mut kv,
-        &mut [&mut seq],
-        &[usize::MAX],
-        LogitsFor::AllTokens,
-    )
-    .unwrap()
-    .logits
-}
-
-fn incremental_logits(model: &Model, tokens: &[u32]) -> Vec<f32> {
-    let mut kv = SequenceKv::for_model(model, tokens.len()).unwrap();
-    let mut seq = Sequence::new(tokens.to_vec());
-    let mut all = Vec::new();
-    for _ in 0..tokens.len() {
-        let out = run_step(
-            model,
-            &mut kv,
-            &mut [&mut seq],
-            &[1],
-            LogitsFor::LastOfEachSeq,
-        );
-        all.extend(out.unwrap().logits);
-    }
-    all
-}
-
-fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, v) in row.iter().enumerate() {
-        if *v > row[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
-
-fn greedy(model: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
-    let mut kv = SequenceKv::for_model(model, prompt.len() + n).unwrap();
-    let mut seq = Sequence::new(prompt.to_vec());
-    let mut out = Vec::new();
-    for _ in 0..n {
-        let step = run_step(
-            model,
-            &mut kv,
-            &mut [&mut seq],
-            &[usize::MAX],
-            LogitsFor::LastOfEachSeq,
-        );
-        let next = argmax(&step.unwrap().logits);
-        out.push(next);
-        seq.tokens.push(next);
-    }
-    out
 }
 
 /// Families the CUDA backend refuses for now, by `model_type`, with the word the refusal names.

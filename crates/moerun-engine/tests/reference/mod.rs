@@ -1,0 +1,141 @@
+//! The committed transformers fixtures (`tests/fixtures/`) and what the conformance tests do with
+//! them: read the reference logits and greedy continuation, run a model through `run_step` by
+//! one prefill, token by token, or greedily, and compare logits by norm-wise relative error.
+//! KV caches come from `SequenceKv::for_model`, so the same helpers drive a CPU or a GPU model.
+#![allow(dead_code)] // each test binary uses its own subset
+
+use std::path::{Path, PathBuf};
+
+use moerun_engine::{run_step, Sequence, SequenceKv};
+use moerun_model::npy::read_npy_f32;
+use moerun_model::{LogitsFor, Model};
+
+pub fn fixtures_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+}
+
+/// Every fixture directory with a `reference.json`, sorted.
+pub fn fixture_names() -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(fixtures_dir())
+        .expect("tests/fixtures exists")
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().join("reference.json").exists())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+/// What transformers computed for a fixture.
+pub struct Reference {
+    pub tokens: Vec<u32>,
+    pub greedy: Vec<u32>,
+    pub logits: Vec<f32>,
+    pub f32_weights: bool,
+}
+
+impl Reference {
+    /// The bar against transformers: 1e-4 for f32 weights, 1e-3 for bf16 weights.
+    pub fn tolerance(&self) -> f64 {
+        if self.f32_weights {
+            1e-4
+        } else {
+            1e-3
+        }
+    }
+}
+
+pub fn load_reference(dir: &Path) -> Reference {
+    let text = std::fs::read_to_string(dir.join("reference.json")).unwrap();
+    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let ids = |key: &str| -> Vec<u32> {
+        json[key]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect()
+    };
+    let (_, logits) = read_npy_f32(dir.join("logits.npy")).unwrap();
+    Reference {
+        tokens: ids("tokens"),
+        greedy: ids("greedy"),
+        logits,
+        f32_weights: json["dtype"].as_str() == Some("float32"),
+    }
+}
+
+/// `‖got − want‖ / ‖want‖`, in f64.
+pub fn relative_error(got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    let diff: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(g, w)| (*g as f64 - *w as f64).powi(2))
+        .sum();
+    let norm: f64 = want.iter().map(|w| (*w as f64).powi(2)).sum();
+    (diff / norm).sqrt()
+}
+
+pub fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, v) in row.iter().enumerate() {
+        if *v > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Logits of every position through one prefill.
+pub fn prefill_logits(model: &Model, tokens: &[u32]) -> Vec<f32> {
+    let mut kv = SequenceKv::for_model(model, tokens.len()).unwrap();
+    let mut seq = Sequence::new(tokens.to_vec());
+    run_step(
+        model,
+        &mut kv,
+        &mut [&mut seq],
+        &[usize::MAX],
+        LogitsFor::AllTokens,
+    )
+    .unwrap()
+    .logits
+}
+
+/// Logits of every position, one token per step through the KV cache.
+pub fn incremental_logits(model: &Model, tokens: &[u32]) -> Vec<f32> {
+    let mut kv = SequenceKv::for_model(model, tokens.len()).unwrap();
+    let mut seq = Sequence::new(tokens.to_vec());
+    let mut all = Vec::new();
+    for _ in 0..tokens.len() {
+        let out = run_step(
+            model,
+            &mut kv,
+            &mut [&mut seq],
+            &[1],
+            LogitsFor::LastOfEachSeq,
+        );
+        all.extend(out.unwrap().logits);
+    }
+    all
+}
+
+/// `n` greedy tokens after `prompt`.
+pub fn greedy(model: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut kv = SequenceKv::for_model(model, prompt.len() + n).unwrap();
+    let mut seq = Sequence::new(prompt.to_vec());
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let step = run_step(
+            model,
+            &mut kv,
+            &mut [&mut seq],
+            &[usize::MAX],
+            LogitsFor::LastOfEachSeq,
+        );
+        let next = argmax(&step.unwrap().logits);
+        out.push(next);
+        seq.tokens.push(next);
+    }
+    out
+}
