@@ -242,3 +242,38 @@ fn zero_threads_is_refused() {
     ]);
     assert_clean_error(&out, "--threads");
 }
+
+#[test]
+fn device_flag_names_a_bad_device_and_cuda_without_a_gpu_says_what_is_missing() {
+    let dir = temp_dir("device");
+    let out_file = dir.join("l.npy");
+    let model = fixture("qwen3_moe_f32");
+    let base = [
+        "logits",
+        "--model",
+        model.to_str().unwrap(),
+        "--tokens",
+        "1,2,3",
+        "--out",
+        out_file.to_str().unwrap(),
+    ];
+    let mut args = base.to_vec();
+    args.extend(["--device", "tpu"]);
+    let out = moerun(&args);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("'tpu'"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("cpu, cuda or cuda:N"), "{stderr}");
+
+    let mut args = base.to_vec();
+    args.extend(["--device", "cuda"]);
+    let out = moerun(&args);
+    if out.status.success() {
+        // A machine with a GPU: the logits were written.
+        assert!(out_file.exists());
+    } else {
+        assert_clean_error(&out, "CUDA is unavailable");
+    }
+}
