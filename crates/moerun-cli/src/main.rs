@@ -249,7 +249,8 @@ pub struct ServeArgs {
     /// Longest prompt + completion (default: the model's context).
     #[arg(long)]
     pub max_model_len: Option<usize>,
-    /// Bytes of KV cache (default: what max-num-seqs full-length sequences need, at most 1 GiB).
+    /// Bytes of KV cache (default: what max-num-seqs full-length sequences need, at most 1 GiB
+    /// on the CPU, or 90% of the GPU memory free after the weights less 4 GiB).
     #[arg(long)]
     pub kv_cache_memory: Option<u64>,
     /// Requests allowed to wait for admission; more are answered 503.

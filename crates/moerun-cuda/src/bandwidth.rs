@@ -1,10 +1,15 @@
-//! The device's memory roofline as `moerun bench` uses it: a device-to-device copy of a buffer far
+//! The device's memory: how much is free, and its roofline as `moerun bench` uses it: a device-to-device copy of a buffer far
 //! larger than L2, timed with events, counted as bytes read plus bytes written.
 
 use crate::error::{DriverContext, Result};
 use crate::CudaDevice;
 
 impl CudaDevice {
+    /// (free, total) bytes of device memory, as the driver reports them now.
+    pub fn memory_info(&self) -> Result<(usize, usize)> {
+        self.ctx.mem_get_info().ctx("reading the memory size")
+    }
+
     /// Bytes per second a large device-to-device copy moves (read + written), best of `reps`.
     pub fn measure_copy_bandwidth(&self, bytes: usize, reps: usize) -> Result<f64> {
         let n = (bytes / 4).max(1);

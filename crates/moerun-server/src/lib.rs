@@ -44,7 +44,8 @@ pub struct ServerOptions {
     /// Longest prompt + completion (`--max-model-len`); `None`: the model's context.
     pub max_model_len: Option<usize>,
     /// Bytes of KV cache (`--kv-cache-memory`); `None`: what `max_num_seqs` full-length
-    /// sequences need, at most [`DEFAULT_KV_CACHE_BYTES`].
+    /// sequences need, at most [`default_kv_budget`] (1 GiB on the CPU, most of the free memory
+    /// of a GPU).
     pub kv_cache_bytes: Option<u64>,
     /// Requests allowed to wait for admission; more get a 503.
     pub max_waiting: usize,
@@ -55,8 +56,24 @@ pub struct ServerOptions {
     pub handle_ctrl_c: bool,
 }
 
-/// KV cache size when none is given.
+/// KV cache size when none is given, on the CPU.
 pub const DEFAULT_KV_CACHE_BYTES: u64 = 1 << 30;
+
+/// GPU memory kept free beside the KV cache for activations, the MoE op's prefill scratch and
+/// decode graphs.
+const GPU_RESERVE_BYTES: u64 = 4 << 30;
+
+/// The most KV cache the server takes unless told: [`DEFAULT_KV_CACHE_BYTES`] on the CPU; on a
+/// GPU 90% of the memory still free once the weights are resident, less [`GPU_RESERVE_BYTES`]
+/// (vLLM's `--gpu-memory-utilization 0.9`, in spirit), never under the CPU default.
+pub fn default_kv_budget(model: &moerun_model::Model) -> u64 {
+    match model.cuda().map(|c| c.device().memory_info()) {
+        Some(Ok((free, _total))) => (free as u64 / 10 * 9)
+            .saturating_sub(GPU_RESERVE_BYTES)
+            .max(DEFAULT_KV_CACHE_BYTES),
+        _ => DEFAULT_KV_CACHE_BYTES,
+    }
+}
 
 impl Default for ServerOptions {
     fn default() -> Self {
@@ -90,8 +107,13 @@ pub enum StartError {
 }
 
 impl ServerOptions {
-    /// The scheduler's limits for `model`, with the KV cache sized from the options.
-    pub fn scheduler_config(&self, model: &ModelConfig) -> Result<SchedulerConfig, StartError> {
+    /// The scheduler's limits for `model`, with the KV cache sized from the options (at most
+    /// `kv_budget` bytes unless `--kv-cache-memory` says otherwise).
+    pub fn scheduler_config(
+        &self,
+        model: &ModelConfig,
+        kv_budget: u64,
+    ) -> Result<SchedulerConfig, StartError> {
         let context = model.max_position_embeddings;
         let max_model_len = self.max_model_len.unwrap_or(context);
         if max_model_len > context {
@@ -103,7 +125,7 @@ impl ServerOptions {
         let per_block = per_token * DEFAULT_BLOCK_SIZE as u64;
         let bytes = self.kv_cache_bytes.unwrap_or_else(|| {
             let wanted = per_token * (self.max_num_seqs as u64) * (max_model_len as u64);
-            wanted.min(DEFAULT_KV_CACHE_BYTES)
+            wanted.min(kv_budget)
         });
         let num_blocks = usize::try_from(bytes / per_block.max(1)).unwrap_or(usize::MAX);
         if num_blocks == 0 {
@@ -143,7 +165,8 @@ impl Server {
     /// Bind `options.addr`, start the engine thread over `model` and serve on a background
     /// runtime. Returns once the socket accepts connections.
     pub fn start(model: ServedModel, options: &ServerOptions) -> Result<Server, StartError> {
-        let scheduler = options.scheduler_config(&model.model.config)?;
+        let scheduler =
+            options.scheduler_config(&model.model.config, default_kv_budget(&model.model))?;
         let listener = TcpListener::bind(options.addr).map_err(|source| StartError::Bind {
             addr: options.addr,
             source,

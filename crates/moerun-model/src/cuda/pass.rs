@@ -5,7 +5,8 @@
 //! Linear layers: up to [`GEMV_MAX_ROWS`] rows run the GEMV (f32 activations, weights streamed
 //! once per 8 rows); more rows run cuBLAS, whose bf16 path rounds the activations to bf16 first
 //! (f32 weights stay an exact f32 SGEMM). That rounding is the main difference between GPU
-//! prefill and the CPU (relative error ~1e-3 on bf16 models).
+//! prefill and the CPU: 4e-3 to 1.3e-2 relative error on the bf16 fixtures' logits, where token
+//! by token (GEMV) stays under 1e-6.
 
 use moerun_core::{DType, Error, Result, Tensor};
 use moerun_cuda::{
