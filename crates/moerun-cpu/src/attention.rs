@@ -121,6 +121,11 @@ unsafe fn attend_token_avx2(
     attend_token_generic(q, slot, pool, s, out)
 }
 
+/// One token's attention. The query heads that share a KV head are taken together: each K and V
+/// row of the token's visible positions is read once for the whole group (GQA groups are 4-8
+/// heads in the supported families) instead of once per head, and each position's row offset is
+/// found once per token. Per head the arithmetic is the one-head-at-a-time loop's, in the same
+/// order (scores by position, softmax, `axpy` by position), so the results are bitwise the same.
 #[inline(always)]
 fn attend_token_generic(
     q: &[f32],
@@ -137,27 +142,36 @@ fn attend_token_generic(
         .map(|w| (pos + 1).saturating_sub(w))
         .unwrap_or(0);
     let n = pos + 1 - lo;
-    let mut scores = vec![0.0f32; n];
+    let rows: Vec<usize> = (lo..=pos)
+        .map(|p| pool.offset(slot.block_table, p))
+        .collect();
+    // scores[g * n + i]: head g of the group, position lo + i.
+    let mut scores = vec![0.0f32; group * n];
     out.fill(0.0);
-    for h in 0..s.num_heads {
-        let kvh = h / group;
-        let qh = &q[h * d..(h + 1) * d];
-        let mut max = f32::NEG_INFINITY;
-        for (i, score) in scores.iter_mut().enumerate() {
-            let o = pool.offset(slot.block_table, lo + i) + kvh * d;
-            *score = dot(qh, &pool.k[o..o + d]) * s.scale;
-            max = max.max(*score);
+    for kvh in 0..s.num_kv_heads {
+        let heads = kvh * group..(kvh + 1) * group;
+        for (i, &row) in rows.iter().enumerate() {
+            let k = &pool.k[row + kvh * d..][..d];
+            for (g, h) in heads.clone().enumerate() {
+                scores[g * n + i] = dot(&q[h * d..(h + 1) * d], k) * s.scale;
+            }
         }
-        let mut sum = 0.0f32;
-        for score in scores.iter_mut() {
-            *score = (*score - max).exp();
-            sum += *score;
+        let mut inv = vec![0.0f32; group];
+        for (g, head_scores) in scores.chunks_exact_mut(n).enumerate() {
+            let max = head_scores.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+            let mut sum = 0.0f32;
+            for score in head_scores.iter_mut() {
+                *score = (*score - max).exp();
+                sum += *score;
+            }
+            inv[g] = 1.0 / sum;
         }
-        let inv = 1.0 / sum;
-        let oh = &mut out[h * d..(h + 1) * d];
-        for (i, &p) in scores.iter().enumerate() {
-            let o = pool.offset(slot.block_table, lo + i) + kvh * d;
-            axpy(p * inv, &pool.v[o..o + d], oh);
+        let group_out = &mut out[heads.start * d..heads.end * d];
+        for (i, &row) in rows.iter().enumerate() {
+            let v = &pool.v[row + kvh * d..][..d];
+            for (g, oh) in group_out.chunks_exact_mut(d).enumerate() {
+                axpy(scores[g * n + i] * inv[g], v, oh);
+            }
         }
     }
 }
