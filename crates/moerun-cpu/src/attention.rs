@@ -147,6 +147,7 @@ fn attend_token_generic(
         .collect();
     // scores[g * n + i]: head g of the group, position lo + i.
     let mut scores = vec![0.0f32; group * n];
+    let mut inv = vec![0.0f32; group];
     out.fill(0.0);
     for kvh in 0..s.num_kv_heads {
         let heads = kvh * group..(kvh + 1) * group;
@@ -156,7 +157,6 @@ fn attend_token_generic(
                 scores[g * n + i] = dot(&q[h * d..(h + 1) * d], k) * s.scale;
             }
         }
-        let mut inv = vec![0.0f32; group];
         for (g, head_scores) in scores.chunks_exact_mut(n).enumerate() {
             let max = head_scores.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
             let mut sum = 0.0f32;

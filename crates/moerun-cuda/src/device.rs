@@ -238,6 +238,12 @@ impl CudaDevice {
         unsafe { self.stream.alloc::<f32>(len) }.ctx("allocating")
     }
 
+    /// [`CudaDevice::alloc_f32`] for u32 outputs (the router's expert choices).
+    pub fn alloc_u32(&self, len: usize) -> Result<CudaSlice<u32>> {
+        // SAFETY: as alloc_f32; every u32 bit pattern is valid.
+        unsafe { self.stream.alloc::<u32>(len) }.ctx("allocating")
+    }
+
     /// Copy host values into a new device buffer.
     pub fn upload<T: DeviceRepr>(&self, values: &[T]) -> Result<CudaSlice<T>> {
         self.stream.clone_htod(values).ctx("uploading")

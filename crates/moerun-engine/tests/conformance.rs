@@ -7,11 +7,10 @@
 
 mod reference;
 
-use moerun_engine::{run_step, Sequence, SequenceKv};
-use moerun_model::{LogitsFor, Model};
+use moerun_model::Model;
 use reference::{
-    fixture_names, fixtures_dir, greedy, incremental_logits, load_reference, prefill_logits,
-    relative_error,
+    batched_and_alone, fixture_names, fixtures_dir, greedy, incremental_logits, load_reference,
+    prefill_logits, relative_error,
 };
 
 #[test]
@@ -66,54 +65,8 @@ fn mixed_batch_equals_alone(name: &str) {
     let dir = fixtures_dir().join(name);
     let model = Model::load(&dir).unwrap();
     let r = load_reference(&dir);
-    // Three sequences of different lengths; the third is mid-decode when batched with prefills.
-    let prompts: Vec<Vec<u32>> = vec![
-        r.tokens[..37].to_vec(),
-        r.tokens[5..12].to_vec(),
-        r.tokens[20..].to_vec(),
-    ];
-    let alone: Vec<Vec<f32>> = prompts.iter().map(|p| prefill_logits(&model, p)).collect();
-
-    let mut kv = SequenceKv::with_capacity(&model.config, 256);
-    let mut seqs: Vec<Sequence> = prompts.iter().map(|p| Sequence::new(p.clone())).collect();
-    // Give the third sequence a head start so the batch mixes decode-like and prefill chunks.
-    let head_start = run_step(
-        &model,
-        &mut kv,
-        &mut [&mut seqs[2]],
-        &[prompts[2].len() - 1],
-        LogitsFor::AllTokens,
-    )
-    .unwrap();
-    let [a, b, c] = &mut seqs[..] else {
-        unreachable!()
-    };
-    let batched = run_step(
-        &model,
-        &mut kv,
-        &mut [a, b, c],
-        &[usize::MAX; 3],
-        LogitsFor::AllTokens,
-    )
-    .unwrap();
-
-    let v = model.config.vocab_size;
-    let n0 = prompts[0].len();
-    let n1 = prompts[1].len();
-    assert_eq!(
-        &batched.logits[..n0 * v],
-        &alone[0][..],
-        "{name}: sequence 0 differs when batched"
-    );
-    assert_eq!(
-        &batched.logits[n0 * v..(n0 + n1) * v],
-        &alone[1][..],
-        "{name}: sequence 1 differs when batched"
-    );
-    let mut third = head_start.logits;
-    third.extend_from_slice(&batched.logits[(n0 + n1) * v..]);
-    assert_eq!(
-        third, alone[2],
-        "{name}: sequence 2 (chunked across steps) differs"
-    );
+    let (batched, alone) = batched_and_alone(&model, &r.tokens);
+    for (i, (got, want)) in batched.iter().zip(&alone).enumerate() {
+        assert_eq!(got, want, "{name}: sequence {i} differs when batched");
+    }
 }

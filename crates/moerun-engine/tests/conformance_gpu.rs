@@ -18,11 +18,10 @@ mod reference;
 use std::path::Path;
 
 use moerun_core::Device;
-use moerun_engine::{run_step, Sequence, SequenceKv};
-use moerun_model::{LogitsFor, Model};
+use moerun_model::Model;
 use reference::{
-    fixture_names, fixtures_dir, greedy, incremental_logits, load_reference, prefill_logits,
-    relative_error,
+    batched_and_alone, fixture_names, fixtures_dir, greedy, incremental_logits, load_reference,
+    prefill_logits, relative_error,
 };
 
 /// The model on GPU 0, or `None` (with the skip line printed) when CUDA is unavailable here.
@@ -136,46 +135,10 @@ fn mixed_flat_batch_equals_each_sequence_alone_on_the_gpu() {
     let Some(model) = on_gpu(&dir) else { return };
     let model = model.unwrap();
     let r = load_reference(&dir);
-    let prompts: Vec<Vec<u32>> = vec![
-        r.tokens[..37].to_vec(),
-        r.tokens[5..12].to_vec(),
-        r.tokens[20..].to_vec(),
-    ];
-    let alone: Vec<Vec<f32>> = prompts.iter().map(|p| prefill_logits(&model, p)).collect();
-    let mut kv = SequenceKv::for_model(&model, 256).unwrap();
-    let mut seqs: Vec<Sequence> = prompts.iter().map(|p| Sequence::new(p.clone())).collect();
-    // The third sequence is mid-way when batched with the other two's prefills.
-    let head = run_step(
-        &model,
-        &mut kv,
-        &mut [&mut seqs[2]],
-        &[prompts[2].len() - 1],
-        LogitsFor::AllTokens,
-    )
-    .unwrap();
-    let [a, b, c] = &mut seqs[..] else {
-        unreachable!()
-    };
-    let batched = run_step(
-        &model,
-        &mut kv,
-        &mut [a, b, c],
-        &[usize::MAX; 3],
-        LogitsFor::AllTokens,
-    )
-    .unwrap()
-    .logits;
-    let vocab = model.config.vocab_size;
-    let (n0, n1) = (prompts[0].len() * vocab, prompts[1].len() * vocab);
-    let mut third = head.logits;
-    third.extend_from_slice(&batched[n0 + n1..]);
+    let (batched, alone) = batched_and_alone(&model, &r.tokens);
     // Batched rows may take cuBLAS where lone decode rows take the GEMV: both f32 here, so the
     // summation order is all that differs.
-    for (i, (got, want)) in [&batched[..n0], &batched[n0..n0 + n1], &third[..]]
-        .into_iter()
-        .zip(&alone)
-        .enumerate()
-    {
+    for (i, (got, want)) in batched.iter().zip(&alone).enumerate() {
         let e = relative_error(got, want);
         println!(
             "RESULT|gpu batched seq {i} vs alone|{e:.2e}|1e-5|{}",

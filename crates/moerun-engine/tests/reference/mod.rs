@@ -139,3 +139,44 @@ pub fn greedy(model: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
     }
     out
 }
+
+/// The mixed-batch scenario: three sequences of different lengths cut from `tokens`, the third a
+/// step ahead (all but its last token already run) so the batch mixes prefill and decode-like
+/// chunks. Returns, per sequence, its logits from the flat batch (the third's joined across its
+/// two steps) and from a lone prefill.
+pub fn batched_and_alone(model: &Model, tokens: &[u32]) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+    let prompts: Vec<Vec<u32>> = vec![
+        tokens[..37].to_vec(),
+        tokens[5..12].to_vec(),
+        tokens[20..].to_vec(),
+    ];
+    let alone: Vec<Vec<f32>> = prompts.iter().map(|p| prefill_logits(model, p)).collect();
+    let mut kv = SequenceKv::for_model(model, 256).unwrap();
+    let mut seqs: Vec<Sequence> = prompts.iter().map(|p| Sequence::new(p.clone())).collect();
+    let head_start = run_step(
+        model,
+        &mut kv,
+        &mut [&mut seqs[2]],
+        &[prompts[2].len() - 1],
+        LogitsFor::AllTokens,
+    )
+    .unwrap();
+    let [a, b, c] = &mut seqs[..] else {
+        unreachable!()
+    };
+    let batched = run_step(
+        model,
+        &mut kv,
+        &mut [a, b, c],
+        &[usize::MAX; 3],
+        LogitsFor::AllTokens,
+    )
+    .unwrap()
+    .logits;
+    let v = model.config.vocab_size;
+    let (n0, n1) = (prompts[0].len() * v, prompts[1].len() * v);
+    let mut third = head_start.logits;
+    third.extend_from_slice(&batched[n0 + n1..]);
+    let per_seq = vec![batched[..n0].to_vec(), batched[n0..n0 + n1].to_vec(), third];
+    (per_seq, alone)
+}

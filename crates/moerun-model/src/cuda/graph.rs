@@ -74,12 +74,12 @@ pub(crate) fn try_decode(
     if !decode || !rows.iter().copied().eq(0..n) || kv.graphs.disabled.is_some() {
         return Ok(None);
     }
-    // Past its decode limit the MoE op groups tokens on the host, which a graph cannot hold.
-    let limit = match first_moe(m, cfg, w) {
-        Some((e, _)) if e.dtype() == moerun_core::DType::BF16 => MoePath::DECODE_MAX_TOKENS,
-        _ => usize::MAX,
-    };
-    let Some(&bucket) = BUCKETS.iter().find(|&&b| b >= n && b <= limit) else {
+    let moe = first_moe(m, cfg, w);
+    // The bucket's MoE must take the op's decode path: its prefill path groups tokens on the
+    // host, which a graph cannot hold.
+    let graph_safe =
+        |b: usize| moe.is_none_or(|(e, _)| MoePath::for_batch(b, e.dtype()) == MoePath::Decode);
+    let Some(&bucket) = BUCKETS.iter().find(|&&b| b >= n && graph_safe(b)) else {
         return Ok(None);
     };
     if !graphs_enabled() {
@@ -93,7 +93,7 @@ pub(crate) fn try_decode(
         .unwrap_or(1);
     // The MoE scratch must hold the bucket before capture: replacing it later would leave the
     // graph pointing at freed memory.
-    if let Some((experts, top_k)) = first_moe(m, cfg, w) {
+    if let Some((experts, top_k)) = moe {
         kv.scratch.moe(&m.dev, experts, bucket, top_k)?;
     }
     if kv.scratch.replaced {

@@ -342,7 +342,8 @@ impl Backend for CudaPass<'_> {
             let rows = x.len() / hidden;
             let k = cfg.top_k;
             let logits = self.product(x, &w.router)?;
-            let mut ids = dev.zeros::<u32>(rows * k).map_err(dev_err)?;
+            // route_topk writes every choice: no memset (a launch per layer in a decode step).
+            let mut ids = dev.alloc_u32(rows * k).map_err(dev_err)?;
             let mut weights = self.alloc(rows * k)?;
             let shape = RouterShape {
                 experts: cfg.num_experts,

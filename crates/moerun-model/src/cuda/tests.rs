@@ -14,6 +14,18 @@ use crate::kv::KvCache;
 use crate::weights::{FfnWeights, MixerWeights};
 use crate::Model;
 
+/// The fixture in `dir` on GPU 0 and on the CPU, or `None` (the skip line printed) without CUDA.
+fn on_gpu_and_cpu(dir: &Path) -> Option<(Model, Model)> {
+    match Model::load_on(dir, Device::Cuda(0)) {
+        Ok(gpu) => Some((gpu, Model::load(dir).unwrap())),
+        Err(e) if e.to_string().contains("CUDA is unavailable") => {
+            println!("skipped: {e}");
+            None
+        }
+        Err(e) => panic!("{e}"),
+    }
+}
+
 /// Layer 0's q, k, v or o projection.
 fn proj(w: &crate::weights::ModelWeights, i: usize) -> &crate::weights::Linear {
     match &w.layers[0].mixer {
@@ -36,15 +48,9 @@ fn rel(got: &[f32], want: &[f32]) -> f64 {
 #[test]
 fn every_backend_op_matches_the_cpu_on_the_gpu() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen3_moe_f32");
-    let gpu = match Model::load_on(&dir, Device::Cuda(0)) {
-        Ok(m) => m,
-        Err(e) if e.to_string().contains("CUDA is unavailable") => {
-            println!("skipped: {e}");
-            return;
-        }
-        Err(e) => panic!("{e}"),
+    let Some((gpu, cpu)) = on_gpu_and_cpu(&dir) else {
+        return;
     };
-    let cpu = Model::load(&dir).unwrap();
     let cfg = &cpu.config;
     let tokens: Vec<u32> = (0..21u32)
         .map(|i| (i * 37 + 5) % cfg.vocab_size as u32)
@@ -177,15 +183,9 @@ fn every_layer_matches_the_cpu_on_the_gpu() {
         "qwen2_dense_swa_yarn",
     ] {
         let dir = root.join(name);
-        let gpu = match Model::load_on(&dir, Device::Cuda(0)) {
-            Ok(m) => m,
-            Err(e) if e.to_string().contains("CUDA is unavailable") => {
-                println!("skipped: {e}");
-                return;
-            }
-            Err(e) => panic!("{e}"),
+        let Some((gpu, cpu)) = on_gpu_and_cpu(&dir) else {
+            return;
         };
-        let cpu = Model::load(&dir).unwrap();
         let cfg = &cpu.config;
         let text = std::fs::read_to_string(dir.join("reference.json")).unwrap();
         let json: serde_json::Value = serde_json::from_str(&text).unwrap();
