@@ -84,11 +84,25 @@ impl BlockAllocator {
 
     /// Release every block of `table` and empty it.
     pub fn free_table(&mut self, table: &mut BlockTable) {
-        for id in table.blocks.drain(..) {
+        for id in table.blocks.drain(..).filter(|&b| b != RELEASED_BLOCK) {
+            self.release(id);
+        }
+    }
+
+    /// Release the blocks of `table` that hold only positions before `pos` (a sliding
+    /// window's KV that no later query can see), leaving [`RELEASED_BLOCK`] in their entries.
+    pub fn release_before(&mut self, table: &mut BlockTable, pos: usize) {
+        for id in table.take_blocks_before(pos, self.block_size) {
             self.release(id);
         }
     }
 }
+
+/// A block-table entry whose block was given back because every position in it had left the
+/// sliding window of the layers the table serves ([`BlockTable::take_blocks_before`]). Entries
+/// stay indexed by position, so a table only ever grows; no kernel reads a position before its
+/// window, so none reads such an entry.
+pub const RELEASED_BLOCK: u32 = u32::MAX;
 
 /// The blocks of one sequence, in position order: token at position `p` lives in block
 /// `blocks[p / block_size]`, slot `p % block_size`.
@@ -106,6 +120,25 @@ impl BlockTable {
     /// How many tokens the table can hold.
     pub fn capacity(&self, block_size: usize) -> usize {
         self.blocks.len() * block_size
+    }
+
+    /// The blocks still held (entries other than [`RELEASED_BLOCK`]), in position order.
+    pub fn held(&self) -> impl Iterator<Item = u32> + '_ {
+        self.blocks.iter().copied().filter(|&b| b != RELEASED_BLOCK)
+    }
+
+    /// Take out the held blocks whose every position is before `pos`, marking their entries
+    /// [`RELEASED_BLOCK`]; returns them, last first (the order a pool should get them back).
+    pub fn take_blocks_before(&mut self, pos: usize, block_size: usize) -> Vec<u32> {
+        let whole = (pos / block_size).min(self.blocks.len());
+        let mut taken = Vec::new();
+        for entry in self.blocks[..whole].iter_mut().rev() {
+            if *entry == RELEASED_BLOCK {
+                break; // everything before was released by an earlier call
+            }
+            taken.push(std::mem::replace(entry, RELEASED_BLOCK));
+        }
+        taken
     }
 }
 
@@ -125,6 +158,28 @@ mod tests {
         a.free_table(&mut t);
         assert_eq!(a.num_free(), 4);
         assert!(t.blocks.is_empty());
+    }
+
+    #[test]
+    fn release_before_gives_back_only_whole_blocks_before_the_position() {
+        let mut a = BlockAllocator::new(8, 4);
+        let mut t = BlockTable::default();
+        a.reserve(&mut t, 14).unwrap(); // blocks for positions 0-3, 4-7, 8-11, 12-15
+        let ids = t.blocks.clone();
+        a.release_before(&mut t, 7); // position 7 still visible: only the first block goes
+        assert_eq!(t.blocks, [RELEASED_BLOCK, ids[1], ids[2], ids[3]]);
+        assert_eq!(a.num_free(), 5);
+        a.release_before(&mut t, 12);
+        assert_eq!(t.held().collect::<Vec<_>>(), [ids[3]]);
+        assert_eq!(a.num_free(), 7);
+        a.release_before(&mut t, 12); // nothing more to give back
+        assert_eq!(a.num_free(), 7);
+        // The table keeps its length (entries are by position) and grows from there.
+        a.reserve(&mut t, 20).unwrap();
+        assert_eq!(t.blocks.len(), 5);
+        assert_eq!(t.capacity(4), 20);
+        a.free_table(&mut t);
+        assert_eq!(a.num_free(), 8);
     }
 
     #[test]

@@ -9,7 +9,7 @@ pub mod dtype;
 pub mod error;
 pub mod tensor;
 
-pub use blocks::{BlockAllocator, BlockTable};
+pub use blocks::{BlockAllocator, BlockTable, RELEASED_BLOCK};
 pub use device::Device;
 pub use dtype::DType;
 pub use error::{Error, Result};

@@ -20,8 +20,8 @@ use std::path::Path;
 use moerun_core::Device;
 use moerun_model::Model;
 use reference::{
-    batched_and_alone, fixture_names, fixtures_dir, greedy, incremental_logits, load_reference,
-    prefill_logits, relative_error,
+    batched_and_alone, chunked_logits, fixture_names, fixtures_dir, greedy, incremental_logits,
+    load_reference, prefill_logits, relative_error, WINDOWED_FIXTURES,
 };
 
 /// The model on GPU 0, or `None` (with the skip line printed) when CUDA is unavailable here.
@@ -171,4 +171,40 @@ fn two_models_decoding_at_once_in_two_threads_agree_with_one_alone() {
         );
         assert!(e <= 1e-6, "{what}: {e:.3e} against the lone run");
     }
+}
+
+#[test]
+fn windowed_kv_gives_the_logits_of_the_full_cache_on_the_gpu() {
+    let mut failures = Vec::new();
+    for name in WINDOWED_FIXTURES {
+        let dir = fixtures_dir().join(name);
+        let gpu = match on_gpu(&dir) {
+            None => return,
+            Some(Ok(m)) => m,
+            Some(Err(e)) if e.contains("CUDA backend") => {
+                println!("{name:36} refused on CUDA: {e}");
+                continue;
+            }
+            Some(Err(e)) => {
+                failures.push(format!("{name}: {e}"));
+                continue;
+            }
+        };
+        let r = load_reference(&dir);
+        // Chunks of at most 5 tokens run the GEMV: the token-by-token bar applies.
+        let plain = chunked_logits(&gpu, &r.tokens, 5, false);
+        let windowed = chunked_logits(&gpu, &r.tokens, 5, true);
+        let err = relative_error(&windowed, &r.logits);
+        println!("{name:36} windowed KV on the GPU: {err:.1e} from transformers");
+        if plain != windowed {
+            let diff = relative_error(&windowed, &plain);
+            failures.push(format!(
+                "{name}: windowed KV changed the logits ({diff:.2e})"
+            ));
+        }
+        if err >= r.tolerance() {
+            failures.push(format!("{name}: {err:.2e} from transformers"));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

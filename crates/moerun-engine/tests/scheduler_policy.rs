@@ -15,6 +15,7 @@ fn config() -> SchedulerConfig {
         num_blocks: 64,
         enable_prefix_caching: true,
         max_waiting: 16,
+        kv_window: None,
     }
 }
 

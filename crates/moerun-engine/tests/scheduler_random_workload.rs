@@ -9,9 +9,10 @@
 
 use std::collections::BTreeMap;
 
+use moerun_core::RELEASED_BLOCK;
 use moerun_engine::block_manager::{BlockHasher, Fnv1a64};
 use moerun_engine::scheduler::{
-    AddError, FinishReason, Finished, Request, Scheduler, SchedulerConfig,
+    AddError, FinishReason, Finished, KvWindowGroup, Request, Scheduler, SchedulerConfig,
 };
 
 /// Every block hashes alike, so every prefix-cache lookup is a collision.
@@ -55,8 +56,16 @@ fn config(enable_prefix_caching: bool) -> SchedulerConfig {
         num_blocks: 40,
         enable_prefix_caching,
         max_waiting: 24,
+        kv_window: None,
     }
 }
+
+/// Sliding-window layers with blocks of their own: a window of 10 positions (not a multiple of
+/// the block size), their pool smaller than the other one.
+const WINDOW: KvWindowGroup = KvWindowGroup {
+    window: 10,
+    num_blocks: 30,
+};
 
 /// The token the fake model samples for request `id` at position `pos`.
 fn fake_token(id: u64, pos: usize) -> u32 {
@@ -108,6 +117,8 @@ fn run_workload<H: BlockHasher>(mut s: Scheduler<H>, seed: u64) {
     let mut to_add = requests.into_iter().peekable();
     let mut finished: BTreeMap<u64, Finished> = BTreeMap::new();
     let mut kv: Vec<Vec<Option<u64>>> = vec![vec![None; BLOCK_SIZE]; cfg.num_blocks];
+    let window_blocks = cfg.kv_window.map_or(0, |w| w.num_blocks);
+    let mut window_kv: Vec<Vec<Option<u64>>> = vec![vec![None; BLOCK_SIZE]; window_blocks];
     let record = |f: Finished, finished: &mut BTreeMap<u64, Finished>| {
         let r = &by_id[&f.id];
         let expected: Vec<u32> = (0..r.max_new_tokens)
@@ -172,6 +183,34 @@ fn run_workload<H: BlockHasher>(mut s: Scheduler<H>, seed: u64) {
                     *cell = Some(want);
                 }
             }
+            if let Some(w) = cfg.kv_window {
+                // The window group: every position the chunk's queries can see is intact, the
+                // new ones are written, and nothing before the window is still held.
+                let table = s.window_table(c.id).unwrap();
+                let first_visible = (c.start_pos + 1).saturating_sub(w.window);
+                for pos in first_visible..c.start_pos + c.num_tokens {
+                    let (block, slot) = table.slot(pos, BLOCK_SIZE);
+                    let cell = &mut window_kv[block as usize][slot];
+                    let want = fingerprint(&all[..=pos]);
+                    if pos < c.start_pos {
+                        assert_eq!(*cell, Some(want), "request {} window position {pos}", c.id);
+                    } else {
+                        *cell = Some(want);
+                    }
+                }
+                let held = table.held().count();
+                let bound = s
+                    .block_manager()
+                    .window_blocks_for(c.start_pos + c.num_tokens, cfg.max_num_batched_tokens);
+                assert!(held <= bound, "request {} holds {held} window blocks", c.id);
+                assert!(
+                    table.blocks[..first_visible / BLOCK_SIZE]
+                        .iter()
+                        .all(|&b| b == RELEASED_BLOCK),
+                    "request {}: a block before the window is still held",
+                    c.id
+                );
+            }
             let sampled = c
                 .needs_logits
                 .then(|| fake_token(c.id, c.start_pos + c.num_tokens));
@@ -199,6 +238,9 @@ fn run_workload<H: BlockHasher>(mut s: Scheduler<H>, seed: u64) {
     );
     let bm = s.block_manager();
     assert_eq!(bm.num_free_blocks(), bm.num_blocks(), "all blocks returned");
+    if let Some((total, free)) = bm.window_blocks() {
+        assert_eq!(free, total, "all window blocks returned");
+    }
     assert!(
         stats.num_preemptions > 0,
         "the workload should exercise preemption"
@@ -236,4 +278,26 @@ fn no_request_is_lost_or_corrupted_when_every_block_hash_collides() {
             seed,
         );
     }
+}
+
+#[test]
+fn no_request_is_lost_or_corrupted_with_a_window_group() {
+    for seed in 30..34 {
+        let cfg = SchedulerConfig {
+            kv_window: Some(WINDOW),
+            ..config(false)
+        };
+        run_workload(Scheduler::new(cfg).unwrap(), seed);
+    }
+}
+
+#[test]
+fn a_window_group_turns_prefix_caching_off() {
+    let cfg = SchedulerConfig {
+        kv_window: Some(WINDOW),
+        ..config(true)
+    };
+    let s = Scheduler::new(cfg).unwrap();
+    assert!(!s.block_manager().prefix_caching_enabled());
+    assert_eq!(s.block_manager().window(), Some(10));
 }

@@ -33,6 +33,12 @@ pub struct Batch<'a> {
     /// models without linear-attention layers. (Kept beside `seqs` rather than in [`SeqChunk`]
     /// until every caller that builds chunks carries a slot.)
     pub state_slots: Vec<usize>,
+    /// Per sequence, in `seqs` order, the block table of its sliding-window layers' K/V when the
+    /// KV cache keeps that group apart ([`crate::KvCache::with_window_group`]): indexed by
+    /// position like `block_table`, with the entries before the window of the sequence's
+    /// first new token possibly [`moerun_core::RELEASED_BLOCK`]. Empty when the cache keeps
+    /// every layer in the same blocks.
+    pub window_tables: Vec<&'a BlockTable>,
 }
 
 impl<'a> Batch<'a> {
@@ -40,6 +46,21 @@ impl<'a> Batch<'a> {
         Batch {
             seqs,
             state_slots: Vec::new(),
+            window_tables: Vec::new(),
+        }
+    }
+
+    /// The same batch, the K/V of each sequence's sliding-window layers in `tables[i]`.
+    pub fn with_window_tables(mut self, tables: Vec<&'a BlockTable>) -> Self {
+        self.window_tables = tables;
+        self
+    }
+
+    /// The block table of sequence `i`'s layers in the window group (`windowed`) or the others.
+    pub fn table(&self, i: usize, windowed: bool) -> &'a BlockTable {
+        match self.window_tables.get(i) {
+            Some(t) if windowed => t,
+            _ => self.seqs[i].block_table,
         }
     }
 

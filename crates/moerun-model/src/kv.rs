@@ -17,6 +17,9 @@ pub const KV_BYTES_PER_VALUE: usize = 4;
 pub struct KvCache {
     block_size: usize,
     num_blocks: usize,
+    /// Blocks of the window group's pools when that group has its own blocks
+    /// ([`KvCache::with_window_group`]); `None` when every layer uses the same block ids.
+    num_window_blocks: Option<usize>,
     pub(crate) pools: Vec<KvPool>,
     /// The pools in GPU memory when the model runs on the CUDA backend (the host pools are then
     /// empty).
@@ -29,12 +32,42 @@ impl KvCache {
     /// they get an empty pool, so pools stay indexed by layer and the bytes match
     /// `ModelConfig::kv_bytes_per_token`, which is what servers size the cache by.
     pub fn new(cfg: &ModelConfig, num_blocks: usize, block_size: usize) -> KvCache {
+        KvCache::with_pools(cfg, num_blocks, None, block_size)
+    }
+
+    /// Storage in which the sliding-window layers ([`ModelConfig::layer_kv_windowed`]) keep their
+    /// K/V in blocks of their own, `num_window_blocks` of them, named by each sequence's window
+    /// table ([`crate::Batch::window_tables`]); a sequence then holds window-group blocks only for
+    /// its window (plus the chunk being computed), whatever its length. The other layers have
+    /// `num_blocks` blocks as in [`KvCache::new`].
+    pub fn with_window_group(
+        cfg: &ModelConfig,
+        num_blocks: usize,
+        num_window_blocks: usize,
+        block_size: usize,
+    ) -> KvCache {
+        KvCache::with_pools(cfg, num_blocks, Some(num_window_blocks), block_size)
+    }
+
+    fn with_pools(
+        cfg: &ModelConfig,
+        num_blocks: usize,
+        num_window_blocks: Option<usize>,
+        block_size: usize,
+    ) -> KvCache {
         KvCache {
             block_size,
             num_blocks,
+            num_window_blocks,
             pools: (0..cfg.num_layers())
                 .map(|l| match cfg.layer_kv_shape(l) {
-                    Some((heads, dim)) => KvPool::new(num_blocks, block_size, heads, dim),
+                    Some((heads, dim)) => {
+                        let blocks = match num_window_blocks {
+                            Some(w) if cfg.layer_kv_windowed(l) => w,
+                            _ => num_blocks,
+                        };
+                        KvPool::new(blocks, block_size, heads, dim)
+                    }
                     // Gated DeltaNet and KV-shared layers keep no K/V of their own.
                     None => KvPool::new(0, block_size, cfg.num_kv_heads, cfg.head_dim),
                 })
@@ -49,10 +82,12 @@ impl KvCache {
         cfg: &ModelConfig,
         device: crate::cuda::DeviceKv,
         num_blocks: usize,
+        num_window_blocks: Option<usize>,
         block_size: usize,
     ) -> KvCache {
         let mut cache = KvCache::new(cfg, 0, block_size);
         cache.num_blocks = num_blocks;
+        cache.num_window_blocks = num_window_blocks;
         cache.device = Some(device);
         cache
     }
@@ -71,9 +106,15 @@ impl KvCache {
         self.block_size
     }
 
-    /// Blocks in every layer's pool; valid block ids are `0..num_blocks`.
+    /// Blocks in every layer's pool (the window group's aside, when it has its own); valid
+    /// block ids are `0..num_blocks`.
     pub fn num_blocks(&self) -> usize {
         self.num_blocks
+    }
+
+    /// Blocks of the window group's pools when it has blocks of its own.
+    pub fn num_window_blocks(&self) -> Option<usize> {
+        self.num_window_blocks
     }
 
     /// Bytes of KV storage.

@@ -176,14 +176,45 @@ impl Model {
 
     /// KV storage for this model where it runs: `num_blocks` blocks of `block_size` tokens.
     pub fn new_kv_cache(&self, num_blocks: usize, block_size: usize) -> Result<KvCache> {
-        match &self.cuda {
-            None => Ok(KvCache::new(&self.config, num_blocks, block_size)),
-            Some(c) => {
-                let dkv = DeviceKv::new(c.device(), &self.config, num_blocks, block_size)?;
+        self.kv_cache(num_blocks, None, block_size)
+    }
+
+    /// [`Model::new_kv_cache`] with the sliding-window layers' K/V in `num_window_blocks`
+    /// blocks of their own ([`KvCache::with_window_group`]); batches then name each sequence's
+    /// window table. Refused for a model without sliding-window layers.
+    pub fn new_kv_cache_with_window_group(
+        &self,
+        num_blocks: usize,
+        num_window_blocks: usize,
+        block_size: usize,
+    ) -> Result<KvCache> {
+        if self.config.kv_window().is_none() {
+            return Err(Error::InvalidArgument(format!(
+                "a window group for the KV cache of {}, which has no sliding-window layers",
+                self.config.family
+            )));
+        }
+        self.kv_cache(num_blocks, Some(num_window_blocks), block_size)
+    }
+
+    fn kv_cache(
+        &self,
+        num_blocks: usize,
+        num_window_blocks: Option<usize>,
+        block_size: usize,
+    ) -> Result<KvCache> {
+        let cfg = &self.config;
+        match (&self.cuda, num_window_blocks) {
+            (None, None) => Ok(KvCache::new(cfg, num_blocks, block_size)),
+            (None, Some(w)) => Ok(KvCache::with_window_group(cfg, num_blocks, w, block_size)),
+            (Some(c), _) => {
+                let dkv =
+                    DeviceKv::new(c.device(), cfg, num_blocks, num_window_blocks, block_size)?;
                 Ok(KvCache::on_device(
-                    &self.config,
+                    cfg,
                     dkv,
                     num_blocks,
+                    num_window_blocks,
                     block_size,
                 ))
             }
@@ -281,6 +312,7 @@ impl Model {
     /// Check the batch against the cache and the model; return its tokens, flat.
     fn check_batch(&self, batch: &Batch, kv: &KvCache) -> Result<Vec<u32>> {
         let cfg = &self.config;
+        check_window_tables(cfg, batch, kv)?;
         let mut tokens = Vec::with_capacity(batch.num_tokens());
         for seq in &batch.seqs {
             let end = seq.start_pos + seq.tokens.len();
@@ -358,4 +390,47 @@ impl Model {
         }
         Ok(ForwardOutput { rows, logits })
     }
+}
+
+/// The batch's window tables against the cache: present exactly when the cache keeps a window
+/// group, one per sequence, covering the new positions, with live blocks of the window group's
+/// pools from the window of each sequence's first new token on (entries before it may have been
+/// released).
+fn check_window_tables(cfg: &ModelConfig, batch: &Batch, kv: &KvCache) -> Result<()> {
+    let Some(num_window_blocks) = kv.num_window_blocks() else {
+        if batch.window_tables.is_empty() {
+            return Ok(());
+        }
+        return Err(Error::InvalidArgument(
+            "the batch names window tables but the KV cache has no window group".into(),
+        ));
+    };
+    if batch.window_tables.len() != batch.seqs.len() {
+        return Err(Error::InvalidArgument(format!(
+            "the KV cache keeps the sliding-window layers apart: the batch needs a window table \
+             per sequence ({} for {} sequences)",
+            batch.window_tables.len(),
+            batch.seqs.len()
+        )));
+    }
+    let window = cfg.kv_window().unwrap_or(usize::MAX);
+    let bs = kv.block_size();
+    for (seq, table) in batch.seqs.iter().zip(&batch.window_tables) {
+        let end = seq.start_pos + seq.tokens.len();
+        if table.capacity(bs) < end {
+            return Err(Error::InvalidArgument(format!(
+                "window table holds {} positions but the batch writes up to {end}",
+                table.capacity(bs)
+            )));
+        }
+        let first_visible = (seq.start_pos + 1).saturating_sub(window);
+        let live = &table.blocks[first_visible / bs..end.div_ceil(bs)];
+        if let Some(&b) = live.iter().find(|&&b| b as usize >= num_window_blocks) {
+            return Err(Error::InvalidArgument(format!(
+                "window-table entry {b} for a position inside the window is not a block of the \
+                 window group ({num_window_blocks} blocks)"
+            )));
+        }
+    }
+    Ok(())
 }

@@ -23,7 +23,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use axum::serve::ListenerExt;
-use moerun_engine::scheduler::SchedulerConfig;
+use moerun_engine::scheduler::{KvWindowGroup, SchedulerConfig};
 use moerun_model::kv::{DEFAULT_BLOCK_SIZE, KV_BYTES_PER_VALUE};
 use moerun_model::ModelConfig;
 use tokio::sync::oneshot;
@@ -121,16 +121,15 @@ impl ServerOptions {
                 "--max-model-len {max_model_len} exceeds the model's context of {context} tokens"
             )));
         }
-        let per_token = model.kv_bytes_per_token(KV_BYTES_PER_VALUE) as u64;
-        let per_block = per_token * DEFAULT_BLOCK_SIZE as u64;
-        let bytes = self.kv_cache_bytes.unwrap_or_else(|| {
-            let wanted = per_token * (self.max_num_seqs as u64) * (max_model_len as u64);
-            wanted.min(kv_budget)
-        });
-        let num_blocks = usize::try_from(bytes / per_block.max(1)).unwrap_or(usize::MAX);
-        if num_blocks == 0 {
+        let sizes = kv_sizes(self, model, max_model_len);
+        let bytes = self
+            .kv_cache_bytes
+            .unwrap_or_else(|| sizes.wanted_bytes().min(kv_budget));
+        let (num_blocks, kv_window) = sizes.blocks_in(bytes);
+        if num_blocks == 0 || kv_window.is_some_and(|w| w.num_blocks == 0) {
             return Err(StartError::Config(format!(
-                "--kv-cache-memory {bytes} bytes holds no KV block ({per_block} bytes each)"
+                "--kv-cache-memory {bytes} bytes holds no KV block ({} bytes each)",
+                sizes.block_bytes()
             )));
         }
         let config = SchedulerConfig {
@@ -140,14 +139,103 @@ impl ServerOptions {
             block_size: DEFAULT_BLOCK_SIZE,
             num_blocks,
             // A cached prefix block holds K/V but not the linear-attention state at its end, so
-            // hybrid (Gated DeltaNet) models always recompute their prompts.
-            enable_prefix_caching: self.enable_prefix_caching && model.linear_attention.is_none(),
+            // hybrid (Gated DeltaNet) models always recompute their prompts; nor the window
+            // group's blocks before its end, which sliding-window models give back.
+            enable_prefix_caching: self.enable_prefix_caching
+                && model.linear_attention.is_none()
+                && kv_window.is_none(),
             max_waiting: self.max_waiting,
+            kv_window,
         };
         config
             .validate()
             .map_err(|e| StartError::Config(e.to_string()))?;
         Ok(config)
+    }
+}
+
+/// What the KV cache of a model needs per block, and how many blocks `max_num_seqs` sequences of
+/// `max_model_len` tokens would want, in each group: the layers that see every position, and
+/// (when the model's sliding window is shorter than `max_model_len`) the sliding-window layers,
+/// which keep a sequence's window plus one step's chunk.
+struct KvSizes {
+    full_block_bytes: u64,
+    full_blocks_wanted: u64,
+    /// The window, its bytes per block and the blocks wanted, when the group is kept apart.
+    window: Option<(usize, u64, u64)>,
+}
+
+fn kv_sizes(options: &ServerOptions, model: &ModelConfig, max_model_len: usize) -> KvSizes {
+    let bs = DEFAULT_BLOCK_SIZE;
+    let (full, windowed) = model.kv_bytes_per_token_by_group(KV_BYTES_PER_VALUE);
+    let seqs = options.max_num_seqs as u64;
+    let seq_blocks = max_model_len.div_ceil(bs);
+    match model.kv_window().filter(|&w| w < max_model_len) {
+        Some(w) => {
+            let chunk = options.max_num_batched_tokens.max(1);
+            let per_seq = seq_blocks.min((w - 1 + chunk).div_ceil(bs) + 1) as u64;
+            KvSizes {
+                full_block_bytes: (full * bs) as u64,
+                full_blocks_wanted: seqs * seq_blocks as u64,
+                window: Some((w, (windowed * bs) as u64, seqs * per_seq)),
+            }
+        }
+        None => KvSizes {
+            full_block_bytes: ((full + windowed) * bs) as u64,
+            full_blocks_wanted: seqs * seq_blocks as u64,
+            window: None,
+        },
+    }
+}
+
+impl KvSizes {
+    /// Bytes of one block of each group together (what the error message quotes).
+    fn block_bytes(&self) -> u64 {
+        self.full_block_bytes + self.window.map_or(0, |(_, b, _)| b)
+    }
+
+    fn wanted_bytes(&self) -> u64 {
+        let window = self.window.map_or(0, |(_, bytes, n)| bytes * n);
+        self.full_block_bytes * self.full_blocks_wanted + window
+    }
+
+    /// Blocks of each group in `bytes`. Short of what is wanted, both groups shrink by the same
+    /// fraction, so the cache holds as many whole sequences in one as in the other; past it, the
+    /// window group gets what it wants and the other group the rest. A group whose blocks cost
+    /// nothing (a model whose every layer is windowed) gets what it wants.
+    fn blocks_in(&self, bytes: u64) -> (usize, Option<KvWindowGroup>) {
+        let to_usize = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
+        let Some((window, window_block_bytes, window_wanted)) = self.window else {
+            return (to_usize(bytes / self.full_block_bytes.max(1)), None);
+        };
+        let wanted = self.wanted_bytes().max(1);
+        let (num_blocks, num_window) = if bytes >= wanted {
+            let rest = bytes - window_wanted * window_block_bytes;
+            let full = match self.full_block_bytes {
+                0 => self.full_blocks_wanted,
+                b => rest / b,
+            };
+            (to_usize(full), to_usize(window_wanted))
+        } else {
+            let share = |blocks: u64, block_bytes: u64| -> usize {
+                let fitting = (blocks as u128 * bytes as u128 / wanted as u128) as u64;
+                match block_bytes {
+                    0 => to_usize(blocks),
+                    b => to_usize(fitting.min(bytes / b)),
+                }
+            };
+            (
+                share(self.full_blocks_wanted, self.full_block_bytes),
+                share(window_wanted, window_block_bytes),
+            )
+        };
+        (
+            num_blocks,
+            Some(KvWindowGroup {
+                window,
+                num_blocks: num_window,
+            }),
+        )
     }
 }
 
@@ -277,5 +365,63 @@ impl Drop for Server {
         if let Some(engine) = self.engine.take() {
             engine.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(path: &str) -> ModelConfig {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let text = std::fs::read_to_string(dir.join(path)).unwrap();
+        ModelConfig::from_json_str(&text).unwrap()
+    }
+
+    fn options(seqs: usize, model_len: usize) -> ServerOptions {
+        ServerOptions {
+            max_num_seqs: seqs,
+            max_model_len: Some(model_len),
+            ..ServerOptions::default()
+        }
+    }
+
+    #[test]
+    fn sliding_window_layers_get_a_bounded_window_group() {
+        // Gemma-4-26B-A4B: 25 of 30 layers slide over 1024 positions.
+        let model = config("configs/gemma-4-26b-a4b.json");
+        let (full, windowed) = model.kv_bytes_per_token_by_group(KV_BYTES_PER_VALUE);
+        assert!(windowed > 5 * full, "{full} {windowed}");
+        let o = options(16, 32768);
+        let sched = o.scheduler_config(&model, u64::MAX).unwrap();
+        let w = sched.kv_window.expect("a window group");
+        assert_eq!(w.window, 1024);
+        assert!(!sched.enable_prefix_caching);
+        // Unbounded budget: every sequence gets its whole context in the full group, and its
+        // window plus a step's chunk (2048 tokens) in the window group.
+        assert_eq!(sched.num_blocks, 16 * 32768 / DEFAULT_BLOCK_SIZE);
+        assert_eq!(w.num_blocks, 16 * ((1023 + 2048usize).div_ceil(16) + 1));
+        // A budget of a quarter of that: both groups shrink alike, and the bytes fit.
+        let wanted = (sched.num_blocks * full + w.num_blocks * windowed) * DEFAULT_BLOCK_SIZE;
+        let quarter = o.scheduler_config(&model, wanted as u64 / 4).unwrap();
+        let qw = quarter.kv_window.unwrap();
+        let used = (quarter.num_blocks * full + qw.num_blocks * windowed) * DEFAULT_BLOCK_SIZE;
+        assert!(used <= wanted / 4, "{used} > {}", wanted / 4);
+        assert_eq!(quarter.num_blocks, sched.num_blocks / 4);
+        assert_eq!(qw.num_blocks, w.num_blocks / 4);
+        // The same bytes without a window group would hold under a fifth as many positions.
+        let plain = (full + windowed) * DEFAULT_BLOCK_SIZE;
+        assert!(wanted / 4 / plain < quarter.num_blocks / 5);
+    }
+
+    #[test]
+    fn a_window_as_long_as_the_context_needs_no_group() {
+        let model = config("configs/gemma-4-26b-a4b.json");
+        let sched = options(4, 1024).scheduler_config(&model, u64::MAX).unwrap();
+        assert_eq!(sched.kv_window, None);
+        assert!(sched.enable_prefix_caching);
+        let dense = config("configs/qwen3-30b-a3b.json");
+        let sched = options(4, 4096).scheduler_config(&dense, u64::MAX).unwrap();
+        assert_eq!(sched.kv_window, None);
     }
 }

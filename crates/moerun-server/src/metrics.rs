@@ -240,6 +240,8 @@ fn render_into(m: &Inner, out: &mut String) {
         num_waiting: 0,
         kv_blocks_used: 0,
         kv_blocks_total: 0,
+        kv_window_blocks_used: 0,
+        kv_window_blocks_total: 0,
         prefix_cache: Default::default(),
         num_preemptions: 0,
     });
@@ -285,6 +287,16 @@ fn render_into(m: &Inner, out: &mut String) {
         "moerun_kv_cache_usage_ratio",
         "Fraction of KV blocks in use.",
         s.kv_usage(),
+    );
+    gauge(
+        "moerun_kv_cache_window_blocks_used",
+        "KV blocks of the sliding-window layers referenced by running sequences (0 without a window group).",
+        s.kv_window_blocks_used as f64,
+    );
+    gauge(
+        "moerun_kv_cache_window_blocks_total",
+        "KV blocks of the sliding-window layers' own pool (0 without a window group).",
+        s.kv_window_blocks_total as f64,
     );
     m.ttft.render(
         out,

@@ -20,6 +20,15 @@
 //!   token to produce logits);
 //! - when no block is free, the least recently released cached block is recycled; a sequence's
 //!   blocks are released last-to-first, so a shared prefix outlives the tails hanging off it.
+//!
+//! **Window group.** A model whose sliding-window layers keep their K/V apart
+//! ([`BlockManager::with_window_group`]) has a second pool of blocks for them, and each sequence a
+//! second table, indexed by position like the first. [`BlockManager::slide_window`] gives back
+//! the blocks whose every position has left the window of the sequence's next token, leaving
+//! [`RELEASED_BLOCK`] in their entries, so a sequence holds window blocks for its last `window`
+//! positions plus the chunk being computed, however long it grows. Allocations are all or nothing
+//! across both pools. Prefix caching is off with a window group: a cached prefix would also need
+//! the window blocks before its end, which are given back as the sequence moves on.
 
 mod hash;
 mod pool;
@@ -27,7 +36,7 @@ mod pool;
 use std::collections::BTreeMap;
 use std::fmt;
 
-use moerun_core::BlockTable;
+use moerun_core::{BlockTable, RELEASED_BLOCK};
 
 pub use hash::{BlockHasher, Fnv1a64};
 use pool::{BlockPool, RegId};
@@ -111,6 +120,15 @@ struct SeqBlocks {
     /// another sequence's block: when two sequences computed the same block, the first to
     /// commit is registered and the other keeps its copy private (but chains on the first).
     chain: Vec<RegId>,
+    /// The window group's blocks (empty without one).
+    window_table: BlockTable,
+}
+
+/// The blocks of the sliding-window layers, and the window they are kept for.
+#[derive(Debug)]
+struct WindowGroup {
+    window: usize,
+    pool: BlockPool,
 }
 
 /// Paged KV blocks for many sequences, with an optional prefix cache. `H` computes block hashes;
@@ -121,6 +139,7 @@ pub struct BlockManager<H = Fnv1a64> {
     enable_prefix_caching: bool,
     hasher: H,
     pool: BlockPool,
+    window: Option<WindowGroup>,
     seqs: BTreeMap<SeqId, SeqBlocks>,
     stats: PrefixCacheStats,
 }
@@ -151,9 +170,72 @@ impl<H: BlockHasher> BlockManager<H> {
             enable_prefix_caching,
             hasher,
             pool: BlockPool::new(num_blocks),
+            window: None,
             seqs: BTreeMap::new(),
             stats: PrefixCacheStats::default(),
         }
+    }
+
+    /// The same manager with a window group of `num_window_blocks` blocks kept for the last
+    /// `window` positions of each sequence (see the module documentation); prefix caching off.
+    ///
+    /// # Panics
+    /// If `window` is 0 or `num_window_blocks` exceeds `u32::MAX` (validated by the scheduler).
+    pub fn with_window_group(mut self, window: usize, num_window_blocks: usize) -> Self {
+        assert!(window > 0, "a sliding window holds at least one position");
+        let n = u32::try_from(num_window_blocks).expect("block ids must fit in u32");
+        self.enable_prefix_caching = false;
+        self.window = Some(WindowGroup {
+            window,
+            pool: BlockPool::new(n),
+        });
+        self
+    }
+
+    /// The window group's window, if there is one.
+    pub fn window(&self) -> Option<usize> {
+        self.window.as_ref().map(|w| w.window)
+    }
+
+    /// The window group's blocks, all of them and those free now.
+    pub fn window_blocks(&self) -> Option<(usize, usize)> {
+        self.window
+            .as_ref()
+            .map(|w| (w.pool.num_blocks(), w.pool.num_available()))
+    }
+
+    /// The window-group blocks of `seq`, by position (entries before its window released).
+    pub fn window_table(&self, seq: SeqId) -> Option<&BlockTable> {
+        self.window.as_ref()?;
+        self.seqs.get(&seq).map(|s| &s.window_table)
+    }
+
+    /// The most window-group blocks a sequence of `len` tokens computed in chunks of at most
+    /// `chunk` tokens ever holds at once: its window before the chunk's first token plus the
+    /// chunk, over at most one partial block at each end.
+    pub fn window_blocks_for(&self, len: usize, chunk: usize) -> usize {
+        let Some(w) = &self.window else { return 0 };
+        let span = (w.window - 1 + chunk.max(1)).div_ceil(self.block_size) + 1;
+        self.blocks_for(len).min(span)
+    }
+
+    /// Give back the window-group blocks of `seq` that no token from `next_pos` on can see (all
+    /// their positions are before `next_pos + 1 - window`). No-op without a window group.
+    pub fn slide_window(&mut self, seq: SeqId, next_pos: usize) -> Result<(), BlockError> {
+        let s = self
+            .seqs
+            .get_mut(&seq)
+            .ok_or(BlockError::UnknownSequence(seq))?;
+        if let Some(w) = &mut self.window {
+            let first_visible = (next_pos + 1).saturating_sub(w.window);
+            for b in s
+                .window_table
+                .take_blocks_before(first_visible, self.block_size)
+            {
+                w.pool.release(b);
+            }
+        }
+        Ok(())
     }
 
     /// Tokens per block.
@@ -255,6 +337,17 @@ impl<H: BlockHasher> BlockManager<H> {
                 available,
             });
         }
+        // No prefix hits with a window group: its table covers the same new positions.
+        let window_fresh = self.blocks_for(num_cached_tokens + num_new_tokens);
+        if let Some(w) = &self.window {
+            let available = w.pool.num_available();
+            if window_fresh > available {
+                return Err(BlockError::OutOfBlocks {
+                    needed: window_fresh,
+                    available,
+                });
+            }
+        }
         // Retain the hits before taking fresh blocks, so that eviction cannot pick them.
         let mut table = BlockTable::default();
         for hit in &hits {
@@ -264,6 +357,13 @@ impl<H: BlockHasher> BlockManager<H> {
         if let Err(e) = grow(&mut self.pool, &mut table, fresh) {
             release_all(&mut self.pool, &mut table);
             return Err(e);
+        }
+        let mut window_table = BlockTable::default();
+        if let Some(w) = &mut self.window {
+            if let Err(e) = grow(&mut w.pool, &mut window_table, window_fresh) {
+                release_all(&mut self.pool, &mut table);
+                return Err(e);
+            }
         }
         if self.enable_prefix_caching {
             self.stats.queried_tokens += tokens.len() as u64;
@@ -276,6 +376,7 @@ impl<H: BlockHasher> BlockManager<H> {
                 table,
                 hashes,
                 chain,
+                window_table,
             },
         );
         Ok(PromptAllocation {
@@ -316,7 +417,20 @@ impl<H: BlockHasher> BlockManager<H> {
             .get_mut(&seq)
             .ok_or(BlockError::UnknownSequence(seq))?;
         let missing = needed_blocks.saturating_sub(s.table.blocks.len());
-        grow(&mut self.pool, &mut s.table, missing)
+        let Some(w) = &mut self.window else {
+            return grow(&mut self.pool, &mut s.table, missing);
+        };
+        // Both pools or neither: check the window group before taking from the first.
+        let window_missing = needed_blocks.saturating_sub(s.window_table.blocks.len());
+        let available = w.pool.num_available();
+        if window_missing > available {
+            return Err(BlockError::OutOfBlocks {
+                needed: window_missing,
+                available,
+            });
+        }
+        grow(&mut self.pool, &mut s.table, missing)?;
+        grow(&mut w.pool, &mut s.window_table, window_missing)
     }
 
     /// Tell the manager that the KV of `computed_tokens` (the sequence's first tokens) has been
@@ -363,6 +477,9 @@ impl<H: BlockHasher> BlockManager<H> {
         match self.seqs.remove(&seq) {
             Some(mut s) => {
                 release_all(&mut self.pool, &mut s.table);
+                if let Some(w) = &mut self.window {
+                    release_all(&mut w.pool, &mut s.window_table);
+                }
                 true
             }
             None => false,
@@ -388,7 +505,29 @@ impl<H: BlockHasher> BlockManager<H> {
                 *slot += 1;
             }
         }
-        self.pool.check(&held).map_err(InvariantViolation)
+        self.pool.check(&held).map_err(InvariantViolation)?;
+        let Some(w) = &self.window else {
+            return Ok(());
+        };
+        let mut held = vec![0u32; w.pool.num_blocks()];
+        for (id, s) in &self.seqs {
+            if s.window_table.blocks.len() != s.table.blocks.len() {
+                return Err(InvariantViolation(format!(
+                    "sequence {id}: window table of {} entries beside a table of {}",
+                    s.window_table.blocks.len(),
+                    s.table.blocks.len()
+                )));
+            }
+            for b in s.window_table.held() {
+                let slot = held.get_mut(b as usize).ok_or_else(|| {
+                    InvariantViolation(format!("sequence {id} holds unknown window block {b}"))
+                })?;
+                *slot += 1;
+            }
+        }
+        w.pool
+            .check(&held)
+            .map_err(|e| InvariantViolation(format!("window group: {e}")))
     }
 }
 
@@ -423,7 +562,12 @@ fn grow(pool: &mut BlockPool, table: &mut BlockTable, n: usize) -> Result<(), Bl
 /// Release `table`'s blocks last to first and empty it. Last to first because the LRU list then
 /// recycles a sequence's tail before its prefix, which other sequences are likelier to share.
 fn release_all(pool: &mut BlockPool, table: &mut BlockTable) {
-    for b in table.blocks.drain(..).rev() {
+    for b in table
+        .blocks
+        .drain(..)
+        .rev()
+        .filter(|&b| b != RELEASED_BLOCK)
+    {
         pool.release(b);
     }
 }

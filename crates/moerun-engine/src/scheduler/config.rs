@@ -20,6 +20,19 @@ pub struct SchedulerConfig {
     /// Most requests waiting for admission; more are refused so the server can answer 429/503
     /// instead of letting latency grow without bound.
     pub max_waiting: usize,
+    /// The sliding-window layers' K/V in blocks of their own, kept only for the window (models
+    /// with such layers; see [`crate::block_manager::BlockManager::with_window_group`]).
+    pub kv_window: Option<KvWindowGroup>,
+}
+
+/// The window group of the KV cache: blocks for the sliding-window layers, which keep each
+/// sequence's last `window` positions only.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvWindowGroup {
+    /// Positions a sliding layer's query sees, itself included.
+    pub window: usize,
+    /// Blocks of the group's pool.
+    pub num_blocks: usize,
 }
 
 /// A [`SchedulerConfig`] the scheduler cannot run with.
@@ -87,6 +100,17 @@ impl SchedulerConfig {
         }
         if u32::try_from(self.num_blocks).is_err() {
             return Err(ConfigError::TooManyBlocks(self.num_blocks));
+        }
+        if let Some(w) = self.kv_window {
+            if w.window == 0 {
+                return Err(ConfigError::Zero("kv_window.window"));
+            }
+            if w.num_blocks == 0 {
+                return Err(ConfigError::Zero("kv_window.num_blocks"));
+            }
+            if u32::try_from(w.num_blocks).is_err() {
+                return Err(ConfigError::TooManyBlocks(w.num_blocks));
+            }
         }
         Ok(())
     }

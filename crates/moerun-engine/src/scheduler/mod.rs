@@ -37,7 +37,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use moerun_core::BlockTable;
 
 use crate::block_manager::{BlockError, BlockHasher, BlockManager, Fnv1a64, InvariantViolation};
-pub use config::{ConfigError, SchedulerConfig};
+pub use config::{ConfigError, KvWindowGroup, SchedulerConfig};
 pub use output::{ScheduledChunk, SchedulerOutput, SchedulerStats};
 pub use request::{AddError, FinishReason, Finished, Request, RequestId, UpdateError};
 use request::{SeqState, Status};
@@ -77,12 +77,15 @@ impl<H: BlockHasher> Scheduler<H> {
     /// Like [`Scheduler::new`], hashing prefix-cache blocks with `hasher`.
     pub fn with_hasher(config: SchedulerConfig, hasher: H) -> Result<Self, ConfigError> {
         config.validate()?;
-        let blocks = BlockManager::with_hasher(
+        let mut blocks = BlockManager::with_hasher(
             config.num_blocks,
             config.block_size,
             config.enable_prefix_caching,
             hasher,
         );
+        if let Some(w) = config.kv_window {
+            blocks = blocks.with_window_group(w.window, w.num_blocks);
+        }
         Ok(Scheduler {
             config,
             blocks,
@@ -138,6 +141,18 @@ impl<H: BlockHasher> Scheduler<H> {
                 needed_blocks,
                 num_blocks: self.config.num_blocks,
             });
+        }
+        if let Some(w) = self.config.kv_window {
+            let needed_blocks = self.blocks.window_blocks_for(
+                prompt_len + request.max_new_tokens - 1,
+                self.config.max_num_batched_tokens,
+            );
+            if needed_blocks > w.num_blocks {
+                return Err(AddError::ExceedsKvCapacity {
+                    needed_blocks,
+                    num_blocks: w.num_blocks,
+                });
+            }
         }
         if self.seqs.contains_key(&request.id) {
             return Err(AddError::DuplicateId(request.id));
@@ -346,6 +361,8 @@ impl<H: BlockHasher> Scheduler<H> {
             let _ = self
                 .blocks
                 .commit_full_blocks(chunk.id, &seq.tokens[..seq.num_computed]);
+            // The window group's blocks that the next token's window has left go back now.
+            let _ = self.blocks.slide_window(chunk.id, seq.num_computed);
             if seq.num_generated() >= seq.max_new_tokens {
                 finished.extend(self.finish(chunk.id, FinishReason::Length));
             }
@@ -398,6 +415,11 @@ impl<H: BlockHasher> Scheduler<H> {
         self.blocks.block_table(id)
     }
 
+    /// The window-group KV blocks of a running request, when the cache has a window group.
+    pub fn window_table(&self, id: RequestId) -> Option<&BlockTable> {
+        self.blocks.window_table(id)
+    }
+
     /// Requests holding KV.
     pub fn num_running(&self) -> usize {
         self.running.len()
@@ -415,11 +437,14 @@ impl<H: BlockHasher> Scheduler<H> {
 
     /// Counters for `/metrics`.
     pub fn stats(&self) -> SchedulerStats {
+        let (window_total, window_free) = self.blocks.window_blocks().unwrap_or((0, 0));
         SchedulerStats {
             num_running: self.running.len(),
             num_waiting: self.waiting.len(),
             kv_blocks_used: self.blocks.num_used_blocks(),
             kv_blocks_total: self.blocks.num_blocks(),
+            kv_window_blocks_used: window_total - window_free,
+            kv_window_blocks_total: window_total,
             prefix_cache: self.blocks.prefix_cache_stats(),
             num_preemptions: self.num_preemptions,
         }

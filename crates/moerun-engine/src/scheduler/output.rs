@@ -44,6 +44,9 @@ pub struct SchedulerStats {
     /// Blocks referenced by running requests.
     pub kv_blocks_used: usize,
     pub kv_blocks_total: usize,
+    /// The window group's blocks in use and in all (0 and 0 without one).
+    pub kv_window_blocks_used: usize,
+    pub kv_window_blocks_total: usize,
     pub prefix_cache: PrefixCacheStats,
     /// Preemptions since start.
     pub num_preemptions: u64,

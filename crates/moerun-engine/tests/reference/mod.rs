@@ -180,3 +180,73 @@ pub fn batched_and_alone(model: &Model, tokens: &[u32]) -> (Vec<Vec<f32>>, Vec<V
     let per_seq = vec![batched[..n0].to_vec(), batched[n0..n0 + n1].to_vec(), third];
     (per_seq, alone)
 }
+
+/// Fixtures whose sliding-window layers see fewer positions than the fixture has tokens.
+pub const WINDOWED_FIXTURES: &[&str] = &[
+    "gemma4_dense_defaults_f32",
+    "gemma4_moe_f32",
+    "gemma4_moe_kv_shared_ple_f32",
+    "mixtral_bf16_swa_llama3_v4",
+    "qwen2_dense_swa_yarn",
+];
+
+/// Block size of [`chunked_logits`]: small, so windows cross several blocks.
+const WINDOW_TEST_BLOCK_SIZE: usize = 4;
+
+/// Logits of every position of `tokens` run as a prefill chunk of `first_chunk` tokens, then
+/// chunks of 3, then one token at a time. With `window_group`, the KV cache keeps the
+/// sliding-window layers in a pool of exactly the blocks one sequence can hold at once (its
+/// window before a chunk plus the chunk), and after every step the blocks that have left the
+/// window are released and recycled: a pool any smaller would run out, so this also proves the
+/// bound. Without, one ordinary cache (the reference the windowed run must equal bitwise).
+pub fn chunked_logits(
+    model: &Model,
+    tokens: &[u32],
+    first_chunk: usize,
+    window_group: bool,
+) -> Vec<f32> {
+    use moerun_core::{BlockAllocator, BlockTable};
+    use moerun_model::{Batch, SeqChunk};
+    let bs = WINDOW_TEST_BLOCK_SIZE;
+    let window = model.config.kv_window().expect("a windowed fixture");
+    let full_blocks = tokens.len().div_ceil(bs);
+    let window_blocks = (window - 1 + first_chunk).div_ceil(bs) + 1;
+    let mut kv = if window_group {
+        model
+            .new_kv_cache_with_window_group(full_blocks, window_blocks, bs)
+            .unwrap()
+    } else {
+        model.new_kv_cache(full_blocks, bs).unwrap()
+    };
+    let mut full = BlockAllocator::new(full_blocks, bs);
+    let mut windowed = BlockAllocator::new(window_blocks, bs);
+    let (mut table, mut window_table) = (BlockTable::default(), BlockTable::default());
+    let mut all = Vec::new();
+    let mut start = 0;
+    while start < tokens.len() {
+        let n = match start {
+            0 => first_chunk,
+            s if s < first_chunk + 6 => 3,
+            _ => 1,
+        }
+        .min(tokens.len() - start);
+        let end = start + n;
+        full.reserve(&mut table, end).unwrap();
+        let mut batch = Batch::new(vec![SeqChunk {
+            tokens: &tokens[start..end],
+            start_pos: start,
+            block_table: &table,
+        }]);
+        if window_group {
+            windowed.release_before(&mut window_table, (start + 1).saturating_sub(window));
+            windowed.reserve(&mut window_table, end).unwrap();
+            batch = batch.with_window_tables(vec![&window_table]);
+        }
+        let out = model
+            .forward(&batch, &mut kv, LogitsFor::AllTokens)
+            .unwrap();
+        all.extend(out.logits);
+        start = end;
+    }
+    all
+}

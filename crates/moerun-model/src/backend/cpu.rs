@@ -24,6 +24,9 @@ pub struct CpuPass<'a> {
     cfg: &'a ModelConfig,
     rope: &'a Rope,
     slots: Vec<TokenSlot<'a>>,
+    /// The same tokens placed by their sequences' window tables, which the sliding-window
+    /// layers use when the cache keeps them apart (empty otherwise).
+    window_slots: Vec<TokenSlot<'a>>,
     kv: &'a mut KvCache,
     /// Linear-attention state and the batch it is laid out for (hybrid models only).
     linear: Option<(&'a mut LinearStateCache, &'a Batch<'a>)>,
@@ -39,25 +42,40 @@ impl<'a> CpuPass<'a> {
         kv: &'a mut KvCache,
         linear: Option<&'a mut LinearStateCache>,
     ) -> CpuPass<'a> {
-        let mut slots = Vec::with_capacity(batch.num_tokens());
         let mut spans: Vec<Range<usize>> = Vec::with_capacity(batch.seqs.len());
         for seq in &batch.seqs {
             let start = spans.last().map_or(0, |r| r.end);
             spans.push(start..start + seq.tokens.len());
-            slots.extend((0..seq.tokens.len()).map(|i| TokenSlot {
-                block_table: &seq.block_table.blocks,
-                position: seq.start_pos + i,
-            }));
         }
+        let window_slots = if batch.window_tables.is_empty() {
+            Vec::new()
+        } else {
+            token_slots(batch, true)
+        };
         CpuPass {
             cfg,
             rope,
-            slots,
+            slots: token_slots(batch, false),
+            window_slots,
             kv,
             linear: linear.map(|s| (s, batch)),
             spans,
         }
     }
+}
+
+/// Each token of the batch at its position in its sequence's block table of the window group
+/// (`windowed`) or of the other layers.
+pub(crate) fn token_slots<'a>(batch: &Batch<'a>, windowed: bool) -> Vec<TokenSlot<'a>> {
+    let mut slots = Vec::with_capacity(batch.num_tokens());
+    for (i, seq) in batch.seqs.iter().enumerate() {
+        let table = &batch.table(i, windowed).blocks;
+        slots.extend((0..seq.tokens.len()).map(|j| TokenSlot {
+            block_table: table,
+            position: seq.start_pos + j,
+        }));
+    }
+    slots
 }
 
 impl<'a> CpuPass<'a> {
@@ -134,7 +152,11 @@ impl Backend for CpuPass<'_> {
     ) -> Result<Vec<f32>> {
         let pool = &mut self.kv.pools[layer];
         let kv_w = spec.num_kv_heads * spec.head_dim;
-        for (i, slot) in self.slots.iter().enumerate() {
+        let slots = match spec.sliding_window {
+            Some(_) if !self.window_slots.is_empty() => &self.window_slots,
+            _ => &self.slots,
+        };
+        for (i, slot) in slots.iter().enumerate() {
             pool.write(
                 slot.block_table,
                 slot.position,
@@ -149,8 +171,8 @@ impl Backend for CpuPass<'_> {
             scale: spec.scale,
             sliding_window: spec.sliding_window,
         };
-        let mut out = vec![0.0f32; self.slots.len() * spec.num_heads * spec.head_dim];
-        paged_attention(q, &self.slots, pool, &shape, &mut out);
+        let mut out = vec![0.0f32; slots.len() * spec.num_heads * spec.head_dim];
+        paged_attention(q, slots, pool, &shape, &mut out);
         Ok(out)
     }
 

@@ -202,10 +202,43 @@ impl ModelConfig {
 
     /// KV bytes per token across the layers that keep K/V, at `bytes_per_value`.
     pub fn kv_bytes_per_token(&self, bytes_per_value: usize) -> usize {
+        let (full, windowed) = self.kv_bytes_per_token_by_group(bytes_per_value);
+        full + windowed
+    }
+
+    /// [`Self::kv_bytes_per_token`] split into the layers that see the whole sequence and the
+    /// sliding-window layers ([`Self::layer_kv_windowed`]), whose K/V can be kept for the
+    /// window alone.
+    pub fn kv_bytes_per_token_by_group(&self, bytes_per_value: usize) -> (usize, usize) {
+        let (mut full, mut windowed) = (0, 0);
+        for l in 0..self.num_layers() {
+            if let Some((heads, dim)) = self.layer_kv_shape(l) {
+                let bytes = 2 * heads * dim * bytes_per_value;
+                if self.layer_kv_windowed(l) {
+                    windowed += bytes;
+                } else {
+                    full += bytes;
+                }
+            }
+        }
+        (full, windowed)
+    }
+
+    /// Whether layer `l` attends over a sliding window, so that its K/V (or, for a KV-shared
+    /// layer, the K/V it reads) is needed only for the last `sliding_window` positions: such
+    /// layers form the *window group* of the KV cache, which may keep its own blocks and
+    /// release those that fall out of the window ([`crate::Batch::window_tables`]).
+    pub fn layer_kv_windowed(&self, l: usize) -> bool {
+        self.layers[l].mixer == Mixer::Attention && self.layers[l].sliding_window.is_some()
+    }
+
+    /// The window of the window group: the widest sliding window of any layer, `None` when no
+    /// layer has one (then every layer needs every position).
+    pub fn kv_window(&self) -> Option<usize> {
         (0..self.num_layers())
-            .filter_map(|l| self.layer_kv_shape(l))
-            .map(|(heads, dim)| 2 * heads * dim * bytes_per_value)
-            .sum()
+            .filter(|&l| self.layer_kv_windowed(l))
+            .filter_map(|l| self.layers[l].sliding_window)
+            .max()
     }
 
     /// Bytes of one sequence's linear-attention state across all Gated DeltaNet layers (f32),

@@ -44,6 +44,11 @@ impl DecodeGraphs {
     pub(crate) fn clear(&mut self) {
         self.by_bucket.clear();
     }
+
+    /// Table width of a captured bucket (0 if none).
+    fn table_width(&self, bucket: usize) -> usize {
+        self.by_bucket.get(&bucket).map_or(0, |g| g.table_blocks)
+    }
 }
 
 /// One bucket's graph and the buffers it reads and writes.
@@ -88,7 +93,9 @@ pub(crate) fn try_decode(
     let need_blocks = batch
         .seqs
         .iter()
-        .map(|s| s.block_table.blocks.len())
+        .map(|s| s.block_table)
+        .chain(batch.window_tables.iter().copied())
+        .map(|t| t.blocks.len())
         .max()
         .unwrap_or(1);
     // The MoE scratch must hold the bucket before capture: replacing it later would leave the
@@ -119,7 +126,7 @@ pub(crate) fn try_decode(
             }
         }
     }
-    let trash = kv.trash_block as i32;
+    let tables_init = padding_tables(kv, bucket, kv.graphs.table_width(bucket));
     let g = kv
         .graphs
         .by_bucket
@@ -127,12 +134,20 @@ pub(crate) fn try_decode(
         .expect("captured above");
     let mut tokens = vec![0u32; bucket];
     let mut positions = vec![0i32; bucket];
-    let mut tables = vec![trash; bucket * g.table_blocks];
+    let mut tables = tables_init;
+    let width = g.table_blocks;
     for (i, seq) in batch.seqs.iter().enumerate() {
         tokens[i] = seq.tokens[0];
         positions[i] = seq.start_pos as i32;
         for (j, &b) in seq.block_table.blocks.iter().enumerate() {
-            tables[i * g.table_blocks + j] = b as i32;
+            tables[i * width + j] = b as i32;
+        }
+        if let Some(window) = batch.window_tables.get(i) {
+            let at = (bucket + i) * width;
+            for (j, &b) in window.blocks.iter().enumerate() {
+                // Released entries (before the window) become -1, which attention skips.
+                tables[at + j] = b as i32;
+            }
         }
     }
     let positions_u32: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
@@ -170,14 +185,22 @@ fn capture(
         .next()
         .map(|p| p.block_size())
         .ok_or_else(|| Error::Device("a model without attention layers".into()))?;
-    let trash = kv.trash_block as i32;
     let table_start: Vec<i32> = (0..bucket).map(|i| (i * table_blocks) as i32).collect();
+    // The window group's tables follow the others, one per row, when it has blocks of its own.
+    let window_table_start: Option<Vec<i32>> = kv.window_trash_block.map(|_| {
+        (0..bucket)
+            .map(|i| ((bucket + i) * table_blocks) as i32)
+            .collect()
+    });
     let at = Placement {
         positions_u32: dev.zeros(bucket).map_err(dev_err)?,
         positions: dev.zeros(bucket).map_err(dev_err)?,
         table_start: dev.upload(&table_start).map_err(dev_err)?,
+        window_table_start: window_table_start
+            .map(|w| dev.upload(&w).map_err(dev_err))
+            .transpose()?,
         block_tables: dev
-            .upload(&vec![trash; bucket * table_blocks])
+            .upload(&padding_tables(kv, bucket, table_blocks))
             .map_err(dev_err)?,
         max_context: table_blocks * block_size,
     };
@@ -202,6 +225,16 @@ fn capture(
         logits,
         graph,
     })
+}
+
+/// A bucket's block tables with every row pointing at the trash blocks (the window group's
+/// after the others' when it has its own): what padding rows write into.
+fn padding_tables(kv: &DeviceKv, bucket: usize, width: usize) -> Vec<i32> {
+    let mut tables = vec![kv.trash_block as i32; bucket * width];
+    if let Some(trash) = kv.window_trash_block {
+        tables.resize(2 * bucket * width, trash as i32);
+    }
+    tables
 }
 
 /// The first MoE layer's experts and top-k (every MoE layer of a model has the same shapes).

@@ -153,23 +153,34 @@ pub struct DeviceKv {
     pub(crate) graphs: graph::DecodeGraphs,
     /// The block no sequence owns.
     pub(crate) trash_block: usize,
+    /// The window group's block no sequence owns, when that group has blocks of its own.
+    pub(crate) window_trash_block: Option<usize>,
 }
 
 impl DeviceKv {
+    /// Pools of `num_blocks` blocks, or `num_window_blocks` for the sliding-window layers when
+    /// they are kept apart (see `KvCache::with_window_group`), each with its trash block.
     pub(crate) fn new(
         dev: &CudaDevice,
         cfg: &ModelConfig,
         num_blocks: usize,
+        num_window_blocks: Option<usize>,
         block_size: usize,
     ) -> Result<DeviceKv> {
         let pools = cfg
             .layers
             .iter()
-            .map(|spec| match spec.mixer {
-                Mixer::Attention => dev
-                    .kv_pool(num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
-                    .map(Some)
-                    .map_err(dev_err),
+            .enumerate()
+            .map(|(l, spec)| match spec.mixer {
+                Mixer::Attention => {
+                    let blocks = match num_window_blocks {
+                        Some(w) if cfg.layer_kv_windowed(l) => w,
+                        _ => num_blocks,
+                    };
+                    dev.kv_pool(blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
+                        .map(Some)
+                        .map_err(dev_err)
+                }
                 Mixer::GatedDeltaNet => Ok(None),
             })
             .collect::<Result<Vec<_>>>()?;
@@ -190,6 +201,7 @@ impl DeviceKv {
             },
             graphs: graph::DecodeGraphs::default(),
             trash_block: num_blocks,
+            window_trash_block: num_window_blocks,
         })
     }
 

@@ -26,11 +26,14 @@ pub const GEMV_MAX_ROWS: usize = 16;
 
 /// The batch's placement on the device, shared by every layer: each token's position (i32 for
 /// attention, u32 for RoPE), where its sequence's block table starts, the tables, and the
-/// host-known bound on contexts that sizes attention's split-K grid.
+/// host-known bound on contexts that sizes attention's split-K grid. When the batch names window
+/// tables, they follow the block tables in `block_tables` and `window_table_start` says where
+/// each token's starts; the sliding-window layers read those.
 pub struct Placement {
     pub(crate) positions_u32: CudaSlice<u32>,
     pub(crate) positions: CudaSlice<i32>,
     pub(crate) table_start: CudaSlice<i32>,
+    pub(crate) window_table_start: Option<CudaSlice<i32>>,
     pub(crate) block_tables: CudaSlice<i32>,
     pub(crate) max_context: usize,
 }
@@ -40,19 +43,19 @@ impl Placement {
     pub fn of_batch(dev: &CudaDevice, batch: &Batch) -> Result<Placement> {
         let n = batch.num_tokens();
         let mut positions = Vec::with_capacity(n);
-        let mut table_start = Vec::with_capacity(n);
         let mut tables: Vec<i32> = Vec::new();
         let mut max_context = 0;
         for seq in &batch.seqs {
-            let start = i32::try_from(tables.len())
-                .map_err(|_| Error::InvalidArgument("block tables too large".into()))?;
-            tables.extend(seq.block_table.blocks.iter().map(|&b| b as i32));
             for i in 0..seq.tokens.len() {
                 positions.push((seq.start_pos + i) as i32);
-                table_start.push(start);
             }
             max_context = max_context.max(seq.start_pos + seq.tokens.len());
         }
+        let table_start = append_tables(batch, false, &mut tables)?;
+        let window_table_start = match batch.window_tables.is_empty() {
+            true => None,
+            false => Some(append_tables(batch, true, &mut tables)?),
+        };
         if tables.is_empty() {
             tables.push(0); // a zero-length device buffer cannot be passed to a kernel
         }
@@ -61,10 +64,27 @@ impl Placement {
             positions_u32: dev.upload(&positions_u32).map_err(dev_err)?,
             positions: dev.upload(&positions).map_err(dev_err)?,
             table_start: dev.upload(&table_start).map_err(dev_err)?,
+            window_table_start: window_table_start
+                .map(|w| dev.upload(&w).map_err(dev_err))
+                .transpose()?,
             block_tables: dev.upload(&tables).map_err(dev_err)?,
             max_context,
         })
     }
+}
+
+/// Append each sequence's block table of the window group (`windowed`) or of the other layers to
+/// `tables` (released entries become -1, which the kernels skip) and return, per token, where
+/// its sequence's table starts.
+fn append_tables(batch: &Batch, windowed: bool, tables: &mut Vec<i32>) -> Result<Vec<i32>> {
+    let mut starts = Vec::with_capacity(batch.num_tokens());
+    for (i, seq) in batch.seqs.iter().enumerate() {
+        let start = i32::try_from(tables.len())
+            .map_err(|_| Error::InvalidArgument("block tables too large".into()))?;
+        tables.extend(batch.table(i, windowed).blocks.iter().map(|&b| b as i32));
+        starts.extend(std::iter::repeat_n(start, seq.tokens.len()));
+    }
+    Ok(starts)
 }
 
 /// Where the pass finds the batch's token ids.
@@ -284,9 +304,14 @@ impl Backend for CudaPass<'_> {
         let m = self.m;
         profile::timed(&m.dev, "attention", || {
             let dev = &self.m.dev;
+            // Sliding-window layers read their own tables when the cache keeps them apart.
+            let table_start = match (&self.at.window_table_start, spec.sliding_window) {
+                (Some(w), Some(_)) => w,
+                _ => &self.at.table_start,
+            };
             let at = TokenPlacement {
                 positions: &self.at.positions,
-                table_start: &self.at.table_start,
+                table_start,
                 block_tables: &self.at.block_tables,
                 max_context: self.at.max_context,
             };

@@ -64,6 +64,9 @@ pub struct Pass<'a> {
     pub ropes: &'a LayerRopes,
     /// Each token's block table and position, in batch order.
     pub slots: &'a [TokenSlot<'a>],
+    /// The same by the sequences' window tables, for the sliding layers when the KV cache keeps
+    /// them apart (empty otherwise).
+    pub window_slots: &'a [TokenSlot<'a>],
 }
 
 /// Attention of layer `l` over the normed input `xn` (`[slots.len(), hidden]`): writes this
@@ -75,14 +78,13 @@ pub fn attention(
     xn: &[f32],
     kv: &mut KvCache,
 ) -> Vec<f32> {
-    let Pass {
-        cfg,
-        g,
-        ropes,
-        slots,
-    } = *pass;
-    let n = slots.len();
+    let Pass { cfg, g, ropes, .. } = *pass;
     let spec = &g.layers[l];
+    let slots = match spec.sliding && !pass.window_slots.is_empty() {
+        true => pass.window_slots,
+        false => pass.slots,
+    };
+    let n = slots.len();
     let d = spec.head_dim;
     let eps = cfg.rms_norm_eps;
 

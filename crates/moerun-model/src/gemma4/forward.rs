@@ -2,9 +2,9 @@
 //! `Gemma4ForCausalLM.forward` read.
 
 use moerun_core::{Error, Result};
-use moerun_cpu::attention::TokenSlot;
 use moerun_cpu::ops::{gelu_tanh_mul_in_place, rms_norm_rows};
 
+use crate::backend::cpu::token_slots;
 use crate::batch::Batch;
 use crate::config::{ModelConfig, PerLayerInputConfig};
 use crate::kv::KvCache;
@@ -37,15 +37,12 @@ pub fn forward(
             });
         }
     }
-    let mut slots = Vec::with_capacity(tokens.len());
-    for seq in &batch.seqs {
-        for i in 0..seq.tokens.len() {
-            slots.push(TokenSlot {
-                block_table: &seq.block_table.blocks,
-                position: seq.start_pos + i,
-            });
-        }
-    }
+    let slots = token_slots(batch, false);
+    let window_slots = if batch.window_tables.is_empty() {
+        Vec::new()
+    } else {
+        token_slots(batch, true)
+    };
     let n = tokens.len();
     let h = cfg.hidden_size;
     let eps = cfg.rms_norm_eps;
@@ -63,6 +60,7 @@ pub fn forward(
         g,
         ropes: &w.ropes,
         slots: &slots,
+        window_slots: &window_slots,
     };
     for (l, lw) in w.layers.iter().enumerate() {
         let ple = per_layer_inputs

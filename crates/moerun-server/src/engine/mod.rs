@@ -185,10 +185,16 @@ impl Engine {
         config.scheduler.validate().map_err(|e| e.to_string())?;
         // The scheduler's block manager is the only allocator of this storage. Made here, not
         // in the engine thread, so that a device out of memory fails the start with its reason.
-        let kv = model
-            .model
-            .new_kv_cache(config.scheduler.num_blocks, config.scheduler.block_size)
-            .map_err(|e| format!("KV cache: {e}"))?;
+        let sched = &config.scheduler;
+        let kv = match sched.kv_window {
+            None => model.model.new_kv_cache(sched.num_blocks, sched.block_size),
+            Some(w) => model.model.new_kv_cache_with_window_group(
+                sched.num_blocks,
+                w.num_blocks,
+                sched.block_size,
+            ),
+        }
+        .map_err(|e| format!("KV cache: {e}"))?;
         // Enough room for a burst of submissions; the scheduler's own waiting queue is the
         // real bound, this one only absorbs what arrives during one step.
         let capacity = config.scheduler.max_waiting.max(1);

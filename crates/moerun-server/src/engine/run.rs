@@ -278,6 +278,7 @@ fn forward(
 ) -> Result<Vec<f32>, String> {
     let mut chunks = Vec::with_capacity(plan.chunks.len());
     let mut slots = Vec::with_capacity(plan.chunks.len());
+    let mut window_tables = Vec::new();
     for c in &plan.chunks {
         let tokens = scheduler.chunk_tokens(c);
         let table = scheduler.block_table(c.id);
@@ -294,11 +295,21 @@ fn forward(
             start_pos: c.start_pos,
             block_table,
         });
+        if scheduler.config().kv_window.is_some() {
+            let table = scheduler.window_table(c.id);
+            window_tables.push(
+                table.ok_or_else(|| {
+                    format!("request {} was scheduled without window blocks", c.id)
+                })?,
+            );
+        }
     }
     if model.model.config.linear_attention.is_some() {
         states.in_use.extend(slots.iter().copied());
     }
-    let batch = Batch::new(chunks).with_state_slots(slots);
+    let batch = Batch::new(chunks)
+        .with_state_slots(slots)
+        .with_window_tables(window_tables);
     let result = catch_unwind(AssertUnwindSafe(|| {
         let which = LogitsFor::LastOfEachSeq;
         model
