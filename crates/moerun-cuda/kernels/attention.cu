@@ -152,7 +152,6 @@ extern "C" __global__ void __launch_bounds__(128)
                  const int* __restrict__ positions, const int* __restrict__ table_start,
                  const int* __restrict__ block_tables, int tables_len, float* __restrict__ pool_k,
                  float* __restrict__ pool_v, int n, int width, int block_size, int blocks) {
-    pdl_entry();
     const int i = blockIdx.x;
     if (i >= n) return;
     const int pos = positions[i];
@@ -259,7 +258,6 @@ __device__ __forceinline__ void attn_split(const AttnArgs& a) {
     constexpr int GROUPS = SPLIT_THREADS / L;
     using S = Scatter<L, GM>;
     constexpr int OWN = S::OWN;
-    pdl_entry();
     const int i = blockIdx.x;
     const int s = blockIdx.y;
     const int kh = blockIdx.z / a.head_chunks;
@@ -495,7 +493,6 @@ ATTN_SPLIT(attn_split_d256_g8, 32, 2, 8)
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) attn_combine_f32(const AttnArgs a) {
     extern __shared__ float comb_w[];
     __shared__ float red[COMBINE_THREADS / 32];
-    pdl_entry();
     const int i = blockIdx.x;
     const int h = blockIdx.y;
     if (tile_owned(a, i)) return;

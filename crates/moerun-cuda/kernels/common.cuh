@@ -39,22 +39,3 @@ __device__ __forceinline__ float warp_max(float v) {
 struct WidenBf16 { __device__ static float at(const u16* p, u64 i) { return bf16_to_f32(p[i]); } };
 struct WidenF16 { __device__ static float at(const u16* p, u64 i) { return f16_to_f32(p[i]); } };
 struct WidenF32 { __device__ static float at(const float* p, u64 i) { return p[i]; } };
-
-// Programmatic dependent launch (Hopper and later). In a captured decode graph, graph.rs turns
-// the edge into each kernel named in `graph::PDL_KERNELS` programmatic: the kernel may launch
-// while the one before it still runs. Such a kernel calls pdl_entry() before it touches memory
-// that an earlier kernel writes or reads (it may first pull read-only weights towards L2, the
-// point of launching early): griddepcontrol.wait returns once the previous kernel has finished
-// and its writes are visible. It then lets the next kernel launch, so at most one kernel waits
-// ahead of the running one. Launched any other way, both instructions do nothing.
-__device__ __forceinline__ void pdl_entry() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
-// Ask for the 128-byte line at `p` to be brought into L2 (no register, no wait).
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}

@@ -33,7 +33,6 @@ __device__ __forceinline__ float block_sum(float v) {
 extern "C" __global__ void add_rms_norm_f32(float* x, const float* __restrict__ y,
                                             const float* __restrict__ w, float* out, int width,
                                             float eps) {
-    pdl_entry();
     const u64 row = blockIdx.x;
     float* xr = x + row * width;
     const float* yr = y + row * width;
@@ -52,7 +51,6 @@ extern "C" __global__ void add_rms_norm_f32(float* x, const float* __restrict__ 
 // RMSNorm of wide rows (hidden states), a block per row: out may alias x.
 extern "C" __global__ void rms_norm_block_f32(const float* x, const float* __restrict__ w,
                                               float* out, int width, float eps) {
-    pdl_entry();
     const u64 row = blockIdx.x;
     const float* xr = x + row * width;
     float* o = out + row * width;
@@ -72,7 +70,6 @@ extern "C" __global__ void qkv_split_norm_rope_f32(
     const float* __restrict__ inv_freq, int heads_q, int heads_kv, int head_dim, int half,
     float attention_factor, float eps) {
     __shared__ float hd[FUSED_MAX_HEAD_DIM];
-    pdl_entry();
     const int t = blockIdx.x;
     const int h = blockIdx.y;
     const int lane = threadIdx.x;
