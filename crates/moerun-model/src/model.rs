@@ -269,6 +269,10 @@ impl Model {
             )
         })?;
         let (cfg, w) = (&self.config, &self.weights);
+        if let Some(g) = &w.gemma4 {
+            let logits = crate::gemma4::cuda::forward(cuda, dkv, cfg, g, batch, &tokens, &rows)?;
+            return Ok(ForwardOutput { rows, logits });
+        }
         if let Some(logits) = crate::cuda::graph::try_decode(cuda, cfg, w, dkv, batch, &rows)? {
             return Ok(ForwardOutput { rows, logits });
         }
