@@ -11,8 +11,9 @@
 //! plus the small Gemma ops of `moerun_cuda` (`gelu_tanh_mul`, `scale`, `softcap`, `row_scale`,
 //! `expert_scale`).
 //!
-//! Decode steps are not captured in CUDA graphs yet (`crate::cuda::graph` replays
-//! [`crate::forward`]'s flow): each Gemma 4 step launches its kernels one by one.
+//! Decode steps are captured in CUDA graphs by `crate::cuda::graph` like every family's
+//! ([`decode_logits`] is the captured body): no host work happens inside a pass once the batch's
+//! placement and token ids are on the device.
 
 use std::collections::HashMap;
 
@@ -25,7 +26,7 @@ use moerun_cuda::{
 use crate::batch::Batch;
 use crate::config::{Gemma4Config, ModelConfig};
 use crate::cuda::upload::{Uploader, WeightSource};
-use crate::cuda::{dev_err, tensor_key, CudaModel, DeviceKv, Placement, GEMV_MAX_ROWS};
+use crate::cuda::{dev_err, tensor_key, CudaModel, DeviceKv, Placement, Tokens, GEMV_MAX_ROWS};
 use crate::weights::Linear;
 
 use super::weights::{Gemma4AttentionWeights, Gemma4LayerWeights, Gemma4MoeWeights, Gemma4Weights};
@@ -197,6 +198,7 @@ struct Pass<'a> {
     g: &'a Gemma4Config,
     kv: &'a mut DeviceKv,
     at: &'a Placement,
+    tokens: Tokens<'a>,
     rows: usize,
 }
 
@@ -212,14 +214,18 @@ pub(crate) fn forward(
     tokens: &[u32],
     rows: &[usize],
 ) -> Result<Vec<f32>> {
-    let g = cfg
-        .gemma4
-        .as_ref()
-        .ok_or_else(|| Error::InvalidArgument("Gemma 4 weights without a Gemma 4 config".into()))?;
-    let extra = m.gemma4.as_ref().ok_or_else(|| {
-        Error::Device("internal: a Gemma 4 model uploaded without its device extras".into())
-    })?;
-    if let Some(ple) = g.per_layer_input {
+    check_tokens(cfg, tokens)?;
+    let at = Placement::of_batch(&m.dev, batch)?;
+    let logits = run(m, kv, cfg, w, &at, Tokens::Host, tokens, rows)?;
+    if logits.is_empty() {
+        return Ok(Vec::new());
+    }
+    m.dev.download(&logits).map_err(dev_err)
+}
+
+/// Refuse tokens past the per-layer-input table (the main vocabulary is checked by the caller).
+pub(crate) fn check_tokens(cfg: &ModelConfig, tokens: &[u32]) -> Result<()> {
+    if let Some(ple) = cfg.gemma4.as_ref().and_then(|g| g.per_layer_input) {
         if let Some(&t) = tokens.iter().find(|&&t| t as usize >= ple.vocab) {
             return Err(Error::TokenOutOfRange {
                 id: t,
@@ -227,21 +233,54 @@ pub(crate) fn forward(
             });
         }
     }
-    let at = Placement::of_batch(&m.dev, batch)?;
+    Ok(())
+}
+
+/// A decode step's body as a CUDA graph captures it: token ids already on the device (`ids`;
+/// `host_tokens` only gives their count), logits left on the device.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn decode_logits(
+    m: &CudaModel,
+    kv: &mut DeviceKv,
+    cfg: &ModelConfig,
+    w: &Gemma4Weights,
+    at: &Placement,
+    ids: &CudaSlice<u32>,
+    host_tokens: &[u32],
+    rows: &[usize],
+) -> Result<CudaSlice<f32>> {
+    run(m, kv, cfg, w, at, Tokens::Device(ids), host_tokens, rows)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run(
+    m: &CudaModel,
+    kv: &mut DeviceKv,
+    cfg: &ModelConfig,
+    w: &Gemma4Weights,
+    at: &Placement,
+    tokens: Tokens,
+    host_tokens: &[u32],
+    rows: &[usize],
+) -> Result<CudaSlice<f32>> {
+    let g = cfg
+        .gemma4
+        .as_ref()
+        .ok_or_else(|| Error::InvalidArgument("Gemma 4 weights without a Gemma 4 config".into()))?;
+    let extra = m.gemma4.as_ref().ok_or_else(|| {
+        Error::Device("internal: a Gemma 4 model uploaded without its device extras".into())
+    })?;
     let mut p = Pass {
         m,
         extra,
         cfg,
         g,
         kv,
-        at: &at,
-        rows: tokens.len(),
+        at,
+        tokens,
+        rows: host_tokens.len(),
     };
-    let logits = p.run(w, tokens, rows)?;
-    if logits.is_empty() {
-        return Ok(Vec::new());
-    }
-    m.dev.download(&logits).map_err(dev_err)
+    p.run(w, host_tokens, rows)
 }
 
 /// Decoder layer `l` alone on the device over `batch`, from and to host values (tests).
@@ -267,6 +306,7 @@ pub(crate) fn layer_alone(
         g,
         kv,
         at: &at,
+        tokens: Tokens::Host,
         rows: batch.num_tokens(),
     };
     let mut xd = m.dev.upload(x).map_err(dev_err)?;
@@ -345,7 +385,11 @@ impl Pass<'_> {
     fn embed(&self, table: &Tensor, tokens: &[u32]) -> Result<CudaSlice<f32>> {
         let d = self.m.mat(table)?;
         let mut out = self.alloc(tokens.len() * d.cols())?;
-        self.dev().embed(d, tokens, &mut out).map_err(dev_err)?;
+        match self.tokens {
+            Tokens::Host => self.dev().embed(d, tokens, &mut out),
+            Tokens::Device(ids) => self.dev().embed_ids(d, ids, &mut out),
+        }
+        .map_err(dev_err)?;
         Ok(out)
     }
 
