@@ -17,7 +17,8 @@
 //   head_chunks), block 128, dynamic shared 4 * G * (head_dim + 2) floats. A block owns one token,
 //   one kv head, up to G of its query heads (head chunk), and one split of the token's keys, so
 //   each K/V row is read once for all the query heads of its group. Groups of L lanes each take
-//   one key (L = D / 4 lanes of one float4 each; two float4 for D = 256), U keys per group per
+//   one key (L = D / 4 lanes of one float4 each; two float4 for D = 256, four for D = 512, where
+//   G is at most 2), U keys per group per
 //   step with the next step's rows already loading (register double buffer). A key's G partial
 //   dot products are reduce-scattered over the group (each lane ends up owning G / L' heads'
 //   scores), so shuffles and exp2 per key are ~G / 4 instead of G * log2(L); the owners run the
@@ -26,7 +27,8 @@
 //   unnormalised partial (acc, max, sum) that attn_combine_f32 merges.
 // - attn_combine_f32: grid (n, num_heads), block 64; merges a token's active splits in split
 //   order.
-// - attn_tile_f32_c<C>: tiled exact-f32 prefill on CUDA cores, tiles of 64 tokens. Grid (n / 64,
+// - attn_tile_f32_c<C>: tiled exact-f32 prefill on CUDA cores, tiles of 64 tokens (head_dim <= 256:
+//   the tiles of head_dim 512 would need 400 KiB of shared memory, so that size never tiles). Grid (n / 64,
 //   num_heads), block 256, dynamic shared (3 * 64 * (head_dim + 4) + 64 * 65) floats: Q, K and V
 //   tiles of 64 rows (K/V by cp.async), P. Each thread owns 4 query rows x 4 keys of S and
 //   4 rows x C float4 columns of O.
@@ -483,6 +485,11 @@ ATTN_SPLIT(attn_split_d256_g1, 32, 2, 1)
 ATTN_SPLIT(attn_split_d256_g2, 32, 2, 2)
 ATTN_SPLIT(attn_split_d256_g4, 32, 2, 4)
 ATTN_SPLIT(attn_split_d256_g8, 32, 2, 8)
+// head_dim 512 (Gemma 4's full layers): four float4 per lane, one key per group per step, at most
+// 2 query heads per block (q and the accumulator of 8 heads would take 256 registers); larger
+// groups run in head chunks of 2.
+ATTN_SPLIT(attn_split_d512_g1, 32, 4, 1)
+ATTN_SPLIT(attn_split_d512_g2, 32, 4, 2)
 
 // Merge token i's partials of query head h over its active splits. The splits' weights are
 // computed in parallel into shared memory (dynamic, nsplit + 8 floats: the unrolled loop below

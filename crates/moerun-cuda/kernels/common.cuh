@@ -39,3 +39,17 @@ __device__ __forceinline__ float warp_max(float v) {
 struct WidenBf16 { __device__ static float at(const u16* p, u64 i) { return bf16_to_f32(p[i]); } };
 struct WidenF16 { __device__ static float at(const u16* p, u64 i) { return f16_to_f32(p[i]); } };
 struct WidenF32 { __device__ static float at(const float* p, u64 i) { return p[i]; } };
+
+// GELU, tanh approximation, as torch computes it in f32: kBeta = sqrt(2) * (2 / sqrt(pi)) * 0.5.
+__device__ __forceinline__ float gelu_tanh_f32(float x) {
+    const float beta = 0.7978845608028654f;
+    const float kappa = 0.044715f;
+    const float inner = beta * (x + kappa * (x * x * x));
+    return 0.5f * x * (1.0f + tanhf(inner));
+}
+
+// An expert's activation (ops/moe.rs ExpertActivation): 0 SiLU, x / (1 + exp(-x)), as
+// transformers writes it; 1 GELU-tanh (Gemma 4).
+__device__ __forceinline__ float expert_act(float g, int act) {
+    return act == 1 ? gelu_tanh_f32(g) : g / (1.0f + expf(-g));
+}

@@ -13,7 +13,8 @@
 // 2. moe_gate_up_<dt>_m<M>: grid (ceil(I / 8), S), block 256. Block (bx, s) works for group
 //    active[s] (exits at once when there is none); its warp w owns intermediate index
 //    j = 8 bx + w and streams gate row j and up row j once for all of the group's tokens, up to
-//    M tokens per pass, writing h[p, j] = silu(gate . x_t) * (up . x_t).
+//    M tokens per pass, writing h[p, j] = act(gate . x_t) * (up . x_t), act SiLU or GELU-tanh
+//    (the `act` argument, see expert_act in common.cuh).
 // 3. moe_down_<dt>_m<M>: grid (ceil(H / 32), S), block 256. Warp w of block (bx, s) owns down rows
 //    32 bx + 4 w .. + 4 and streams them once for all of the group's tokens: y[p, row] = down_row .
 //    h[p]. After each pass the block counts, per token, one arrival on its row tile; the block
@@ -217,7 +218,7 @@ template <typename C, int M>
 __device__ __forceinline__ void moe_gate_up_pass(const uint4* wg, const uint4* wu,
                                                  const float* __restrict__ x, const u32 (&p)[M],
                                                  int taken, int top_k, int hidden, int inter, int j,
-                                                 float* __restrict__ h) {
+                                                 float* __restrict__ h, int act) {
     const float* xr[M];
 #pragma unroll
     for (int m = 0; m < M; ++m) xr[m] = x + (u64)(p[m] / (u32)top_k) * hidden;
@@ -229,7 +230,7 @@ __device__ __forceinline__ void moe_gate_up_pass(const uint4* wg, const uint4* w
     for (int m = 0; m < M; ++m) {
         if (lane == m && m < taken) {
             const float g = acc[m][0];
-            h[(u64)p[m] * inter + j] = g / (1.0f + expf(-g)) * acc[m][1];
+            h[(u64)p[m] * inter + j] = expert_act(g, act) * acc[m][1];
         }
     }
 }
@@ -239,10 +240,10 @@ template <typename C, int M>
 __device__ __forceinline__ void moe_gate_up_list(const uint4* wg, const uint4* wu,
                                                  const float* __restrict__ x, const u32* list,
                                                  int taken, int top_k, int hidden, int inter, int j,
-                                                 float* __restrict__ h) {
+                                                 float* __restrict__ h, int act) {
     u32 p[M];
     moe_pass_pairs<M>(list, taken, p);
-    moe_gate_up_pass<C, M>(wg, wu, x, p, taken, top_k, hidden, inter, j, h);
+    moe_gate_up_pass<C, M>(wg, wu, x, p, taken, top_k, hidden, inter, j, h, act);
 }
 
 template <typename C, int MAXM>
@@ -251,7 +252,8 @@ __device__ __forceinline__ void moe_gate_up(const void* __restrict__ gate_up,
                                             const u32* __restrict__ offsets,
                                             const u32* __restrict__ pairs,
                                             const u32* __restrict__ active, float* __restrict__ h,
-                                            int experts, int hidden, int inter, int top_k) {
+                                            int experts, int hidden, int inter, int top_k,
+                                            int act) {
     const u32 e = active[blockIdx.y];
     if (e >= (u32)experts) return;  // no group here, or the out-of-range group; no barriers below
     const int j = blockIdx.x * MOE_WARPS + (threadIdx.x >> 5);
@@ -267,7 +269,7 @@ __device__ __forceinline__ void moe_gate_up(const void* __restrict__ gate_up,
         if constexpr (MAXM >= 8) {
             if (rem > 4) {
                 const int n = min(rem, 8);
-                moe_gate_up_list<C, 8>(wg, wu, x, list, n, top_k, hidden, inter, j, h);
+                moe_gate_up_list<C, 8>(wg, wu, x, list, n, top_k, hidden, inter, j, h, act);
                 at += n;
                 continue;
             }
@@ -275,19 +277,19 @@ __device__ __forceinline__ void moe_gate_up(const void* __restrict__ gate_up,
         if constexpr (MAXM >= 4) {
             if (rem > 2) {
                 const int n = min(rem, 4);
-                moe_gate_up_list<C, 4>(wg, wu, x, list, n, top_k, hidden, inter, j, h);
+                moe_gate_up_list<C, 4>(wg, wu, x, list, n, top_k, hidden, inter, j, h, act);
                 at += n;
                 continue;
             }
         }
         if constexpr (MAXM >= 2) {
             if (rem > 1) {
-                moe_gate_up_list<C, 2>(wg, wu, x, list, 2, top_k, hidden, inter, j, h);
+                moe_gate_up_list<C, 2>(wg, wu, x, list, 2, top_k, hidden, inter, j, h, act);
                 at += 2;
                 continue;
             }
         }
-        moe_gate_up_list<C, 1>(wg, wu, x, list, 1, top_k, hidden, inter, j, h);
+        moe_gate_up_list<C, 1>(wg, wu, x, list, 1, top_k, hidden, inter, j, h, act);
         at += 1;
     }
 }
@@ -295,9 +297,10 @@ __device__ __forceinline__ void moe_gate_up(const void* __restrict__ gate_up,
 #define MOE_GATE_UP_KERNEL(NAME, CHUNK, MAXM, MINB)                                                  \
     extern "C" __global__ void __launch_bounds__(MOE_THREADS, MINB)                              \
         NAME(const void* gate_up, const float* x, const u32* offsets, const u32* pairs,          \
-             const u32* active, float* h, int experts, int hidden, int inter, int top_k) {       \
+             const u32* active, float* h, int experts, int hidden, int inter, int top_k,         \
+             int act) {                                                                          \
         moe_gate_up<CHUNK, MAXM>(gate_up, x, offsets, pairs, active, h, experts, hidden, inter,  \
-                                 top_k);                                                         \
+                                 top_k, act);                                                    \
     }
 
 MOE_GATE_UP_KERNEL(moe_gate_up_bf16_m1, MoeBf16, 1, 4)
@@ -469,7 +472,7 @@ __device__ __forceinline__ void moe_tiny_gate_up(const void* __restrict__ gate_u
                                                  const float* __restrict__ x,
                                                  const u32* __restrict__ ids, int pairs_n,
                                                  float* __restrict__ h, int experts, int hidden,
-                                                 int inter, int top_k) {
+                                                 int inter, int top_k, int act) {
     const u32 full = 0xffffffffu;
     const int lane = threadIdx.x & 31;
     const u32 id = lane < pairs_n ? ids[lane] : MOE_NONE;
@@ -492,7 +495,7 @@ __device__ __forceinline__ void moe_tiny_gate_up(const void* __restrict__ gate_u
     while (todo != 0u) {
         const u32 p[1] = {(u32)(__ffs(todo) - 1)};
         todo &= todo - 1u;
-        moe_gate_up_pass<C, 1>(wg, wu, x, p, 1, top_k, hidden, inter, j, h);
+        moe_gate_up_pass<C, 1>(wg, wu, x, p, 1, top_k, hidden, inter, j, h, act);
     }
 }
 
@@ -534,8 +537,9 @@ __device__ __forceinline__ void moe_tiny_down(const void* __restrict__ down,
 #define MOE_TINY_KERNELS(DT, CHUNK)                                                              \
     extern "C" __global__ void __launch_bounds__(MOE_THREADS, 4)                                 \
         moe_tiny_gate_up_##DT(const void* gate_up, const float* x, const u32* ids, int pairs_n,  \
-                              float* h, int experts, int hidden, int inter, int top_k) {         \
-        moe_tiny_gate_up<CHUNK>(gate_up, x, ids, pairs_n, h, experts, hidden, inter, top_k);     \
+                              float* h, int experts, int hidden, int inter, int top_k,           \
+                              int act) {                                                         \
+        moe_tiny_gate_up<CHUNK>(gate_up, x, ids, pairs_n, h, experts, hidden, inter, top_k, act);\
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(MOE_THREADS, 4)                                 \
         moe_tiny_down_##DT(const void* down, const float* h, const u32* ids,                     \

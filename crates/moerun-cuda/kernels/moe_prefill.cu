@@ -5,7 +5,8 @@
 // - moe_gather_bf16: grid P, block 256. Row q of xg = bf16(x[t]) for q's token t (round to
 //   nearest even), the tensor cores' activations.
 // - moe_silu_mul_bf16: grid P, block 256. In place on the gate_up output gu [P][2I]:
-//   gu[q][j] = bf16(silu(gu[q][j]) * gu[q][I + j]) in f32, so the down GEMM reads h with ldb = 2I.
+//   gu[q][j] = bf16(act(gu[q][j]) * gu[q][I + j]) in f32 (act: SiLU, or GELU-tanh
+//   for Gemma 4; expert_act in common.cuh), so the down GEMM reads h with ldb = 2I.
 // - moe_combine_bf16: grid n, block 256. out[t] = sum_r weights[t, r] * y[pos[t k + r]] in rank
 //   order r = 0..k, f32.
 
@@ -23,12 +24,12 @@ extern "C" __global__ void moe_gather_bf16(const float* __restrict__ x, const u3
     }
 }
 
-extern "C" __global__ void moe_silu_mul_bf16(u16* __restrict__ gu, int inter) {
+extern "C" __global__ void moe_silu_mul_bf16(u16* __restrict__ gu, int inter, int act) {
     u16* row = gu + (u64)blockIdx.x * 2 * inter;
     for (int j = threadIdx.x; j < inter; j += blockDim.x) {
         const float g = bf16_to_f32(row[j]);
         const float u = bf16_to_f32(row[inter + j]);
-        row[j] = f32_to_bf16(g / (1.0f + expf(-g)) * u);
+        row[j] = f32_to_bf16(expert_act(g, act) * u);
     }
 }
 

@@ -76,6 +76,10 @@ pub const KERNEL_FILES: &[KernelFile] = &[
         source: include_str!("../kernels/moe_prefill.cu"),
     },
     KernelFile {
+        name: "gemma",
+        source: include_str!("../kernels/gemma.cu"),
+    },
+    KernelFile {
         name: "elementwise",
         source: include_str!("../kernels/elementwise.cu"),
     },

@@ -341,6 +341,37 @@ fn prefill_and_chunked_prefill_match_cpu_on_the_exact_tiled_path() {
     }
 }
 
+/// Gemma 4's shapes: sliding layers of head_dim 256 (16 heads over 8 KV heads, window 1024 in
+/// the real model) and full layers of head_dim 512 (16 over 2), which never tile (every token
+/// takes the split-K kernel, at most 2 query heads per block), decode and prefill.
+#[test]
+fn gemma4_head_dims_256_and_512_match_cpu_decode_and_prefill() {
+    let Some(dev) = device() else { return };
+    let mut r = rng("attention gemma4");
+    let decode = [(0, 1), (17, 1), (1030, 1), (2500, 1)];
+    let prefill = [(0, 150)];
+    let chunk = [(90, 70), (0, 3)];
+    for (shape, window) in [
+        ((16, 2, 512), None),
+        ((4, 4, 512), None),
+        ((6, 1, 512), Some(40)),
+        ((16, 8, 256), Some(1024)),
+        ((16, 8, 256), Some(50)),
+    ] {
+        for (what, seqs) in [
+            ("decode", &decode[..]),
+            ("prefill", &prefill[..]),
+            ("chunk", &chunk[..]),
+        ] {
+            let mut case = Case::new(format!("gemma4 {what} {shape:?} window {window:?}"), shape);
+            case.seqs = seqs;
+            case.window = window;
+            case.q_range = 3.0;
+            run_and_check(dev, &mut r, &case);
+        }
+    }
+}
+
 #[test]
 fn mixed_batches_of_prefills_and_decodes_match_cpu_grouped_and_interleaved() {
     let Some(dev) = device() else { return };

@@ -19,13 +19,17 @@ use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use half::{bf16, f16};
 use moerun_core::{DType, MatRef};
 use moerun_cpu::linear::matmul_t;
-use moerun_cpu::ops::silu;
-use moerun_cuda::{CudaDevice, CudaError, DecodePass, DeviceExperts, MoePath, MoeScratch};
+use moerun_cpu::ops::{gelu_tanh, silu};
+use moerun_cuda::{
+    CudaDevice, CudaError, DecodePass, DeviceExperts, ExpertActivation, MoePath, MoeScratch,
+};
 use rand::rngs::StdRng;
 use rand::Rng;
 
 /// A layer's experts on the host: stored bytes per expert (gate, up, down).
 struct HostExperts {
+    /// The gate's activation (SiLU unless a case says GELU-tanh).
+    act: ExpertActivation,
     dtype: DType,
     hidden: usize,
     inter: usize,
@@ -46,6 +50,7 @@ impl HostExperts {
             })
             .collect();
         HostExperts {
+            act: ExpertActivation::Silu,
             dtype,
             hidden,
             inter,
@@ -149,7 +154,10 @@ fn moe_cpu(
             round_bf16(&mut u);
         }
         for (gv, uv) in g.iter_mut().zip(&u) {
-            *gv = silu(*gv) * uv;
+            *gv = match w.act {
+                ExpertActivation::Silu => silu(*gv),
+                ExpertActivation::GeluTanh => gelu_tanh(*gv),
+            } * uv;
         }
         if bf16_steps {
             round_bf16(&mut g);
@@ -209,8 +217,20 @@ struct Case {
 }
 
 fn run_case(dev: &CudaDevice, r: &mut StdRng, case: &Case, path: MoePath, tokens: &[usize]) {
-    let w = HostExperts::random(r, case.dtype, case.experts, case.hidden, case.inter);
-    let wd = w.upload(dev);
+    run_case_with(dev, r, case, path, tokens, ExpertActivation::Silu)
+}
+
+fn run_case_with(
+    dev: &CudaDevice,
+    r: &mut StdRng,
+    case: &Case,
+    path: MoePath,
+    tokens: &[usize],
+    act: ExpertActivation,
+) {
+    let mut w = HostExperts::random(r, case.dtype, case.experts, case.hidden, case.inter);
+    w.act = act;
+    let wd = w.upload(dev).with_activation(act);
     let max = *tokens.iter().max().unwrap();
     let mut scratch = dev.moe_scratch(&wd, max, case.top_k).unwrap();
     scratch.set_path(Some(path));
@@ -222,7 +242,7 @@ fn run_case(dev: &CudaDevice, r: &mut StdRng, case: &Case, path: MoePath, tokens
         let (ids, weights) = routing(r, n, case.top_k, &allowed);
         let got = run(dev, &wd, &mut scratch, &x, &ids, &weights, case.top_k).unwrap();
         let name = format!(
-            "moe {path:?} {} E{} k{} {}x{} n={n}",
+            "moe {path:?} {act:?} {} E{} k{} {}x{} n={n}",
             case.dtype, case.experts, case.top_k, case.hidden, case.inter
         );
         let want = moe_cpu(&w, &x, &ids, &weights, case.top_k, false);
@@ -463,6 +483,41 @@ fn prefill_paths_match_cpu_for_batch_sizes_and_empty_experts() {
             run_case(dev, &mut r, case, path, &[1, 3, 64, 700]);
         }
     }
+}
+
+/// Gemma 4's experts: GELU-tanh gates, expert intermediate 704 (26B-A4B's, not a multiple of
+/// 64), 128 experts top-8, on every path (decode sizes including the tiny pass, prefill).
+#[test]
+fn gelu_tanh_experts_match_cpu_on_every_path() {
+    let Some(dev) = device() else { return };
+    let mut r = rng("moe_gelu");
+    let gemma = Case {
+        dtype: DType::BF16,
+        experts: 128,
+        top_k: 8,
+        hidden: 256,
+        inter: 704,
+        allowed: not_every_third,
+    };
+    let small_f32 = Case {
+        dtype: DType::F32,
+        experts: 6,
+        top_k: 3,
+        hidden: 40,
+        inter: 20,
+        allowed: all,
+    };
+    let act = ExpertActivation::GeluTanh;
+    run_case_with(
+        dev,
+        &mut r,
+        &gemma,
+        MoePath::Decode,
+        &[1, 3, 4, 17, 32],
+        act,
+    );
+    run_case_with(dev, &mut r, &small_f32, MoePath::Decode, &[1, 5, 32], act);
+    run_case_with(dev, &mut r, &gemma, MoePath::Prefill, &[1, 64, 300], act);
 }
 
 #[test]

@@ -11,7 +11,9 @@ mod common;
 use common::{check, device, poison, rel_err, rng, uniform};
 use half::{bf16, f16};
 use moerun_core::{DType, MatRef};
-use moerun_cpu::ops::{rms_norm_rows, rope_rotate_half, silu_mul_in_place, softmax_in_place};
+use moerun_cpu::ops::{
+    gelu_tanh_mul_in_place, rms_norm_rows, rope_rotate_half, silu_mul_in_place, softmax_in_place,
+};
 use moerun_cuda::{CudaError, RouterShape};
 
 fn widen(v: &[f32]) -> Vec<f64> {
@@ -119,6 +121,102 @@ fn silu_mul_matches_cpu() {
         rel_err(&dev.download(&g).unwrap(), &widen(&want)),
         1e-5,
     );
+}
+
+/// Gemma 4's elementwise ops against the CPU's arithmetic: GELU-tanh-and-multiply (plain and on a
+/// slice of packed per-layer inputs), scale, soft-capping, the router's row scale and its
+/// per-expert weight scale (NaN for an id out of range).
+#[test]
+fn gemma_elementwise_ops_match_cpu() {
+    let Some(dev) = device() else { return };
+    let mut r = rng("gemma ops");
+    let n = 3 * 2816 + 7;
+    let gate = uniform(&mut r, n, -6.0, 6.0);
+    let up = uniform(&mut r, n, -2.0, 2.0);
+    let mut want = gate.clone();
+    gelu_tanh_mul_in_place(&mut want, &up);
+    let (mut g, u) = (dev.upload(&gate).unwrap(), dev.upload(&up).unwrap());
+    dev.gelu_tanh_mul(&mut g, &u).unwrap();
+    check(
+        "gelu_tanh_mul",
+        rel_err(&dev.download(&g).unwrap(), &widen(&want)),
+        1e-6,
+    );
+
+    // Layer 2 of 5 per-layer inputs of width 8, 3 tokens.
+    let (rows, width, layers, l) = (3usize, 8usize, 5usize, 2usize);
+    let gate = uniform(&mut r, rows * width, -4.0, 4.0);
+    let packed = uniform(&mut r, rows * layers * width, -2.0, 2.0);
+    let mut want = gate.clone();
+    for (t, row) in want.chunks_exact_mut(width).enumerate() {
+        gelu_tanh_mul_in_place(row, &packed[t * layers * width + l * width..][..width]);
+    }
+    let (mut g, p) = (dev.upload(&gate).unwrap(), dev.upload(&packed).unwrap());
+    dev.gelu_tanh_mul_strided(&mut g, width, &p, layers * width, l * width)
+        .unwrap();
+    check(
+        "gelu_tanh_mul per-layer slice",
+        rel_err(&dev.download(&g).unwrap(), &widen(&want)),
+        1e-6,
+    );
+    assert!(dev
+        .gelu_tanh_mul_strided(&mut g, width, &p, layers * width, layers * width)
+        .is_err());
+
+    let x = uniform(&mut r, n, -30.0, 30.0);
+    let mut xd = dev.upload(&x).unwrap();
+    dev.scale(&mut xd, 53.0).unwrap();
+    let want: Vec<f32> = x.iter().map(|v| v * 53.0).collect();
+    check(
+        "scale",
+        rel_err(&dev.download(&xd).unwrap(), &widen(&want)),
+        0.0,
+    );
+    let mut xd = dev.upload(&x).unwrap();
+    dev.softcap(&mut xd, 15.0).unwrap();
+    let want: Vec<f32> = x.iter().map(|v| (v / 15.0).tanh() * 15.0).collect();
+    check(
+        "softcap",
+        rel_err(&dev.download(&xd).unwrap(), &widen(&want)),
+        1e-6,
+    );
+    assert!(dev.softcap(&mut xd, 0.0).is_err());
+
+    let (h, rows) = (96usize, 5usize);
+    let x = uniform(&mut r, rows * h, -3.0, 3.0);
+    let s = uniform(&mut r, h, 0.5, 1.5);
+    let root = (h as f64).powf(-0.5) as f32;
+    let want: Vec<f32> = x
+        .chunks_exact(h)
+        .flat_map(|row| row.iter().zip(&s).map(|(v, w)| v * w * root))
+        .collect();
+    let mut xd = dev.upload(&x).unwrap();
+    dev.row_scale(&mut xd, &dev.upload(&s).unwrap(), root)
+        .unwrap();
+    check(
+        "row_scale",
+        rel_err(&dev.download(&xd).unwrap(), &widen(&want)),
+        0.0,
+    );
+
+    let scale = uniform(&mut r, 8, 0.5, 2.0);
+    let ids: Vec<u32> = vec![3, 0, 7, 7, 1, 9];
+    let weights = uniform(&mut r, ids.len(), 0.0, 1.0);
+    let mut wd = dev.upload(&weights).unwrap();
+    dev.expert_scale(
+        &mut wd,
+        &dev.upload(&ids).unwrap(),
+        &dev.upload(&scale).unwrap(),
+    )
+    .unwrap();
+    let got = dev.download(&wd).unwrap();
+    for (i, (&e, &w)) in ids.iter().zip(&weights).enumerate() {
+        if (e as usize) < scale.len() {
+            assert_eq!(got[i], w * scale[e as usize], "weight {i}");
+        } else {
+            assert!(got[i].is_nan(), "weight {i} of out-of-range expert {e}");
+        }
+    }
 }
 
 #[test]

@@ -37,7 +37,7 @@ fn on_gpu(dir: &Path) -> Option<Result<Model, String>> {
 }
 
 /// Families the CUDA backend refuses for now, by `model_type`, with the word the refusal names.
-const NOT_ON_CUDA_YET: &[&str] = &["qwen3_5", "gemma4"];
+const NOT_ON_CUDA_YET: &[&str] = &["qwen3_5"];
 
 #[test]
 fn every_fixture_matches_transformers_and_the_cpu_on_the_gpu() {

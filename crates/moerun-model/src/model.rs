@@ -300,7 +300,15 @@ impl Model {
             )
         })?;
         let (cfg, w) = (&self.config, &self.weights);
+        if w.gemma4.is_some() {
+            // Checked here: a graph replay embeds on the device without looking.
+            crate::gemma4::cuda::check_tokens(cfg, &tokens)?;
+        }
         if let Some(logits) = crate::cuda::graph::try_decode(cuda, cfg, w, dkv, batch, &rows)? {
+            return Ok(ForwardOutput { rows, logits });
+        }
+        if let Some(g) = &w.gemma4 {
+            let logits = crate::gemma4::cuda::forward(cuda, dkv, cfg, g, batch, &tokens, &rows)?;
             return Ok(ForwardOutput { rows, logits });
         }
         let at = Placement::of_batch(cuda.device(), batch)?;

@@ -45,7 +45,12 @@ const MIN_SPLIT_KEYS: usize = 16;
 /// Decode blocks per SM the split count aims for.
 const BLOCKS_PER_SM: usize = 4;
 /// Largest head_dim the kernels take (the decode kernel's widest lane layout).
-pub const MAX_HEAD_DIM: usize = 256;
+pub const MAX_HEAD_DIM: usize = 512;
+/// Largest head_dim the tiled prefill kernels take; larger heads run every token on the split-K
+/// kernel (exact, only slower for long prefills).
+const MAX_TILED_HEAD_DIM: usize = 256;
+/// Query heads per block of the split-K kernel for head_dim 512 (register budget).
+const MAX_GROUP_D512: usize = 2;
 const LOG2_E: f32 = std::f32::consts::LOG2_E;
 
 /// One layer's paged KV on the device: K and V, each `[blocks][block_size][kv_heads][head_dim]`
@@ -145,9 +150,9 @@ impl AttentionScratch {
 /// Handles of `kernels/attention.cu`.
 pub(crate) struct AttentionKernels {
     kv_write: CudaFunction,
-    /// `[dim class][group class]`: head_dim <= 16, 32, 64, 128, 256 x query heads per block 1,
-    /// 2, 4, 8.
-    split: [[CudaFunction; 4]; 5],
+    /// `[dim class][group class]`: head_dim <= 16, 32, 64, 128, 256, 512 x query heads per block
+    /// 1, 2, 4, 8 (head_dim 512: 1 and 2 only; its row repeats the 2-head kernel).
+    split: [[CudaFunction; 4]; 6],
     combine: CudaFunction,
     /// head_dim <= 64, 128, 256.
     tile_f32: [CudaFunction; 3],
@@ -159,7 +164,7 @@ pub(crate) struct AttentionKernels {
     tile_bf16_smem: [usize; 2],
 }
 
-const DIM_CLASSES: [usize; 5] = [16, 32, 64, 128, 256];
+const DIM_CLASSES: [usize; 6] = [16, 32, 64, 128, 256, 512];
 const GROUP_CLASSES: [usize; 4] = [1, 2, 4, 8];
 const TILE_F32_DIMS: [usize; 3] = [64, 128, 256];
 const TILE_BF16_DIMS: [usize; 2] = [64, 128];
@@ -215,6 +220,12 @@ impl AttentionKernels {
                 split_row(64)?,
                 split_row(128)?,
                 split_row(256)?,
+                [
+                    f("attn_split_d512_g1")?,
+                    f("attn_split_d512_g2")?,
+                    f("attn_split_d512_g2")?,
+                    f("attn_split_d512_g2")?,
+                ],
             ],
             combine: f("attn_combine_f32")?,
             tile_f32,
@@ -297,7 +308,7 @@ fn class_of(classes: &[usize], v: usize) -> usize {
 
 impl CudaDevice {
     /// A zeroed pool of `blocks` blocks of `block_size` positions, `kv_heads * head_dim` values
-    /// each for K and for V. head_dim must be a multiple of 4 (16-byte rows), at most 256.
+    /// each for K and for V. head_dim must be a multiple of 4 (16-byte rows), at most 512.
     pub fn kv_pool(
         &self,
         blocks: usize,
@@ -490,9 +501,14 @@ impl CudaDevice {
                 "tensor-core attention for head_dim {d} (64 and 128 are built)"
             )));
         }
+        ensure(d > 0 && d.is_multiple_of(4) && d <= MAX_HEAD_DIM, || {
+            format!("paged_attention: head_dim {d} must be a multiple of 4 in 4..={MAX_HEAD_DIM}")
+        })?;
         let kernels = &self.kernels.attention;
         // The tiled kernel of this call, its tile height and its dynamic shared memory.
         let (tile_func, tile_m, smem, allowed) = match prefill {
+            // No tiles for the widest heads: every token takes the split-K kernel.
+            _ if d > MAX_TILED_HEAD_DIM => (&kernels.tile_f32[0], TILE_M, 0, 0),
             AttentionPrefill::ExactF32 => {
                 let c = class_of(&TILE_F32_DIMS, d);
                 let smem = tile_f32_smem(d);
@@ -515,7 +531,10 @@ impl CudaDevice {
         }
 
         let group = num_heads / num_kv_heads;
-        let group_class = class_of(&GROUP_CLASSES, group);
+        let mut group_class = class_of(&GROUP_CLASSES, group);
+        if d > MAX_TILED_HEAD_DIM {
+            group_class = group_class.min(class_of(&GROUP_CLASSES, MAX_GROUP_D512));
+        }
         let head_chunks = group.div_ceil(GROUP_CLASSES[group_class]);
         let context = sliding_window.map_or(at.max_context, |w| w.min(at.max_context));
         let per_split = n * num_heads;
@@ -523,7 +542,7 @@ impl CudaDevice {
             (scratch.acc.len() / (per_split * d)).min(scratch.ml.len() / (per_split * 2));
         let sms = self.info().multiprocessors as usize;
         let plan = split_plan(n * num_kv_heads * head_chunks, context, sms, capacity);
-        let tiled = n >= tile_m;
+        let tiled = d <= MAX_TILED_HEAD_DIM && n >= tile_m;
 
         let qp = self.ptr(q, "paged_attention q")?;
         let op = self.ptr_mut(out, "paged_attention out")?;

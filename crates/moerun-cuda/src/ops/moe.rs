@@ -1,5 +1,5 @@
 //! The routed experts of a MoE layer on the device: `out[t] = Σ_{r<k} weights[t, r] ·
-//! expert_{ids[t, r]}(x[t])`, each expert `down(silu(gate(x)) * up(x))`, the k terms summed in
+//! expert_{ids[t, r]}(x[t])`, each expert `down(act(gate(x)) * up(x))` (act SiLU or GELU-tanh, [ExpertActivation]), the k terms summed in
 //! router rank order as moerun-model's `ffn_block` does. Routing ([`CudaDevice::route_topk`])
 //! comes before: this op starts from its `ids [n, k]` and `weights [n, k]`.
 //!
@@ -178,9 +178,30 @@ impl DecodePass {
     }
 }
 
+/// The activation of an expert's gate: `down(act(gate · x) * (up · x))`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ExpertActivation {
+    /// `x / (1 + exp(-x))` (SwiGLU experts: Mixtral, Qwen, OLMoE, ...).
+    #[default]
+    Silu,
+    /// GELU with the tanh approximation (Gemma 4's experts).
+    GeluTanh,
+}
+
+impl ExpertActivation {
+    /// The kernels' `act` argument (`expert_act` in kernels/common.cuh).
+    pub(crate) fn code(self) -> i32 {
+        match self {
+            ExpertActivation::Silu => 0,
+            ExpertActivation::GeluTanh => 1,
+        }
+    }
+}
+
 /// One layer's routed experts resident on the device, stacked: gate_up `[E][2I][H]` (per expert
 /// its I gate rows then its I up rows) and down `[E][H][I]`, in the stored dtype (bf16/f16/f32).
 pub struct DeviceExperts {
+    activation: ExpertActivation,
     dtype: DType,
     experts: usize,
     hidden: usize,
@@ -190,6 +211,14 @@ pub struct DeviceExperts {
 }
 
 impl DeviceExperts {
+    /// The same experts with gate activation `activation` (SiLU unless set).
+    pub fn with_activation(mut self, activation: ExpertActivation) -> DeviceExperts {
+        self.activation = activation;
+        self
+    }
+    pub fn activation(&self) -> ExpertActivation {
+        self.activation
+    }
     pub fn experts(&self) -> usize {
         self.experts
     }
@@ -360,6 +389,7 @@ impl CudaDevice {
                 .ctx(&copy("down"))?;
         }
         Ok(DeviceExperts {
+            activation: ExpertActivation::Silu,
             dtype,
             experts: count,
             hidden,
@@ -398,6 +428,7 @@ impl CudaDevice {
         self.ptr(&gate_up, "experts_from_parts gate_up")?;
         self.ptr(&down, "experts_from_parts down")?;
         Ok(DeviceExperts {
+            activation: ExpertActivation::Silu,
             dtype,
             experts,
             hidden,

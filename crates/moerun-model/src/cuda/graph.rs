@@ -11,6 +11,7 @@
 //!   bucket at double the width. Attention's split-K grid is sized for that width's context.
 //! - A graph bakes in the addresses of the KV pools and scratch it was captured over, so the
 //!   graphs live in the [`DeviceKv`] and are dropped when its MoE scratch is replaced.
+//! - Gemma 4 (`crate::gemma4::cuda`) is captured the same way, its own flow inside the capture.
 //! - If a capture fails, graphs are switched off for this cache with the reason on stderr and
 //!   every step runs eagerly (same kernels, same results). `MOERUN_CUDA_GRAPHS=0` switches them
 //!   off too, to measure what they buy.
@@ -212,9 +213,23 @@ fn capture(
     dev.synchronize().map_err(dev_err)?;
     let graph = dev
         .capture(|| {
-            let mut pass = CudaPass::new(m, kv, &at, Tokens::Device(&tokens));
-            let out = forward::decoder_logits(&mut pass, cfg, w, &host_tokens, &rows)
-                .map_err(|e| moerun_cuda::CudaError::Unsupported(e.to_string()))?;
+            let out = match &w.gemma4 {
+                Some(g) => crate::gemma4::cuda::decode_logits(
+                    m,
+                    kv,
+                    cfg,
+                    g,
+                    &at,
+                    &tokens,
+                    &host_tokens,
+                    &rows,
+                ),
+                None => {
+                    let mut pass = CudaPass::new(m, kv, &at, Tokens::Device(&tokens));
+                    forward::decoder_logits(&mut pass, cfg, w, &host_tokens, &rows)
+                }
+            }
+            .map_err(|e| moerun_cuda::CudaError::Unsupported(e.to_string()))?;
             dev.copy_within(&out, &mut logits)
         })
         .map_err(dev_err)?;
@@ -244,6 +259,14 @@ fn first_moe<'a>(
     w: &ModelWeights,
 ) -> Option<(&'a DeviceExperts, usize)> {
     let moe_cfg = cfg.moe.as_ref()?;
+    if let Some(g) = &w.gemma4 {
+        return g.layers.iter().find_map(|l| {
+            let moe = l.moe.as_ref()?;
+            m.experts
+                .get(&super::tensor_key(&moe.router_proj))
+                .map(|e| (e, moe_cfg.top_k))
+        });
+    }
     w.layers.iter().find_map(|l| match &l.ffn {
         FfnWeights::Moe(moe) => m
             .experts

@@ -9,8 +9,10 @@
 //! the layer's router, so the fused MoE op can reach any expert by index without host work.
 //!
 //! Not yet on this backend, refused by name: Qwen3.5's Gated DeltaNet layers and attention
-//! output gate, and Gemma 4.
+//! output gate. Gemma 4 runs its own device forward (`crate::gemma4::cuda`), not [`CudaPass`].
 
+#[cfg(test)]
+mod gemma4_tests;
 pub(crate) mod graph;
 mod pass;
 pub mod profile;
@@ -26,9 +28,9 @@ use moerun_cuda::{
     DeviceKvPool, DeviceMatrix, DeviceRope, MoeScratch,
 };
 
-use crate::config::{Mixer, ModelConfig, QkNorm};
+use crate::config::{ModelConfig, QkNorm};
 
-pub use pass::{CudaPass, Placement, Tokens};
+pub use pass::{CudaPass, Placement, Tokens, GEMV_MAX_ROWS};
 pub use upload::WeightSource;
 
 /// A device error as the library's error.
@@ -62,6 +64,8 @@ pub struct CudaModel {
     pub(crate) prefill_attention: AttentionPrefill,
     /// Bytes of weights resident on the device.
     pub(crate) weight_bytes: usize,
+    /// Gemma 4's extras (its two RoPEs, unit norm weights), when the model is Gemma 4.
+    pub(crate) gemma4: Option<crate::gemma4::cuda::Gemma4Device>,
 }
 
 impl CudaModel {
@@ -167,28 +171,33 @@ impl DeviceKv {
         num_window_blocks: Option<usize>,
         block_size: usize,
     ) -> Result<DeviceKv> {
-        let pools = cfg
-            .layers
-            .iter()
-            .enumerate()
-            .map(|(l, spec)| match spec.mixer {
-                Mixer::Attention => {
+        // Each layer's own shape (Gemma 4's sliding and full layers differ); none for Gated
+        // DeltaNet layers and Gemma 4's KV-shared ones. Sliding-window layers get the window
+        // group's blocks when it has its own.
+        let pools = (0..cfg.num_layers())
+            .map(|l| match cfg.layer_kv_shape(l) {
+                Some((kv_heads, head_dim)) => {
                     let blocks = match num_window_blocks {
                         Some(w) if cfg.layer_kv_windowed(l) => w,
                         _ => num_blocks,
                     };
-                    dev.kv_pool(blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
+                    dev.kv_pool(blocks + 1, block_size, kv_heads, head_dim)
                         .map(Some)
                         .map_err(dev_err)
                 }
-                Mixer::GatedDeltaNet => Ok(None),
+                None => Ok(None),
             })
             .collect::<Result<Vec<_>>>()?;
+        let widest = (0..cfg.num_layers())
+            .filter_map(|l| cfg.layer_kv_shape(l))
+            .map(|(_, d)| d)
+            .max()
+            .unwrap_or(cfg.head_dim);
         let attention = dev
             .attention_scratch(
                 ATTENTION_SCRATCH_TOKENS,
                 cfg.num_heads,
-                cfg.head_dim,
+                widest,
                 cfg.max_position_embeddings,
             )
             .map_err(dev_err)?;
@@ -217,12 +226,6 @@ impl DeviceKv {
 
 /// Refuse what this backend does not run yet, by name.
 pub(crate) fn check_supported(cfg: &ModelConfig) -> Result<()> {
-    if cfg.family == crate::config::Family::Gemma4 {
-        return Err(Error::Unsupported(
-            "gemma4 on the CUDA backend (its layer runs on the CPU only so far; use --device cpu)"
-                .into(),
-        ));
-    }
     if cfg.linear_attention.is_some() || cfg.attention_output_gate {
         return Err(Error::Unsupported(format!(
             "{} on the CUDA backend (Gated DeltaNet layers and gated attention run on the CPU \

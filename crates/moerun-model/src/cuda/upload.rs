@@ -25,24 +25,38 @@ pub enum WeightSource {
 /// Uniform bound with std 0.02 (a uniform on `[-a, a]` has std `a / √3`).
 const RANDOM_BOUND: f32 = 0.02 * 1.732_050_8;
 
-struct Uploader<'a> {
-    dev: &'a CudaDevice,
-    source: WeightSource,
-    mats: HashMap<(usize, usize), DeviceMatrix>,
-    vecs: HashMap<(usize, usize), CudaSlice<f32>>,
-    experts: HashMap<(usize, usize), DeviceExperts>,
-    qkv: HashMap<(usize, usize), StackedQkv>,
-    bytes: usize,
+/// Collects a model's device weights; Gemma 4's upload (`crate::gemma4::cuda`) uses it too.
+pub(crate) struct Uploader<'a> {
+    pub(crate) dev: &'a CudaDevice,
+    pub(crate) source: WeightSource,
+    pub(crate) mats: HashMap<(usize, usize), DeviceMatrix>,
+    pub(crate) vecs: HashMap<(usize, usize), CudaSlice<f32>>,
+    pub(crate) experts: HashMap<(usize, usize), DeviceExperts>,
+    pub(crate) qkv: HashMap<(usize, usize), StackedQkv>,
+    pub(crate) bytes: usize,
     next_seed: u64,
 }
 
-impl Uploader<'_> {
+impl<'a> Uploader<'a> {
+    pub(crate) fn new(dev: &'a CudaDevice, source: WeightSource) -> Uploader<'a> {
+        Uploader {
+            dev,
+            source,
+            mats: HashMap::new(),
+            vecs: HashMap::new(),
+            experts: HashMap::new(),
+            qkv: HashMap::new(),
+            bytes: 0,
+            next_seed: 0,
+        }
+    }
+
     fn seed(&mut self, base: u64) -> u64 {
         self.next_seed += 1;
         base ^ self.next_seed.wrapping_mul(0x9E37_79B9_7F4A_7C15)
     }
 
-    fn matrix(&mut self, t: &Tensor) -> Result<()> {
+    pub(crate) fn matrix(&mut self, t: &Tensor) -> Result<()> {
         let key = tensor_key(t);
         if self.mats.contains_key(&key) {
             return Ok(()); // tied weights: one device copy
@@ -62,7 +76,7 @@ impl Uploader<'_> {
         Ok(())
     }
 
-    fn vector(&mut self, v: &[f32]) -> Result<()> {
+    pub(crate) fn vector(&mut self, v: &[f32]) -> Result<()> {
         let key = vec_key(v);
         if !self.vecs.contains_key(&key) {
             let d = self.dev.upload(v).map_err(dev_err)?;
@@ -71,7 +85,7 @@ impl Uploader<'_> {
         Ok(())
     }
 
-    fn linear(&mut self, l: &Linear) -> Result<()> {
+    pub(crate) fn linear(&mut self, l: &Linear) -> Result<()> {
         self.matrix(&l.weight)?;
         if let Some(b) = &l.bias {
             self.vector(b)?;
@@ -79,7 +93,7 @@ impl Uploader<'_> {
         Ok(())
     }
 
-    fn mlp(&mut self, w: &MlpWeights) -> Result<()> {
+    pub(crate) fn mlp(&mut self, w: &MlpWeights) -> Result<()> {
         self.linear(&w.gate_proj)?;
         self.linear(&w.up_proj)?;
         self.linear(&w.down_proj)
@@ -133,7 +147,12 @@ impl Uploader<'_> {
         Ok(())
     }
 
-    fn random_bytes(&mut self, dtype: DType, len: usize, seed: u64) -> Result<CudaSlice<u8>> {
+    pub(crate) fn random_bytes(
+        &mut self,
+        dtype: DType,
+        len: usize,
+        seed: u64,
+    ) -> Result<CudaSlice<u8>> {
         let seed = self.seed(seed);
         let mut buf = self.dev.zeros::<u8>(len * dtype.size()).map_err(dev_err)?;
         self.dev
@@ -186,20 +205,14 @@ pub(crate) fn upload(
     rope: &Rope,
     source: WeightSource,
 ) -> Result<CudaModel> {
+    if let (Some(g), Some(gw)) = (&cfg.gemma4, &w.gemma4) {
+        return crate::gemma4::cuda::upload(dev, cfg, g, gw, source);
+    }
     let (inv_freq, attention_factor) = rope.parts();
     let rope = dev
         .upload_rope(inv_freq, attention_factor)
         .map_err(dev_err)?;
-    let mut u = Uploader {
-        dev: &dev,
-        source,
-        mats: HashMap::new(),
-        vecs: HashMap::new(),
-        experts: HashMap::new(),
-        qkv: HashMap::new(),
-        bytes: 0,
-        next_seed: 0,
-    };
+    let mut u = Uploader::new(&dev, source);
     u.matrix(&w.embed_tokens)?;
     for layer in &w.layers {
         u.vector(&layer.input_layernorm)?;
@@ -246,6 +259,7 @@ pub(crate) fn upload(
         AttentionPrefill::ExactF32
     };
     Ok(CudaModel {
+        gemma4: None,
         prefill_attention,
         dev,
         mats,

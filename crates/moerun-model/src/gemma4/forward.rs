@@ -84,6 +84,37 @@ pub fn forward(
     Ok(logits)
 }
 
+/// Decoder layer `l` alone over `batch` (positions and block tables), in place on `x`: the
+/// reference the CUDA backend's layer is tested against (`crate::cuda`'s Gemma 4 tests).
+#[cfg(test)]
+pub(crate) fn layer_alone(
+    cfg: &ModelConfig,
+    w: &Gemma4Weights,
+    batch: &Batch,
+    kv: &mut KvCache,
+    l: usize,
+    x: &mut [f32],
+    ple: Option<(&[f32], usize)>,
+) {
+    let g = cfg.gemma4.as_ref().expect("a Gemma 4 config");
+    let mut slots = Vec::new();
+    for seq in &batch.seqs {
+        for i in 0..seq.tokens.len() {
+            slots.push(TokenSlot {
+                block_table: &seq.block_table.blocks,
+                position: seq.start_pos + i,
+            });
+        }
+    }
+    let pass = Pass {
+        cfg,
+        g,
+        ropes: &w.ropes,
+        slots: &slots,
+    };
+    layer(&pass, l, &w.layers[l], x, ple, kv);
+}
+
 /// One decoder layer on the residual stream `x` (`[n, hidden]`), in place. `ple` is every
 /// token's per-layer inputs (`[n, layers * width]`) and `width`, when the model has them.
 fn layer(

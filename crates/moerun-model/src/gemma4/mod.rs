@@ -17,7 +17,8 @@
 //! last `num_kv_shared_layers` attend over an earlier layer's K/V ([`attention`]).
 
 pub mod attention;
-mod forward;
+pub(crate) mod cuda;
+pub(crate) mod forward;
 pub mod moe;
 pub mod stats;
 pub mod weights;

@@ -82,6 +82,8 @@ impl CudaDevice {
         b.arg(&gate_up).arg(&c.x).arg(&offsets).arg(&pair_list);
         b.arg(&active).arg(&h);
         b.arg(&experts_i).arg(&hidden_i).arg(&inter_i).arg(&k_i);
+        let act = w.activation().code();
+        b.arg(&act);
         // SAFETY: gate_up holds E · 2I · H elements of the kernel's dtype with H a multiple of its
         // 16-byte chunk; x holds n · H f32 (16-byte aligned); offsets, pairs and active were
         // written by moe_align for these P pairs (pair indices < P, so tokens < n); h holds
@@ -145,6 +147,8 @@ impl CudaDevice {
         let mut b = self.stream.launch_builder(&k.tiny_gate_up[slot]);
         b.arg(&gate_up).arg(&c.x).arg(&c.ids).arg(&pairs_i).arg(&h);
         b.arg(&experts_i).arg(&hidden_i).arg(&inter_i).arg(&k_i);
+        let act = w.activation().code();
+        b.arg(&act);
         // SAFETY: gate_up holds E · 2I · H elements (H a multiple of the 16-byte chunk); x holds
         // n · H f32, 16-byte aligned; ids hold P <= 32 u32 (only ids < E index the weights); h
         // holds P_max · I >= P · I f32.

@@ -156,7 +156,8 @@ impl CudaDevice {
         self.moe_gemms(&up, per_expert, ptrs)?;
 
         let mut b = self.stream.launch_builder(&kernels.silu_mul_bf16);
-        b.arg(&gu).arg(&inter_i);
+        let act = w.activation().code();
+        b.arg(&gu).arg(&inter_i).arg(&act);
         // SAFETY: gu holds P_max rows of 2I bf16, the first P written by the GEMM above.
         unsafe { b.launch(rows(pairs)) }.ctx("moe_silu_mul_bf16")?;
 

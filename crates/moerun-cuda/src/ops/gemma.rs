@@ -1,0 +1,186 @@
+//! Gemma 4's elementwise ops (`kernels/gemma.cu`): GELU-tanh-and-multiply (dense MLP and the
+//! per-layer-input gate), scale by a scalar, logit soft-capping, the router's per-column scale and
+//! its per-expert weight scale. Each is the f32 arithmetic of the CPU reference in the same order.
+//!
+//! Launch (all): 1-D grid-stride, block 256, grid ceil(n / 256) capped at 32 blocks per SM.
+
+use cudarc::driver::{CudaFunction, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+
+use super::{elementwise_grid, to_i32};
+use crate::error::{ensure, DriverContext, Result};
+use crate::CudaDevice;
+
+/// Handles of `kernels/gemma.cu`.
+pub(crate) struct GemmaKernels {
+    gelu_tanh_mul: CudaFunction,
+    scale: CudaFunction,
+    softcap: CudaFunction,
+    row_scale: CudaFunction,
+    expert_scale: CudaFunction,
+}
+
+impl GemmaKernels {
+    pub(crate) fn load(get: impl Fn(&str) -> Result<CudaFunction>) -> Result<Self> {
+        Ok(GemmaKernels {
+            gelu_tanh_mul: get("gelu_tanh_mul_f32")?,
+            scale: get("scale_f32")?,
+            softcap: get("softcap_f32")?,
+            row_scale: get("row_scale_f32")?,
+            expert_scale: get("expert_scale_f32")?,
+        })
+    }
+}
+
+impl CudaDevice {
+    fn gemma_cfg(&self, n: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (elementwise_grid(n, self.info().multiprocessors), 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    /// `gate[i] = gelu_tanh(gate[i]) * up[i]` (Gemma's MLP).
+    pub fn gelu_tanh_mul(
+        &self,
+        gate: &mut impl DevicePtrMut<f32>,
+        up: &impl DevicePtr<f32>,
+    ) -> Result<()> {
+        let n = gate.len();
+        ensure(up.len() == n, || {
+            format!("gelu_tanh_mul: gate holds {n}, up {}", up.len())
+        })?;
+        self.gelu_tanh_mul_strided(gate, n.max(1), up, n.max(1), 0)
+    }
+
+    /// `gate[r, c] = gelu_tanh(gate[r, c]) * up[r * up_stride + up_offset + c]` over rows of
+    /// `width`: with `up` a token's packed per-layer inputs (`[rows, layers * width]`), layer `l`'s
+    /// slice is `up_stride = layers * width`, `up_offset = l * width`.
+    pub fn gelu_tanh_mul_strided(
+        &self,
+        gate: &mut impl DevicePtrMut<f32>,
+        width: usize,
+        up: &impl DevicePtr<f32>,
+        up_stride: usize,
+        up_offset: usize,
+    ) -> Result<()> {
+        let n = gate.len();
+        ensure(width > 0 && n.is_multiple_of(width), || {
+            format!("gelu_tanh_mul: gate holds {n}, not rows of {width}")
+        })?;
+        let rows = n / width;
+        ensure(
+            up_offset + width <= up_stride && up.len() == rows * up_stride,
+            || {
+                format!(
+                    "gelu_tanh_mul: up holds {}, expected {rows} rows of {up_stride} with {width} \
+                     at offset {up_offset}",
+                    up.len()
+                )
+            },
+        )?;
+        if n == 0 {
+            return Ok(());
+        }
+        let g = self.ptr_mut(gate, "gelu_tanh_mul gate")?;
+        let u = self.ptr(up, "gelu_tanh_mul up")?;
+        let (n64, w, st, off) = (
+            n as u64,
+            to_i32(width, "width")?,
+            up_stride as u64,
+            up_offset as u64,
+        );
+        let mut b = self
+            .stream
+            .launch_builder(&self.kernels.gemma.gelu_tanh_mul);
+        b.arg(&g).arg(&u).arg(&n64).arg(&w).arg(&st).arg(&off);
+        // SAFETY: gate holds rows x width f32, up rows x up_stride with the slice inside each
+        // row; the argument list matches the kernel's.
+        unsafe { b.launch(self.gemma_cfg(n)) }.ctx("gelu_tanh_mul_f32")?;
+        Ok(())
+    }
+
+    /// `x *= s`.
+    pub fn scale(&self, x: &mut impl DevicePtrMut<f32>, s: f32) -> Result<()> {
+        self.scalar_op(&self.kernels.gemma.scale, "scale_f32", x, s)
+    }
+
+    /// `x = tanh(x / cap) * cap` (final logit soft-capping); `cap` must be positive.
+    pub fn softcap(&self, x: &mut impl DevicePtrMut<f32>, cap: f32) -> Result<()> {
+        ensure(cap.is_finite() && cap > 0.0, || {
+            format!("softcap: cap {cap} must be positive")
+        })?;
+        self.scalar_op(&self.kernels.gemma.softcap, "softcap_f32", x, cap)
+    }
+
+    fn scalar_op(
+        &self,
+        func: &CudaFunction,
+        name: &str,
+        x: &mut impl DevicePtrMut<f32>,
+        s: f32,
+    ) -> Result<()> {
+        let n = x.len();
+        if n == 0 {
+            return Ok(());
+        }
+        let xp = self.ptr_mut(x, name)?;
+        let n64 = n as u64;
+        let mut b = self.stream.launch_builder(func);
+        b.arg(&xp).arg(&s).arg(&n64);
+        // SAFETY: x holds n f32; the argument list matches the kernel's.
+        unsafe { b.launch(self.gemma_cfg(n)) }.ctx(name)?;
+        Ok(())
+    }
+
+    /// `x[r, c] = x[r, c] * s[c] * root` over rows of `s.len()` (Gemma 4's router input).
+    pub fn row_scale(
+        &self,
+        x: &mut impl DevicePtrMut<f32>,
+        s: &impl DevicePtr<f32>,
+        root: f32,
+    ) -> Result<()> {
+        let (n, width) = (x.len(), s.len());
+        ensure(width > 0 && n.is_multiple_of(width), || {
+            format!("row_scale: x holds {n}, not rows of {width}")
+        })?;
+        if n == 0 {
+            return Ok(());
+        }
+        let xp = self.ptr_mut(x, "row_scale x")?;
+        let sp = self.ptr(s, "row_scale s")?;
+        let (n64, w) = (n as u64, to_i32(width, "width")?);
+        let mut b = self.stream.launch_builder(&self.kernels.gemma.row_scale);
+        b.arg(&xp).arg(&sp).arg(&root).arg(&n64).arg(&w);
+        // SAFETY: x holds n f32 in rows of width, s width f32; the argument list matches.
+        unsafe { b.launch(self.gemma_cfg(n)) }.ctx("row_scale_f32")?;
+        Ok(())
+    }
+
+    /// `weights[i] *= scale[ids[i]]` (Gemma 4's per-expert scale of the routing weights); an id
+    /// past `scale.len()` makes its weight NaN.
+    pub fn expert_scale(
+        &self,
+        weights: &mut impl DevicePtrMut<f32>,
+        ids: &impl DevicePtr<u32>,
+        scale: &impl DevicePtr<f32>,
+    ) -> Result<()> {
+        let n = weights.len();
+        ensure(ids.len() == n, || {
+            format!("expert_scale: {n} weights but {} ids", ids.len())
+        })?;
+        if n == 0 {
+            return Ok(());
+        }
+        let wp = self.ptr_mut(weights, "expert_scale weights")?;
+        let ip = self.ptr(ids, "expert_scale ids")?;
+        let sp = self.ptr(scale, "expert_scale scale")?;
+        let (n64, e) = (n as u64, to_i32(scale.len(), "experts")?);
+        let mut b = self.stream.launch_builder(&self.kernels.gemma.expert_scale);
+        b.arg(&wp).arg(&ip).arg(&sp).arg(&n64).arg(&e);
+        // SAFETY: weights and ids hold n values, scale `experts` f32 (ids are bounds-checked in
+        // the kernel); the argument list matches the kernel's.
+        unsafe { b.launch(self.gemma_cfg(n)) }.ctx("expert_scale_f32")?;
+        Ok(())
+    }
+}

@@ -1,0 +1,621 @@
+//! Gemma 4 on the CUDA backend: its weights on the device and its forward pass as device ops,
+//! step for step the CPU flow of [`super::forward`] (same order of norms, adds and scales).
+//!
+//! This is the brief's fallback design, a family forward of its own calling device ops directly,
+//! not the [`crate::backend::Backend`] flow: Gemma 4's layer (sandwich norms, dense MLP beside the
+//! routed experts, routing on the un-normed residual, KV sharing, per-layer RoPE and head dims,
+//! per-layer inputs, `layer_scalar`) shares almost no step order with [`crate::forward`], and
+//! moving the CPU code under the trait was more than this change could carry safely
+//! (docs/ARCHITECTURE.md). The device ops it uses are shared with every family: GEMV/GEMM,
+//! RMSNorm, RoPE, paged attention, the router and the fused MoE op (with its GELU-tanh activation),
+//! plus the small Gemma ops of `moerun_cuda` (`gelu_tanh_mul`, `scale`, `softcap`, `row_scale`,
+//! `expert_scale`).
+//!
+//! Decode steps are captured in CUDA graphs by `crate::cuda::graph` like every family's
+//! ([`decode_logits`] is the captured body): no host work happens inside a pass once the batch's
+//! placement and token ids are on the device.
+
+use std::collections::HashMap;
+
+use moerun_core::{DType, Error, MatRef, Result, Tensor};
+use moerun_cuda::{
+    AttentionPrefill, AttentionShape, CudaDevice, CudaSlice, DeviceMatrix, DeviceRope,
+    ExpertActivation, RouterShape, TokenPlacement,
+};
+
+use crate::batch::Batch;
+use crate::config::{Gemma4Config, ModelConfig};
+use crate::cuda::upload::{Uploader, WeightSource};
+use crate::cuda::{dev_err, tensor_key, CudaModel, DeviceKv, Placement, Tokens, GEMV_MAX_ROWS};
+use crate::weights::Linear;
+
+use super::weights::{Gemma4AttentionWeights, Gemma4LayerWeights, Gemma4MoeWeights, Gemma4Weights};
+
+/// What a Gemma 4 model needs on the device beyond its weights.
+pub(crate) struct Gemma4Device {
+    sliding_rope: DeviceRope,
+    full_rope: DeviceRope,
+    /// All-ones weights by width: `v_norm` and the router's norm have no learned scale.
+    ones: HashMap<usize, CudaSlice<f32>>,
+}
+
+/// Upload (or draw, for `WeightSource::Random`) every Gemma 4 weight.
+pub(crate) fn upload(
+    dev: CudaDevice,
+    cfg: &ModelConfig,
+    g: &Gemma4Config,
+    w: &Gemma4Weights,
+    source: WeightSource,
+) -> Result<CudaModel> {
+    let sliding_rope = dev
+        .upload_rope(&g.sliding_rope.inv_freq(), 1.0)
+        .map_err(dev_err)?;
+    let full_rope = dev
+        .upload_rope(&g.full_rope.inv_freq(), 1.0)
+        .map_err(dev_err)?;
+    let mut ones = HashMap::new();
+    let mut widths = vec![cfg.hidden_size];
+    widths.extend(g.layers.iter().map(|l| l.head_dim));
+    for width in widths {
+        if let std::collections::hash_map::Entry::Vacant(e) = ones.entry(width) {
+            e.insert(dev.upload(&vec![1.0f32; width]).map_err(dev_err)?);
+        }
+    }
+    let rope = dev
+        .upload_rope(&g.sliding_rope.inv_freq(), 1.0)
+        .map_err(dev_err)?;
+
+    let mut u = Uploader::new(&dev, source);
+    u.matrix(&w.embed_tokens)?;
+    if let Some(p) = &w.per_layer_input {
+        u.matrix(&p.embed_tokens_per_layer)?;
+        u.matrix(&p.model_projection)?;
+        u.vector(&p.projection_norm)?;
+    }
+    for lw in &w.layers {
+        upload_layer(&mut u, lw)?;
+    }
+    u.vector(&w.norm)?;
+    u.matrix(&w.lm_head)?;
+    let (mats, vecs, experts, qkv, bytes) = (u.mats, u.vecs, u.experts, u.qkv, u.bytes);
+    let bf16 = w.embed_tokens.dtype == DType::BF16;
+    Ok(CudaModel {
+        // Per layer, head dims outside 64/128 fall back to the exact kernel (see `attention`).
+        prefill_attention: if bf16 {
+            AttentionPrefill::TensorCoreBf16
+        } else {
+            AttentionPrefill::ExactF32
+        },
+        dev,
+        mats,
+        vecs,
+        experts,
+        qkv,
+        rope,
+        weight_bytes: bytes,
+        gemma4: Some(Gemma4Device {
+            sliding_rope,
+            full_rope,
+            ones,
+        }),
+    })
+}
+
+fn upload_layer(u: &mut Uploader, lw: &Gemma4LayerWeights) -> Result<()> {
+    for v in [
+        &lw.input_layernorm,
+        &lw.post_attention_layernorm,
+        &lw.pre_feedforward_layernorm,
+        &lw.post_feedforward_layernorm,
+    ] {
+        u.vector(v)?;
+    }
+    let a = &lw.self_attn;
+    u.linear(&a.q_proj)?;
+    u.vector(&a.q_norm)?;
+    u.linear(&a.o_proj)?;
+    if let Some(own) = &a.kv {
+        u.linear(&own.k_proj)?;
+        if let Some(v) = &own.v_proj {
+            u.linear(v)?;
+        }
+        u.vector(&own.k_norm)?;
+    }
+    u.mlp(&lw.mlp)?;
+    if let Some(moe) = &lw.moe {
+        upload_experts(u, moe)?;
+    }
+    if let Some(li) = &lw.per_layer_input {
+        u.matrix(&li.gate)?;
+        u.matrix(&li.projection)?;
+        u.vector(&li.post_norm)?;
+    }
+    Ok(())
+}
+
+/// A layer's router, its scales and norms, and its experts stacked for the fused MoE op (gate
+/// rows then up rows per expert, as `gate_up_proj` already keeps them), keyed by `router.proj`.
+fn upload_experts(u: &mut Uploader, w: &Gemma4MoeWeights) -> Result<()> {
+    u.matrix(&w.router_proj)?;
+    for v in [
+        &w.router_scale,
+        &w.per_expert_scale,
+        &w.pre_feedforward_layernorm_2,
+        &w.post_feedforward_layernorm_1,
+        &w.post_feedforward_layernorm_2,
+    ] {
+        u.vector(v)?;
+    }
+    let Some((gate_up, _)) = w.experts.first() else {
+        return Ok(());
+    };
+    let (dtype, inter, hidden) = (gate_up.dtype, gate_up.shape[0] / 2, gate_up.shape[1]);
+    let stacked = match u.source {
+        WeightSource::Host => {
+            fn halves(t: &Tensor, first: bool) -> MatRef<'_> {
+                let m = t.mat();
+                let half = m.data.len() / 2;
+                MatRef {
+                    dtype: m.dtype,
+                    rows: m.rows / 2,
+                    cols: m.cols,
+                    data: if first {
+                        &m.data[..half]
+                    } else {
+                        &m.data[half..]
+                    },
+                }
+            }
+            let parts: Vec<_> = w
+                .experts
+                .iter()
+                .map(|(gu, down)| (halves(gu, true), halves(gu, false), down.mat()))
+                .collect();
+            u.dev.upload_experts(&parts).map_err(dev_err)?
+        }
+        WeightSource::Random { seed } => {
+            let n = w.experts.len() * inter * hidden;
+            let gate_up = u.random_bytes(dtype, 2 * n, seed)?;
+            let down = u.random_bytes(dtype, n, seed)?;
+            u.dev
+                .experts_from_parts(dtype, w.experts.len(), hidden, inter, gate_up, down)
+                .map_err(dev_err)?
+        }
+    };
+    u.bytes += stacked.bytes();
+    u.experts.insert(
+        tensor_key(&w.router_proj),
+        stacked.with_activation(ExpertActivation::GeluTanh),
+    );
+    Ok(())
+}
+
+/// One Gemma 4 forward pass on the device.
+struct Pass<'a> {
+    m: &'a CudaModel,
+    extra: &'a Gemma4Device,
+    cfg: &'a ModelConfig,
+    g: &'a Gemma4Config,
+    kv: &'a mut DeviceKv,
+    at: &'a Placement,
+    tokens: Tokens<'a>,
+    rows: usize,
+}
+
+/// Run `tokens` (the batch's tokens, already checked against the vocabulary) through the model
+/// on the device, writing K/V into `kv`, and return the soft-capped logits of `rows`.
+#[allow(clippy::too_many_arguments)] // the CPU forward's arguments plus the device pair
+pub(crate) fn forward(
+    m: &CudaModel,
+    kv: &mut DeviceKv,
+    cfg: &ModelConfig,
+    w: &Gemma4Weights,
+    batch: &Batch,
+    tokens: &[u32],
+    rows: &[usize],
+) -> Result<Vec<f32>> {
+    check_tokens(cfg, tokens)?;
+    let at = Placement::of_batch(&m.dev, batch)?;
+    let logits = run(m, kv, cfg, w, &at, Tokens::Host, tokens, rows)?;
+    if logits.is_empty() {
+        return Ok(Vec::new());
+    }
+    m.dev.download(&logits).map_err(dev_err)
+}
+
+/// Refuse tokens past the per-layer-input table (the main vocabulary is checked by the caller).
+pub(crate) fn check_tokens(cfg: &ModelConfig, tokens: &[u32]) -> Result<()> {
+    if let Some(ple) = cfg.gemma4.as_ref().and_then(|g| g.per_layer_input) {
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= ple.vocab) {
+            return Err(Error::TokenOutOfRange {
+                id: t,
+                vocab: ple.vocab,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// A decode step's body as a CUDA graph captures it: token ids already on the device (`ids`;
+/// `host_tokens` only gives their count), logits left on the device.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn decode_logits(
+    m: &CudaModel,
+    kv: &mut DeviceKv,
+    cfg: &ModelConfig,
+    w: &Gemma4Weights,
+    at: &Placement,
+    ids: &CudaSlice<u32>,
+    host_tokens: &[u32],
+    rows: &[usize],
+) -> Result<CudaSlice<f32>> {
+    run(m, kv, cfg, w, at, Tokens::Device(ids), host_tokens, rows)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run(
+    m: &CudaModel,
+    kv: &mut DeviceKv,
+    cfg: &ModelConfig,
+    w: &Gemma4Weights,
+    at: &Placement,
+    tokens: Tokens,
+    host_tokens: &[u32],
+    rows: &[usize],
+) -> Result<CudaSlice<f32>> {
+    let g = cfg
+        .gemma4
+        .as_ref()
+        .ok_or_else(|| Error::InvalidArgument("Gemma 4 weights without a Gemma 4 config".into()))?;
+    let extra = m.gemma4.as_ref().ok_or_else(|| {
+        Error::Device("internal: a Gemma 4 model uploaded without its device extras".into())
+    })?;
+    let mut p = Pass {
+        m,
+        extra,
+        cfg,
+        g,
+        kv,
+        at,
+        tokens,
+        rows: host_tokens.len(),
+    };
+    p.run(w, host_tokens, rows)
+}
+
+/// Decoder layer `l` alone on the device over `batch`, from and to host values (tests).
+#[cfg(test)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn layer_alone(
+    m: &CudaModel,
+    kv: &mut DeviceKv,
+    cfg: &ModelConfig,
+    w: &Gemma4Weights,
+    batch: &Batch,
+    l: usize,
+    x: &[f32],
+    ple: Option<(&[f32], usize)>,
+) -> Result<Vec<f32>> {
+    let g = cfg.gemma4.as_ref().expect("a Gemma 4 config");
+    let extra = m.gemma4.as_ref().expect("Gemma 4 extras");
+    let at = Placement::of_batch(&m.dev, batch)?;
+    let mut p = Pass {
+        m,
+        extra,
+        cfg,
+        g,
+        kv,
+        at: &at,
+        tokens: Tokens::Host,
+        rows: batch.num_tokens(),
+    };
+    let mut xd = m.dev.upload(x).map_err(dev_err)?;
+    let pd = match ple {
+        Some((v, width)) => Some((m.dev.upload(v).map_err(dev_err)?, width)),
+        None => None,
+    };
+    p.layer(l, &w.layers[l], &mut xd, pd.as_ref())?;
+    m.dev.download(&xd).map_err(dev_err)
+}
+
+impl Pass<'_> {
+    fn dev(&self) -> &CudaDevice {
+        &self.m.dev
+    }
+
+    fn alloc(&self, len: usize) -> Result<CudaSlice<f32>> {
+        self.dev().alloc_f32(len).map_err(dev_err)
+    }
+
+    /// `x · Wᵀ`: the GEMV up to [`GEMV_MAX_ROWS`] rows, cuBLAS past it (as `CudaPass` does).
+    fn product(&self, x: &CudaSlice<f32>, w: &Tensor) -> Result<CudaSlice<f32>> {
+        let d: &DeviceMatrix = self.m.mat(w)?;
+        let rows = x.len() / d.cols();
+        let mut out = self.alloc(rows * d.rows())?;
+        if rows <= GEMV_MAX_ROWS || d.dtype() == DType::F16 {
+            self.dev().gemv(x, rows, d, &mut out).map_err(dev_err)?;
+        } else {
+            self.dev().gemm(x, rows, d, &mut out).map_err(dev_err)?;
+        }
+        Ok(out)
+    }
+
+    fn linear(&self, x: &CudaSlice<f32>, l: &Linear) -> Result<CudaSlice<f32>> {
+        let mut out = self.product(x, &l.weight)?;
+        if let Some(b) = &l.bias {
+            self.dev()
+                .add_bias(&mut out, self.m.vec(b)?)
+                .map_err(dev_err)?;
+        }
+        Ok(out)
+    }
+
+    fn norm(&self, x: &CudaSlice<f32>, w: &[f32]) -> Result<CudaSlice<f32>> {
+        let mut out = self.alloc(x.len())?;
+        self.dev()
+            .rms_norm(x, self.m.vec(w)?, self.cfg.rms_norm_eps, &mut out)
+            .map_err(dev_err)?;
+        Ok(out)
+    }
+
+    fn norm_in_place(&self, x: &mut CudaSlice<f32>, w: &[f32]) -> Result<()> {
+        self.dev()
+            .rms_norm_in_place(x, self.m.vec(w)?, self.cfg.rms_norm_eps)
+            .map_err(dev_err)
+    }
+
+    /// RMSNorm without a learned scale, over rows of `width`.
+    fn unit_norm(&self, x: &mut CudaSlice<f32>, width: usize) -> Result<()> {
+        let ones = self.extra.ones.get(&width).ok_or_else(|| {
+            Error::Device(format!("internal: no unit norm weight of width {width}"))
+        })?;
+        self.dev()
+            .rms_norm_in_place(x, ones, self.cfg.rms_norm_eps)
+            .map_err(dev_err)
+    }
+
+    fn add(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>) -> Result<()> {
+        self.dev().add_assign(x, y).map_err(dev_err)
+    }
+
+    fn scale(&self, x: &mut CudaSlice<f32>, s: f32) -> Result<()> {
+        self.dev().scale(x, s).map_err(dev_err)
+    }
+
+    fn embed(&self, table: &Tensor, tokens: &[u32]) -> Result<CudaSlice<f32>> {
+        let d = self.m.mat(table)?;
+        let mut out = self.alloc(tokens.len() * d.cols())?;
+        match self.tokens {
+            Tokens::Host => self.dev().embed(d, tokens, &mut out),
+            Tokens::Device(ids) => self.dev().embed_ids(d, ids, &mut out),
+        }
+        .map_err(dev_err)?;
+        Ok(out)
+    }
+
+    fn run(&mut self, w: &Gemma4Weights, tokens: &[u32], rows: &[usize]) -> Result<CudaSlice<f32>> {
+        let h = self.cfg.hidden_size;
+        let mut x = self.embed(&w.embed_tokens, tokens)?;
+        self.scale(&mut x, w.embed_scale)?;
+        let ple = match (&self.g.per_layer_input, &w.per_layer_input) {
+            (Some(cfg), Some(pw)) => {
+                // Per-layer inputs of every token, [n, layers * width] (CPU: per_layer_inputs).
+                let mut identity = self.embed(&pw.embed_tokens_per_layer, tokens)?;
+                self.scale(&mut identity, pw.embed_scale)?;
+                let mut context = self.product(&x, &pw.model_projection)?;
+                self.scale(&mut context, (h as f64).powf(-0.5) as f32)?;
+                self.norm_in_place(&mut context, &pw.projection_norm)?;
+                self.add(&mut context, &identity)?;
+                self.scale(&mut context, 2f64.powf(-0.5) as f32)?;
+                Some((context, cfg.width))
+            }
+            _ => None,
+        };
+        for (l, lw) in w.layers.iter().enumerate() {
+            self.layer(l, lw, &mut x, ple.as_ref())?;
+        }
+        if rows.is_empty() {
+            return self.alloc(0);
+        }
+        let last = if rows.iter().copied().eq(0..self.rows) {
+            x
+        } else {
+            let idx: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
+            let idx = self.dev().upload(&idx).map_err(dev_err)?;
+            let mut out = self.alloc(rows.len() * h)?;
+            self.dev()
+                .gather_rows(&x, &idx, h, &mut out)
+                .map_err(dev_err)?;
+            out
+        };
+        let last = self.norm(&last, &w.norm)?;
+        let mut logits = self.product(&last, &w.lm_head)?;
+        if let Some(cap) = self.g.final_logit_softcapping {
+            self.dev().softcap(&mut logits, cap).map_err(dev_err)?;
+        }
+        Ok(logits)
+    }
+
+    /// One decoder layer on the residual stream `x`, in place (CPU: `forward::layer`).
+    fn layer(
+        &mut self,
+        l: usize,
+        lw: &Gemma4LayerWeights,
+        x: &mut CudaSlice<f32>,
+        ple: Option<&(CudaSlice<f32>, usize)>,
+    ) -> Result<()> {
+        let xn = self.norm(x, &lw.input_layernorm)?;
+        let mut attn = self.attention(l, &lw.self_attn, &xn)?;
+        self.norm_in_place(&mut attn, &lw.post_attention_layernorm)?;
+        self.add(x, &attn)?;
+
+        let xn = self.norm(x, &lw.pre_feedforward_layernorm)?;
+        let mut ffn = self.mlp(&xn, &lw.mlp)?;
+        if let (Some(moe), Some(moe_cfg)) = (&lw.moe, &self.cfg.moe) {
+            self.norm_in_place(&mut ffn, &moe.post_feedforward_layernorm_1)?;
+            let mut routed = self.experts(moe, moe_cfg.top_k, x)?;
+            self.norm_in_place(&mut routed, &moe.post_feedforward_layernorm_2)?;
+            self.add(&mut ffn, &routed)?;
+        }
+        self.norm_in_place(&mut ffn, &lw.post_feedforward_layernorm)?;
+        self.add(x, &ffn)?;
+
+        if let (Some(li), Some((inputs, width))) = (&lw.per_layer_input, ple) {
+            let packed = self.g.layers.len() * width;
+            let mut gate = self.product(x, &li.gate)?;
+            self.dev()
+                .gelu_tanh_mul_strided(&mut gate, *width, inputs, packed, l * width)
+                .map_err(dev_err)?;
+            let mut proj = self.product(&gate, &li.projection)?;
+            self.norm_in_place(&mut proj, &li.post_norm)?;
+            self.add(x, &proj)?;
+        }
+        self.scale(x, lw.layer_scalar)
+    }
+
+    /// `down(gelu_tanh(gate(x)) * up(x))`.
+    fn mlp(&self, x: &CudaSlice<f32>, w: &crate::weights::MlpWeights) -> Result<CudaSlice<f32>> {
+        let mut gate = self.linear(x, &w.gate_proj)?;
+        let up = self.linear(x, &w.up_proj)?;
+        self.dev().gelu_tanh_mul(&mut gate, &up).map_err(dev_err)?;
+        self.linear(&gate, &w.down_proj)
+    }
+
+    /// The routed experts (CPU: `moe::experts`): routing from the residual `x`, experts on
+    /// `pre_feedforward_layernorm_2(x)`, the weighted sum before `post_feedforward_layernorm_2`.
+    fn experts(
+        &mut self,
+        w: &Gemma4MoeWeights,
+        top_k: usize,
+        x: &CudaSlice<f32>,
+    ) -> Result<CudaSlice<f32>> {
+        let h = self.cfg.hidden_size;
+        let n = self.rows;
+        let num_experts = w.per_expert_scale.len();
+        let mut xr = self
+            .dev()
+            .stream()
+            .clone_dtod(x)
+            .map_err(|e| Error::Device(e.to_string()))?;
+        self.unit_norm(&mut xr, h)?;
+        self.dev()
+            .row_scale(
+                &mut xr,
+                self.m.vec(&w.router_scale)?,
+                (h as f64).powf(-0.5) as f32,
+            )
+            .map_err(dev_err)?;
+        let logits = self.product(&xr, &w.router_proj)?;
+        let m = self.m;
+        let dev = &m.dev;
+        let mut ids = dev.alloc_u32(n * top_k).map_err(dev_err)?;
+        let mut weights = self.alloc(n * top_k)?;
+        let shape = RouterShape {
+            experts: num_experts,
+            top_k,
+            renormalise: true,
+        };
+        dev.route_topk(&logits, shape, &mut ids, &mut weights)
+            .map_err(dev_err)?;
+        dev.expert_scale(&mut weights, &ids, self.m.vec(&w.per_expert_scale)?)
+            .map_err(dev_err)?;
+        let xe = self.norm(x, &w.pre_feedforward_layernorm_2)?;
+        let experts = m.experts.get(&tensor_key(&w.router_proj)).ok_or_else(|| {
+            Error::Device("internal: a Gemma 4 layer's experts were not uploaded".into())
+        })?;
+        let mut out = self.alloc(n * h)?;
+        let scratch = self.kv.scratch.moe(dev, experts, n, top_k)?;
+        dev.moe_experts(&xe, &ids, &weights, top_k, experts, scratch, &mut out)
+            .map_err(dev_err)?;
+        Ok(out)
+    }
+
+    /// Self-attention of layer `l` (CPU: `attention::attention`).
+    fn attention(
+        &mut self,
+        l: usize,
+        w: &Gemma4AttentionWeights,
+        xn: &CudaSlice<f32>,
+    ) -> Result<CudaSlice<f32>> {
+        let spec = self.g.layers[l];
+        let d = spec.head_dim;
+        let heads = self.cfg.num_heads;
+        let extra = self.extra;
+        let rope = if spec.sliding {
+            &extra.sliding_rope
+        } else {
+            &extra.full_rope
+        };
+        let (m, placement) = (self.m, self.at);
+        let dev = &m.dev;
+        // Sliding layers read their own tables when the KV cache keeps them apart.
+        let table_start = match (&placement.window_table_start, spec.sliding) {
+            (Some(w), true) => w,
+            _ => &placement.table_start,
+        };
+        let at = TokenPlacement {
+            positions: &placement.positions,
+            table_start,
+            block_tables: &placement.block_tables,
+            max_context: placement.max_context,
+        };
+        let mut q = self.linear(xn, &w.q_proj)?;
+        self.norm_in_place(&mut q, &w.q_norm)?;
+        dev.rope(&mut q, &placement.positions_u32, rope, heads, d)
+            .map_err(dev_err)?;
+
+        if let Some(own) = &w.kv {
+            let mut k = self.linear(xn, &own.k_proj)?;
+            let mut v = match &own.v_proj {
+                Some(v_proj) => self.linear(xn, v_proj)?,
+                // attention_k_eq_v: the values are the keys before k_norm and RoPE.
+                None => dev
+                    .stream()
+                    .clone_dtod(&k)
+                    .map_err(|e| Error::Device(e.to_string()))?,
+            };
+            self.norm_in_place(&mut k, &own.k_norm)?;
+            dev.rope(&mut k, &placement.positions_u32, rope, spec.num_kv_heads, d)
+                .map_err(dev_err)?;
+            self.unit_norm(&mut v, d)?;
+            let pool = self.kv.pools[l]
+                .as_mut()
+                .ok_or_else(|| Error::Device(format!("layer {l} has no KV pool")))?;
+            dev.kv_write(pool, &k, &v, &at).map_err(dev_err)?;
+        }
+
+        let shape = AttentionShape {
+            num_heads: heads,
+            num_kv_heads: spec.num_kv_heads,
+            head_dim: d,
+            scale: 1.0,
+            sliding_window: spec.sliding.then_some(self.g.sliding_window),
+        };
+        // The tensor-core prefill tiles exist for head_dim 64 and 128 only.
+        let prefill = match m.prefill_attention {
+            AttentionPrefill::TensorCoreBf16 if matches!(d, 64 | 128) => {
+                AttentionPrefill::TensorCoreBf16
+            }
+            _ => AttentionPrefill::ExactF32,
+        };
+        let mut out = self.alloc(self.rows * heads * d)?;
+        let DeviceKv { pools, scratch, .. } = &mut *self.kv;
+        let pool = pools[spec.kv_source].as_ref().ok_or_else(|| {
+            Error::Device(format!(
+                "layer {l} attends over layer {}'s K/V, which has no pool",
+                spec.kv_source
+            ))
+        })?;
+        dev.paged_attention_with(
+            prefill,
+            &q,
+            pool,
+            &at,
+            &shape,
+            &mut out,
+            &mut scratch.attention,
+        )
+        .map_err(dev_err)?;
+        self.linear(&out, &w.o_proj)
+    }
+}
