@@ -65,6 +65,7 @@ pub(crate) struct Kernels {
     pub fused: crate::ops::FusedKernels,
     pub moe: crate::ops::MoeKernels,
     pub attention: crate::ops::AttentionKernels,
+    pub gated_delta: crate::ops::GatedDeltaKernels,
 }
 
 /// Rows of x one GEMV launch handles, one kernel instantiation each.
@@ -128,6 +129,7 @@ impl Kernels {
             fused: crate::ops::FusedKernels::load(|f| get("fused", f))?,
             moe: crate::ops::MoeKernels::load(get)?,
             attention: crate::ops::AttentionKernels::load(get)?,
+            gated_delta: crate::ops::GatedDeltaKernels::load(|f| get("gated_delta", f))?,
         })
     }
 }
