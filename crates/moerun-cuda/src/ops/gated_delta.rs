@@ -78,7 +78,8 @@ impl DeltaShape {
         })
     }
 
-    fn check(&self) -> Result<()> {
+    /// Whether the kernels take this shape: an error naming the limits otherwise.
+    pub fn check(&self) -> Result<()> {
         let ok = self.key_heads > 0
             && self.value_heads.is_multiple_of(self.key_heads)
             && self.key_dim > 0
