@@ -201,6 +201,92 @@ DELTA_RECURRENT(8)
 DELTA_RECURRENT(16)
 DELTA_RECURRENT(32)
 
+// The same rule split by state columns: columns of S never mix (k^T S, the update and q^T S are
+// all per column), so each column is independent work. SPLIT adjacent lanes share a column, each
+// keeping ROWS = DK / SPLIT consecutive rows in registers; the two sums over rows per token are
+// a row-order sum per lane, then a butterfly over the SPLIT lanes (which leaves every lane the
+// same value). No block barrier: a warp takes 32 / SPLIT columns of one (value head, sequence),
+// so Qwen3.5-35B-A3B's 32 heads of 128 columns (DK 128, SPLIT 4) are 512 warps per sequence.
+// Launch: grid (ceil(value_dim / (32 / SPLIT)), value_heads, sequences), block 32.
+template <int DK, int SPLIT>
+__device__ __forceinline__ void gated_delta_columns(
+    const float* __restrict__ qkv, const float* __restrict__ beta, const float* __restrict__ g,
+    const u64* __restrict__ states, const int* __restrict__ seq_start,
+    const int* __restrict__ seq_len, u64 rec_offset, int key_heads, int value_heads,
+    int value_dim, int conv_dim, float* out) {
+    constexpr int ROWS = DK / SPLIT;
+    __shared__ float q_s[DK];
+    __shared__ float k_s[DK];
+    const int lane = threadIdx.x;
+    const int part = lane % SPLIT;
+    const int c = blockIdx.x * (32 / SPLIT) + lane / SPLIT;
+    const int h = blockIdx.y, s = blockIdx.z;
+    const int len = seq_len[s];
+    if (len == 0) return;
+    const int start = seq_start[s];
+    const bool active = c < value_dim;
+    const int kh = h / (value_heads / key_heads);
+    float* st = (float*)states[s] + rec_offset + (u64)h * DK * value_dim +
+                (u64)part * ROWS * value_dim + c;
+    float reg[ROWS];
+#pragma unroll
+    for (int i = 0; i < ROWS; i++) reg[i] = active ? st[(u64)i * value_dim] : 0.0f;
+    const float root = sqrtf((float)DK);
+    const int out_w = value_heads * value_dim;
+    const float* ks = k_s + part * ROWS;
+    const float* qs = q_s + part * ROWS;
+    for (int t = 0; t < len; t++) {
+        const u64 row = (u64)(start + t);
+        const float* qr = qkv + row * conv_dim + kh * DK;
+        const float* kr = qr + key_heads * DK;
+        __syncwarp();  // the previous token's reads of q_s / k_s are done
+        for (int i = lane; i < DK; i += 32) {
+            q_s[i] = qr[i] / root;
+            k_s[i] = kr[i];
+        }
+        __syncwarp();
+        const float decay = expf(g[row * value_heads + h]);
+        const float bt = beta[row * value_heads + h];
+        float mem = 0.0f;
+#pragma unroll
+        for (int i = 0; i < ROWS; i++) {
+            reg[i] *= decay;
+            mem += reg[i] * ks[i];
+        }
+#pragma unroll
+        for (int o = 1; o < SPLIT; o <<= 1) mem += __shfl_xor_sync(0xffffffffu, mem, o);
+        const float v = active ? qkv[row * conv_dim + 2 * key_heads * DK + h * value_dim + c] : 0.0f;
+        const float d = (v - mem) * bt;
+        float o = 0.0f;
+#pragma unroll
+        for (int i = 0; i < ROWS; i++) {
+            reg[i] += ks[i] * d;
+            o += reg[i] * qs[i];
+        }
+#pragma unroll
+        for (int m = 1; m < SPLIT; m <<= 1) o += __shfl_xor_sync(0xffffffffu, o, m);
+        if (active && part == 0) out[row * out_w + h * value_dim + c] = o;
+    }
+    if (active) {
+#pragma unroll
+        for (int i = 0; i < ROWS; i++) st[(u64)i * value_dim] = reg[i];
+    }
+}
+
+#define DELTA_COLUMNS(DK, SPLIT)                                                                  \
+    extern "C" __global__ void __launch_bounds__(32) gated_delta_columns_k##DK##_f32(             \
+        const float* __restrict__ qkv, const float* __restrict__ beta,                           \
+        const float* __restrict__ g, const u64* __restrict__ states,                             \
+        const int* __restrict__ seq_start, const int* __restrict__ seq_len, u64 rec_offset,      \
+        int key_heads, int value_heads, int value_dim, int conv_dim, float* out) {                \
+        gated_delta_columns<DK, SPLIT>(qkv, beta, g, states, seq_start, seq_len, rec_offset,     \
+                                       key_heads, value_heads, value_dim, conv_dim, out);        \
+    }
+DELTA_COLUMNS(16, 1)
+DELTA_COLUMNS(32, 1)
+DELTA_COLUMNS(64, 2)
+DELTA_COLUMNS(128, 4)
+
 // The Gated DeltaNet's output norm, in place on rows of `width` (one per (token, value head)):
 // x = (w * (x * inv_rms)) * silu(z), as moerun-cpu's rms_norm_gated_rows.
 // Launch: block (32, 4), grid ceil(rows / 4); one warp per row.

@@ -26,6 +26,6 @@ pub use device::{CudaDevice, DeviceInfo, DeviceMatrix};
 pub use error::{CudaError, Result};
 pub use graph::DeviceGraph;
 pub use ops::{AttentionPrefill, AttentionScratch, AttentionShape, DeviceKvPool, TokenPlacement};
-pub use ops::{DeltaSeqs, DeltaShape};
 pub use ops::{DecodePass, DeviceExperts, MoePath, MoeScratch};
+pub use ops::{DeltaSeqs, DeltaShape};
 pub use ops::{DeviceRope, GemmOut, GemvLayout, QkvShape, RouterShape, FUSED_MAX_HEAD_DIM};

@@ -218,7 +218,11 @@ impl LinearStateCache {
                 Some(_) => {}
                 empty => {
                     // A device cache keeps the state in `device` (see device_slots).
-                    let len = if self.device.is_some() { 0 } else { self.slot_len };
+                    let len = if self.device.is_some() {
+                        0
+                    } else {
+                        self.slot_len
+                    };
                     *empty = Some(Slot {
                         state: vec![0.0; len],
                         positions: 0,

@@ -300,27 +300,28 @@ impl Model {
             _ => None,
         };
         let graph_state = linear.as_ref().map(|(s, a)| (&**s, a.as_slice()));
-        let logits = match crate::cuda::graph::try_decode(cuda, cfg, w, dkv, batch, &rows, graph_state)? {
-            Some(logits) => logits,
-            None => {
-                let at = Placement::of_batch(cuda.device(), batch)?;
-                let lp = match &linear {
-                    Some((states, addrs)) => Some(LinearPlacement::of_batch(
-                        cuda.device(),
-                        cfg,
-                        states,
-                        batch,
-                        addrs,
-                    )?),
-                    None => None,
-                };
-                let mut pass = CudaPass::new(cuda, dkv, &at, Tokens::Host);
-                if let Some(lp) = &lp {
-                    pass = pass.with_linear_state(lp);
+        let logits =
+            match crate::cuda::graph::try_decode(cuda, cfg, w, dkv, batch, &rows, graph_state)? {
+                Some(logits) => logits,
+                None => {
+                    let at = Placement::of_batch(cuda.device(), batch)?;
+                    let lp = match &linear {
+                        Some((states, addrs)) => Some(LinearPlacement::of_batch(
+                            cuda.device(),
+                            cfg,
+                            states,
+                            batch,
+                            addrs,
+                        )?),
+                        None => None,
+                    };
+                    let mut pass = CudaPass::new(cuda, dkv, &at, Tokens::Host);
+                    if let Some(lp) = &lp {
+                        pass = pass.with_linear_state(lp);
+                    }
+                    forward::decoder(&mut pass, cfg, w, &tokens, &rows)?
                 }
-                forward::decoder(&mut pass, cfg, w, &tokens, &rows)?
-            }
-        };
+            };
         if let Some((states, _)) = linear {
             states.finish(batch);
         }

@@ -1,7 +1,9 @@
 //! Qwen3.5's ops (`kernels/gated_delta.cu`): the attention output gate (split of the doubled
 //! q_proj, sigmoid gate) and the Gated DeltaNet's steps: causal conv + SiLU from each sequence's
 //! conv window, l2norm of q/k with β and the decay, the gated delta rule from each sequence's
-//! recurrent state (token after token, exact; a block per (value head, sequence)), gated RMSNorm.
+//! recurrent state (token after token, exact: a warp per 8-32 state columns of a (value head,
+//! sequence) for key_dim 16/32/64/128, a block per (value head, sequence) splitting the state's
+//! rows for other key_dims), gated RMSNorm.
 //!
 //! The per-sequence state lives in device buffers owned by the caller (one per state slot);
 //! [`DeltaSeqs`] names, per sequence of the batch, its rows and the address of its slot, all in
@@ -21,6 +23,9 @@ pub const DELTA_MAX_TAPS: usize = 8;
 pub const DELTA_MAX_KEY_DIM: usize = 256;
 /// Rows of the state one thread keeps in registers: one kernel instantiation each.
 const DELTA_ROWS: [usize; 3] = [8, 16, 32];
+/// key_dims of the column-split recurrent kernel (one instantiation each, lanes per column
+/// `key_dim / 32` at least 1); other key_dims take the row-split kernel.
+const DELTA_COLUMN_KEY_DIMS: [usize; 4] = [16, 32, 64, 128];
 /// Threads of a recurrent block at most.
 const DELTA_MAX_THREADS: usize = 512;
 
@@ -30,8 +35,10 @@ pub(crate) struct GatedDeltaKernels {
     sigmoid_gate: CudaFunction,
     conv: CudaFunction,
     gates: CudaFunction,
-    /// By [`DELTA_ROWS`].
+    /// The row-split kernel, by [`DELTA_ROWS`].
     recurrent: [CudaFunction; 3],
+    /// The column-split kernel, by [`DELTA_COLUMN_KEY_DIMS`].
+    columns: [CudaFunction; 4],
     gated_norm: CudaFunction,
 }
 
@@ -46,6 +53,12 @@ impl GatedDeltaKernels {
                 get("gated_delta_recurrent_r8_f32")?,
                 get("gated_delta_recurrent_r16_f32")?,
                 get("gated_delta_recurrent_r32_f32")?,
+            ],
+            columns: [
+                get("gated_delta_columns_k16_f32")?,
+                get("gated_delta_columns_k32_f32")?,
+                get("gated_delta_columns_k64_f32")?,
+                get("gated_delta_columns_k128_f32")?,
             ],
             gated_norm: get("gated_rms_norm_f32")?,
         })
@@ -371,7 +384,6 @@ impl CudaDevice {
         if n == 0 || rows == 0 {
             return Ok(());
         }
-        let (kernel, groups) = shape.layout().expect("checked above");
         let (qp, bp, gp) = (
             self.ptr(qkv, "delta qkv")?,
             self.ptr(beta, "delta beta")?,
@@ -384,13 +396,52 @@ impl CudaDevice {
         );
         let op = self.ptr_mut(out, "delta out")?;
         let off = rec_offset as u64;
-        let args = [
+        let (kh, vh, vd, cd) = (
             to_i32(shape.key_heads, "key heads")?,
             to_i32(hv, "value heads")?,
-            to_i32(shape.key_dim, "key_dim")?,
             to_i32(dv, "value_dim")?,
-            to_i32(groups, "groups")?,
             to_i32(conv_dim, "conv_dim")?,
+        );
+        if let Some(i) = DELTA_COLUMN_KEY_DIMS
+            .iter()
+            .position(|&k| k == shape.key_dim)
+        {
+            // Column split: 32 / lanes-per-column columns per warp.
+            let columns_per_warp = 32 / (shape.key_dim / 32).max(1);
+            let cfg = LaunchConfig {
+                grid_dim: (blocks(dv, columns_per_warp)?, hv as u32, n as u32),
+                block_dim: (32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = self
+                .stream
+                .launch_builder(&self.kernels.gated_delta.columns[i]);
+            b.arg(&qp)
+                .arg(&bp)
+                .arg(&gp)
+                .arg(&stp)
+                .arg(&ssp)
+                .arg(&slp)
+                .arg(&off)
+                .arg(&kh)
+                .arg(&vh)
+                .arg(&vd)
+                .arg(&cd)
+                .arg(&op);
+            // SAFETY: lengths checked above; the sequences' rows lie within the batch and each
+            // state address is a slot buffer holding the layer's recurrent state at
+            // rec_offset; key_dim is the kernel's DK; the argument list matches the kernel's.
+            unsafe { b.launch(cfg) }.ctx("gated_delta_columns_f32")?;
+            return Ok(());
+        }
+        let (kernel, groups) = shape.layout().expect("checked above");
+        let args = [
+            kh,
+            vh,
+            to_i32(shape.key_dim, "key_dim")?,
+            vd,
+            to_i32(groups, "groups")?,
+            cd,
         ];
         let cfg = LaunchConfig {
             grid_dim: (hv as u32, n as u32, 1),
@@ -431,12 +482,7 @@ impl CudaDevice {
         let (len, width) = (x.len(), weight.len());
         ensure(
             width > 0 && len.is_multiple_of(width) && z.len() == len,
-            || {
-                format!(
-                    "gated_rms_norm: x {len}, z {}, weight {width}",
-                    z.len()
-                )
-            },
+            || format!("gated_rms_norm: x {len}, z {}, weight {width}", z.len()),
         )?;
         let rows = len / width;
         if rows == 0 {

@@ -5,14 +5,18 @@
 //! in_proj_qkv/z/b/a      linear ops (GEMV or cuBLAS, as every projection)
 //! deltanet_conv_silu     per (sequence, channel), from and back to the slot's conv window
 //! deltanet_gates         l2norm of q/k heads in place; beta, g per (row, value head)
-//! gated_delta_recurrent  per (value head, sequence), token after token, state in registers
+//! gated_delta_recurrent  per (state columns, value head, sequence), token after token, the
+//!                        state in registers
 //! gated_rms_norm         per (row, value head), then out_proj
 //! ```
 //!
 //! The delta rule runs in its recurrent form for prefill as well as decode: exact, and equal to
 //! the CPU's chunked form to f32 rounding (the CPU's own test shows both forms within 1e-5 of an
-//! f64 reference); a block walks its sequence's tokens in order, so long prompts pay a latency
-//! per token per layer (see docs/perf/cuda-model.md).
+//! f64 reference). Columns of a head's state never mix, so the kernel spreads them over warps
+//! (no barrier per token); each warp still walks its sequence's tokens in order, so long prompts
+//! pay a latency per token per layer (see docs/perf/cuda-model.md). A chunked device form
+//! (transformers' `chunk_gated_delta_rule`, dense products per 64 tokens) is the next step for
+//! prefill.
 //!
 //! Every buffer the kernels read about the batch ([`LinearPlacement`]) is on the device, so a
 //! decode step is graph-safe: a graph is captured over a placement whose slot addresses are
@@ -71,7 +75,11 @@ impl LinearPlacement {
         let lens_i32: Vec<i32> = lens.iter().map(|&n| n as i32).collect();
         // A zero-length device buffer cannot be passed to a kernel.
         let pad = |v: Vec<i32>| if v.is_empty() { vec![0] } else { v };
-        let addrs = if addrs.is_empty() { vec![0] } else { addrs.to_vec() };
+        let addrs = if addrs.is_empty() {
+            vec![0]
+        } else {
+            addrs.to_vec()
+        };
         Ok(LinearPlacement {
             shape,
             eps: cfg.rms_norm_eps,
@@ -112,8 +120,7 @@ impl LinearPlacement {
 
     /// Point the sequences at other slots (same count).
     pub(crate) fn set_states(&mut self, dev: &CudaDevice, addrs: &[u64]) -> Result<()> {
-        dev.copy_to_device(addrs, &mut self.states)
-            .map_err(dev_err)
+        dev.copy_to_device(addrs, &mut self.states).map_err(dev_err)
     }
 }
 
@@ -125,9 +132,12 @@ pub(crate) fn gated_deltanet(
     w: &GatedDeltaNetWeights,
     xn: &CudaSlice<f32>,
 ) -> Result<CudaSlice<f32>> {
-    let (conv_offset, rec_offset) = lp.offsets.get(layer).copied().flatten().ok_or_else(|| {
-        Error::Device(format!("layer {layer} has no linear-attention state"))
-    })?;
+    let (conv_offset, rec_offset) = lp
+        .offsets
+        .get(layer)
+        .copied()
+        .flatten()
+        .ok_or_else(|| Error::Device(format!("layer {layer} has no linear-attention state")))?;
     let shape = lp.shape;
     let rows = lp.rows;
     let mut qkv = pass.linear(xn, &w.in_proj_qkv)?;

@@ -273,7 +273,8 @@ fn every_layer_matches_the_cpu_on_the_gpu() {
 #[test]
 fn qwen3_5_layers_match_the_cpu_on_the_gpu_prefill_and_decode_mixed() {
     use super::deltanet::LinearPlacement;
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen3_5_moe_text_f32");
+    let dir =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen3_5_moe_text_f32");
     let Some((gpu, cpu)) = on_gpu_and_cpu(&dir) else {
         return;
     };
@@ -310,7 +311,11 @@ fn qwen3_5_layers_match_the_cpu_on_the_gpu_prefill_and_decode_mixed() {
         let (qg, gg) = g.split_query_gate(&xg, d).unwrap();
         let (qg, gg2) = (g.to_host(qg).unwrap(), g.to_host(gg.clone()).unwrap());
         report("backend op split_query_gate q".into(), rel(&qg, &qc), 0.0);
-        report("backend op split_query_gate gate".into(), rel(&gg2, &gc), 0.0);
+        report(
+            "backend op split_query_gate gate".into(),
+            rel(&gg2, &gc),
+            0.0,
+        );
         let mut oc = qc.clone();
         c.sigmoid_gate(&mut oc, &gc).unwrap();
         let mut og = g.upload(&qc).unwrap();

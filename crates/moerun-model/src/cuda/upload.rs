@@ -144,7 +144,13 @@ impl Uploader<'_> {
     /// e^g ≈ e^(-0.7) per token, β ≈ sigmoid(small) ≈ 0.5, finite for any input) and the norm
     /// weight its host ones.
     fn gated_deltanet(&mut self, w: &GatedDeltaNetWeights) -> Result<()> {
-        for l in [&w.in_proj_qkv, &w.in_proj_z, &w.in_proj_b, &w.in_proj_a, &w.out_proj] {
+        for l in [
+            &w.in_proj_qkv,
+            &w.in_proj_z,
+            &w.in_proj_b,
+            &w.in_proj_a,
+            &w.out_proj,
+        ] {
             self.linear(l)?;
         }
         for v in [&w.a_log, &w.dt_bias, &w.norm] {
