@@ -352,6 +352,7 @@ impl CudaDevice {
     /// The gated delta rule over each sequence's rows, token after token, from (and advancing)
     /// the recurrent state at `rec_offset` f32 into its slot. `qkv` is the normalised conv
     /// output, `out` `[rows, value_heads * value_dim]`.
+    #[allow(clippy::too_many_arguments)]
     pub fn gated_delta_recurrent(
         &self,
         qkv: &impl DevicePtr<f32>,
