@@ -60,7 +60,7 @@ fn chunked_prefill_then_greedy(
     slot: usize,
     n: usize,
 ) -> (Vec<f32>, Vec<u32>) {
-    let mut caches = Caches::with_capacity(&model, prompt.len() + n, 4);
+    let mut caches = Caches::with_capacity(model, prompt.len() + n, 4);
     let mut seq = Sequence::new(prompt.to_vec());
     let mut logits = Vec::new();
     for &c in chunks.iter().chain(std::iter::once(&usize::MAX)) {
