@@ -87,6 +87,10 @@ pub const KERNEL_FILES: &[KernelFile] = &[
         name: "fused",
         source: include_str!("../kernels/fused.cu"),
     },
+    KernelFile {
+        name: "gated_delta",
+        source: include_str!("../kernels/gated_delta.cu"),
+    },
 ];
 
 /// The NVRTC target name of a compute capability, e.g. `sm_90` for (9, 0).

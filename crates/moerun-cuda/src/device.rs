@@ -66,6 +66,7 @@ pub(crate) struct Kernels {
     pub moe: crate::ops::MoeKernels,
     pub attention: crate::ops::AttentionKernels,
     pub gemma: crate::ops::GemmaKernels,
+    pub gated_delta: crate::ops::GatedDeltaKernels,
 }
 
 /// Rows of x one GEMV launch handles, one kernel instantiation each.
@@ -130,6 +131,7 @@ impl Kernels {
             moe: crate::ops::MoeKernels::load(get)?,
             attention: crate::ops::AttentionKernels::load(get)?,
             gemma: crate::ops::GemmaKernels::load(|f| get("gemma", f))?,
+            gated_delta: crate::ops::GatedDeltaKernels::load(|f| get("gated_delta", f))?,
         })
     }
 }

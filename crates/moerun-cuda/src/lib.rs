@@ -27,4 +27,5 @@ pub use error::{CudaError, Result};
 pub use graph::DeviceGraph;
 pub use ops::{AttentionPrefill, AttentionScratch, AttentionShape, DeviceKvPool, TokenPlacement};
 pub use ops::{DecodePass, DeviceExperts, ExpertActivation, MoePath, MoeScratch};
+pub use ops::{DeltaSeqs, DeltaShape};
 pub use ops::{DeviceRope, GemmOut, GemvLayout, QkvShape, RouterShape, FUSED_MAX_HEAD_DIM};

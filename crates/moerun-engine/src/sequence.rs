@@ -21,12 +21,16 @@ pub struct SequenceKv {
 impl SequenceKv {
     /// `num_blocks` blocks of `block_size` tokens for every layer of `cfg`.
     pub fn new(cfg: &ModelConfig, num_blocks: usize, block_size: usize) -> Self {
-        Self::from_cache(cfg, KvCache::new(cfg, num_blocks, block_size))
+        let cache = KvCache::new(cfg, num_blocks, block_size);
+        let states = LinearStateCache::new(cfg, cache.num_blocks());
+        Self::from_parts(cache, states)
     }
 
     /// Room for `tokens` tokens (rounded up to whole blocks).
     pub fn with_capacity(cfg: &ModelConfig, tokens: usize) -> Self {
-        Self::from_cache(cfg, KvCache::with_capacity(cfg, tokens))
+        let cache = KvCache::with_capacity(cfg, tokens);
+        let states = LinearStateCache::new(cfg, cache.num_blocks());
+        Self::from_parts(cache, states)
     }
 
     /// Room for `tokens` tokens where `model` runs (host memory, or the GPU's for a model on
@@ -34,12 +38,13 @@ impl SequenceKv {
     pub fn for_model(model: &Model, tokens: usize) -> Result<Self> {
         let blocks = tokens.div_ceil(DEFAULT_BLOCK_SIZE).max(1);
         let cache = model.new_kv_cache(blocks, DEFAULT_BLOCK_SIZE)?;
-        Ok(Self::from_cache(&model.config, cache))
+        // Linear-attention state where the model runs (GPU memory for a CUDA model).
+        let states = model.new_linear_state(cache.num_blocks());
+        Ok(Self::from_parts(cache, states))
     }
 
-    fn from_cache(cfg: &ModelConfig, cache: KvCache) -> Self {
+    fn from_parts(cache: KvCache, states: LinearStateCache) -> Self {
         let allocator = BlockAllocator::new(cache.num_blocks(), cache.block_size());
-        let states = LinearStateCache::new(cfg, cache.num_blocks());
         SequenceKv {
             cache,
             states,

@@ -1,7 +1,6 @@
-//! The fixtures of `conformance.rs` on the GPU (`--device cuda`): every fixture the CUDA backend
-//! runs must match transformers and the CPU path, through one prefill and token by token, and
-//! give transformers' greedy continuation; a mixed flat batch must equal lone runs. Fixtures of
-//! families the backend does not run yet must be refused by name. Without a GPU every test
+//! The fixtures of `conformance.rs` on the GPU (`--device cuda`): every fixture (every family)
+//! must match transformers and the CPU path, through one prefill and token by token, and
+//! give transformers' greedy continuation; a mixed flat batch must equal lone runs. Without a GPU every test
 //! prints "skipped: <reason>" and passes (scripts/gpu-check.sh treats a skip on the GPU machine
 //! as a failure).
 //!
@@ -36,9 +35,6 @@ fn on_gpu(dir: &Path) -> Option<Result<Model, String>> {
     }
 }
 
-/// Families the CUDA backend refuses for now, by `model_type`, with the word the refusal names.
-const NOT_ON_CUDA_YET: &[&str] = &["qwen3_5"];
-
 #[test]
 fn every_fixture_matches_transformers_and_the_cpu_on_the_gpu() {
     let mut failures = Vec::new();
@@ -46,19 +42,6 @@ fn every_fixture_matches_transformers_and_the_cpu_on_the_gpu() {
     for name in fixture_names() {
         let dir = fixtures_dir().join(&name);
         let Some(gpu) = on_gpu(&dir) else { return };
-        let config = std::fs::read_to_string(dir.join("config.json")).unwrap();
-        if let Some(family) = NOT_ON_CUDA_YET.iter().find(|f| config.contains(*f)) {
-            match gpu {
-                Err(e) if e.contains("CUDA backend") => {
-                    println!("{name:36} refused on CUDA, as expected ({family}): {e}")
-                }
-                Err(e) => failures.push(format!("{name}: refused without naming why: {e}")),
-                Ok(_) => {
-                    failures.push(format!("{name}: {family} loaded on CUDA; update this test"))
-                }
-            }
-            continue;
-        }
         let gpu = match gpu {
             Ok(m) => m,
             Err(e) => {
@@ -131,20 +114,23 @@ fn every_fixture_matches_transformers_and_the_cpu_on_the_gpu() {
 
 #[test]
 fn mixed_flat_batch_equals_each_sequence_alone_on_the_gpu() {
-    let dir = fixtures_dir().join("qwen3_moe_f32");
-    let Some(model) = on_gpu(&dir) else { return };
-    let model = model.unwrap();
-    let r = load_reference(&dir);
-    let (batched, alone) = batched_and_alone(&model, &r.tokens);
-    // Batched rows may take cuBLAS where lone decode rows take the GEMV: both f32 here, so the
-    // summation order is all that differs.
-    for (i, (got, want)) in batched.iter().zip(&alone).enumerate() {
-        let e = relative_error(got, want);
-        println!(
-            "RESULT|gpu batched seq {i} vs alone|{e:.2e}|1e-5|{}",
-            if e <= 1e-5 { "ok" } else { "FAIL" }
-        );
-        assert!(e <= 1e-5, "sequence {i}: batched vs alone {e:.3e}");
+    // qwen3_5: the Gated DeltaNet layers' per-sequence device state in a mixed batch.
+    for name in ["qwen3_moe_f32", "qwen3_5_moe_text_f32"] {
+        let dir = fixtures_dir().join(name);
+        let Some(model) = on_gpu(&dir) else { return };
+        let model = model.unwrap();
+        let r = load_reference(&dir);
+        let (batched, alone) = batched_and_alone(&model, &r.tokens);
+        // Batched rows may take cuBLAS where lone decode rows take the GEMV: both f32 here, so
+        // the summation order is all that differs.
+        for (i, (got, want)) in batched.iter().zip(&alone).enumerate() {
+            let e = relative_error(got, want);
+            println!(
+                "RESULT|gpu {name} batched seq {i} vs alone|{e:.2e}|1e-5|{}",
+                if e <= 1e-5 { "ok" } else { "FAIL" }
+            );
+            assert!(e <= 1e-5, "{name} sequence {i}: batched vs alone {e:.3e}");
+        }
     }
 }
 
@@ -181,10 +167,6 @@ fn windowed_kv_gives_the_logits_of_the_full_cache_on_the_gpu() {
         let gpu = match on_gpu(&dir) {
             None => return,
             Some(Ok(m)) => m,
-            Some(Err(e)) if e.contains("CUDA backend") => {
-                println!("{name:36} refused on CUDA: {e}");
-                continue;
-            }
             Some(Err(e)) => {
                 failures.push(format!("{name}: {e}"));
                 continue;

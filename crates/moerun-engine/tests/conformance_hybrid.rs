@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use moerun_engine::Sequence;
 use moerun_model::npy::read_npy_f32;
-use moerun_model::{Batch, LinearStateCache, LogitsFor, Model, SeqChunk};
+use moerun_model::{Batch, LogitsFor, Model, SeqChunk};
 use support::{step, Caches};
 
 fn fixture(name: &str) -> PathBuf {
@@ -60,7 +60,7 @@ fn chunked_prefill_then_greedy(
     slot: usize,
     n: usize,
 ) -> (Vec<f32>, Vec<u32>) {
-    let mut caches = Caches::with_capacity(&model.config, prompt.len() + n, 4);
+    let mut caches = Caches::with_capacity(model, prompt.len() + n, 4);
     let mut seq = Sequence::new(prompt.to_vec());
     let mut logits = Vec::new();
     for &c in chunks.iter().chain(std::iter::once(&usize::MAX)) {
@@ -134,7 +134,7 @@ fn mixed_batch_of_a_prefill_and_a_decode_equals_each_sequence_alone_bitwise() {
     let v = model.config.vocab_size;
 
     // Alone: `a` in one prefill; `b` prefilled up to its last token, then that token decoded.
-    let mut alone = Caches::with_capacity(&model.config, 256, 4);
+    let mut alone = Caches::with_capacity(&model, 256, 4);
     let mut sa = Sequence::new(a.clone());
     let a_alone = step(
         &model,
@@ -170,7 +170,7 @@ fn mixed_batch_of_a_prefill_and_a_decode_equals_each_sequence_alone_bitwise() {
 
     // Together: `b` gets the same head start, then its decode step shares a batch with `a`'s
     // whole prefill; the slots differ from the lone run's on purpose.
-    let mut shared = Caches::with_capacity(&model.config, 256, 4);
+    let mut shared = Caches::with_capacity(&model, 256, 4);
     let mut sb2 = Sequence::new(b.clone());
     let b_head2 = step(
         &model,
@@ -208,7 +208,7 @@ fn state_slots_that_do_not_match_their_chunks_are_refused() {
     let dir = fixture("qwen3_5_moe_text_f32");
     let model = Model::load(&dir).unwrap();
     let tokens = reference_tokens(&dir, "tokens");
-    let mut caches = Caches::with_capacity(&model.config, 64, 2);
+    let mut caches = Caches::with_capacity(&model, 64, 2);
     let mut seq = Sequence::new(tokens[..20].to_vec());
     step(
         &model,
@@ -272,7 +272,7 @@ fn state_slots_that_do_not_match_their_chunks_are_refused() {
         .forward_with_state(
             &Batch::new(vec![chunk]),
             caches.kv.cache_mut(),
-            &mut LinearStateCache::new(&model.config, 1),
+            &mut model.new_linear_state(1),
             LogitsFor::AllTokens,
         )
         .unwrap_err()

@@ -14,8 +14,15 @@
 //! from a zero state (so a slot is reused without clearing); any other chunk must start exactly
 //! where its slot stopped: the state cannot be rewound, and a mismatch is an error rather than
 //! silently wrong logits.
+//!
+//! For a model on the CUDA backend ([`crate::Model::new_linear_state`]) each slot's state is one
+//! device buffer instead, allocated at a slot's first use and zeroed on the device (stream
+//! ordered) when a chunk starts at position 0; the bookkeeping (positions, checks) is the same
+//! host code. The kernels reach a sequence's slot through a device table of slot addresses
+//! uploaded with the batch, so a captured decode graph can be replayed with other slots.
 
 use moerun_core::{Error, Result};
+use moerun_cuda::{CudaDevice, CudaSlice};
 
 use crate::batch::Batch;
 use crate::config::{Mixer, ModelConfig};
@@ -27,6 +34,9 @@ pub struct LinearStateCache {
     /// f32 values of one slot.
     slot_len: usize,
     slots: Vec<Option<Slot>>,
+    /// Per slot, its device memory when the cache is on the GPU (the host `Slot::state` is then
+    /// empty).
+    device: Option<Vec<Option<CudaSlice<f32>>>>,
 }
 
 /// One layer's part of a slot: `[conv_kernel - 1][conv_dim]` (oldest input first), then
@@ -74,7 +84,68 @@ impl LinearStateCache {
             layers,
             slot_len,
             slots: (0..num_slots).map(|_| None).collect(),
+            device: None,
         }
+    }
+
+    /// The same slots with their state in GPU memory (for a model on the CUDA backend).
+    pub(crate) fn on_device(mut self) -> LinearStateCache {
+        self.device = Some((0..self.slots.len()).map(|_| None).collect());
+        self
+    }
+
+    /// Whether the state lives in GPU memory.
+    pub fn is_on_device(&self) -> bool {
+        self.device.is_some()
+    }
+
+    /// f32 values of one slot's state.
+    pub(crate) fn slot_len(&self) -> usize {
+        self.slot_len
+    }
+
+    /// Where layer `l`'s conv window and recurrent state start in a slot (f32 offsets), `None`
+    /// for an attention layer.
+    pub(crate) fn layer_offsets(&self, l: usize) -> Option<(usize, usize)> {
+        self.layers
+            .get(l)
+            .copied()
+            .flatten()
+            .map(|lay| (lay.offset, lay.offset + lay.conv_len))
+    }
+
+    /// After [`LinearStateCache::begin`] on a device cache: give each sequence's slot device
+    /// memory (zeros at first use), zero the slots of chunks that start a sequence, and return
+    /// each sequence's slot address (0 for an empty chunk whose slot has no memory yet).
+    pub(crate) fn device_slots(&mut self, dev: &CudaDevice, batch: &Batch) -> Result<Vec<u64>> {
+        let slot_len = self.slot_len;
+        let mem = self.device.as_mut().ok_or_else(|| {
+            Error::InvalidArgument(
+                "the model runs on CUDA but its linear-attention state is in host memory: make \
+                 it with Model::new_linear_state"
+                    .into(),
+            )
+        })?;
+        let dev_err = |e: moerun_cuda::CudaError| Error::Device(e.to_string());
+        let mut addrs = Vec::with_capacity(batch.seqs.len());
+        for (seq, &slot) in batch.seqs.iter().zip(&batch.state_slots) {
+            let fresh = !seq.tokens.is_empty() && seq.start_pos == 0;
+            match &mut mem[slot] {
+                Some(buf) if fresh => dev.stream().memset_zeros(buf).map_err(|e| {
+                    Error::Device(format!("zeroing a linear-attention state slot: {e}"))
+                })?,
+                Some(_) => {}
+                empty if !seq.tokens.is_empty() => {
+                    *empty = Some(dev.zeros::<f32>(slot_len.max(1)).map_err(dev_err)?)
+                }
+                _ => {}
+            }
+            addrs.push(match &mem[slot] {
+                Some(buf) => dev.state_address(buf).map_err(dev_err)?,
+                None => 0,
+            });
+        }
+        Ok(addrs)
     }
 
     /// Slots; valid slot ids are `0..num_slots`.
@@ -82,9 +153,12 @@ impl LinearStateCache {
         self.slots.len()
     }
 
-    /// Bytes of the slots in use.
+    /// Bytes of the slots in use (host or device memory).
     pub fn bytes(&self) -> usize {
-        self.slots.iter().flatten().count() * self.slot_len * 4
+        match &self.device {
+            Some(mem) => mem.iter().flatten().count() * self.slot_len * 4,
+            None => self.slots.iter().flatten().count() * self.slot_len * 4,
+        }
     }
 
     /// Positions the state in `slot` has absorbed (0 for a slot not in use).
@@ -95,6 +169,9 @@ impl LinearStateCache {
     /// Free `slot`'s memory (its sequence finished or was preempted).
     pub fn release(&mut self, slot: usize) {
         self.slots[slot] = None;
+        if let Some(mem) = &mut self.device {
+            mem[slot] = None;
+        }
     }
 
     /// Check every sequence's slot against its chunk, then give each slot memory and zero those
@@ -140,8 +217,14 @@ impl LinearStateCache {
                 }
                 Some(_) => {}
                 empty => {
+                    // A device cache keeps the state in `device` (see device_slots).
+                    let len = if self.device.is_some() {
+                        0
+                    } else {
+                        self.slot_len
+                    };
                     *empty = Some(Slot {
-                        state: vec![0.0; self.slot_len],
+                        state: vec![0.0; len],
                         positions: 0,
                     })
                 }

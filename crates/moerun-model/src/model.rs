@@ -11,6 +11,7 @@ use crate::backend::cpu::CpuPass;
 use crate::batch::{Batch, LogitsFor};
 use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
+use crate::cuda::deltanet::LinearPlacement;
 use crate::cuda::{CudaModel, CudaPass, DeviceKv, Placement, Tokens, WeightSource};
 use crate::forward;
 use crate::kv::KvCache;
@@ -221,6 +222,17 @@ impl Model {
         }
     }
 
+    /// Linear-attention (Gated DeltaNet) state for this model where it runs: `num_slots`
+    /// sequences' slots, in host memory or, for a model on the CUDA backend, in GPU memory
+    /// (each slot allocated at its first use, as on the host).
+    pub fn new_linear_state(&self, num_slots: usize) -> LinearStateCache {
+        let cache = LinearStateCache::new(&self.config, num_slots);
+        match &self.cuda {
+            None => cache,
+            Some(_) => cache.on_device(),
+        }
+    }
+
     pub fn checkpoint(&self) -> &Checkpoint {
         &self.checkpoint
     }
@@ -269,7 +281,7 @@ impl Model {
         which: LogitsFor,
     ) -> Result<ForwardOutput> {
         if let Some(cuda) = &self.cuda {
-            return self.run_cuda(cuda, batch, kv, which);
+            return self.run_cuda(cuda, batch, kv, states, which);
         }
         if rayon::current_thread_index().is_some() {
             return self.run_in_pool(batch, kv, states, which);
@@ -282,6 +294,7 @@ impl Model {
         cuda: &CudaModel,
         batch: &Batch,
         kv: &mut KvCache,
+        states: Option<&mut LinearStateCache>,
         which: LogitsFor,
     ) -> Result<ForwardOutput> {
         let tokens = self.check_batch(batch, kv)?;
@@ -304,16 +317,53 @@ impl Model {
             // Checked here: a graph replay embeds on the device without looking.
             crate::gemma4::cuda::check_tokens(cfg, &tokens)?;
         }
-        if let Some(logits) = crate::cuda::graph::try_decode(cuda, cfg, w, dkv, batch, &rows)? {
-            return Ok(ForwardOutput { rows, logits });
+        // Linear-attention state: every slot is checked before any is touched, then each
+        // sequence's slot gets device memory (zeroed for a chunk at position 0).
+        let linear = match (&cfg.linear_attention, states) {
+            (Some(_), Some(states)) => {
+                if !states.is_on_device() {
+                    return Err(Error::InvalidArgument(
+                        "the model runs on CUDA but its linear-attention state is in host \
+                         memory: make it with Model::new_linear_state"
+                            .into(),
+                    ));
+                }
+                states.begin(batch)?;
+                let addrs = states.device_slots(cuda.device(), batch)?;
+                Some((states, addrs))
+            }
+            _ => None,
+        };
+        let graph_state = linear.as_ref().map(|(s, a)| (&**s, a.as_slice()));
+        let logits =
+            match crate::cuda::graph::try_decode(cuda, cfg, w, dkv, batch, &rows, graph_state)? {
+                Some(logits) => logits,
+                None if w.gemma4.is_some() => {
+                    let g = w.gemma4.as_ref().expect("checked by the guard");
+                    crate::gemma4::cuda::forward(cuda, dkv, cfg, g, batch, &tokens, &rows)?
+                }
+                None => {
+                    let at = Placement::of_batch(cuda.device(), batch)?;
+                    let lp = match &linear {
+                        Some((states, addrs)) => Some(LinearPlacement::of_batch(
+                            cuda.device(),
+                            cfg,
+                            states,
+                            batch,
+                            addrs,
+                        )?),
+                        None => None,
+                    };
+                    let mut pass = CudaPass::new(cuda, dkv, &at, Tokens::Host);
+                    if let Some(lp) = &lp {
+                        pass = pass.with_linear_state(lp);
+                    }
+                    forward::decoder(&mut pass, cfg, w, &tokens, &rows)?
+                }
+            };
+        if let Some((states, _)) = linear {
+            states.finish(batch);
         }
-        if let Some(g) = &w.gemma4 {
-            let logits = crate::gemma4::cuda::forward(cuda, dkv, cfg, g, batch, &tokens, &rows)?;
-            return Ok(ForwardOutput { rows, logits });
-        }
-        let at = Placement::of_batch(cuda.device(), batch)?;
-        let mut pass = CudaPass::new(cuda, dkv, &at, Tokens::Host);
-        let logits = forward::decoder(&mut pass, cfg, w, &tokens, &rows)?;
         Ok(ForwardOutput { rows, logits })
     }
 
@@ -382,6 +432,11 @@ impl Model {
         }
         // Linear-attention state: every slot is checked before any is touched.
         let linear_state = match (&cfg.linear_attention, states) {
+            (Some(_), Some(states)) if states.is_on_device() => {
+                return Err(Error::InvalidArgument(
+                    "the linear-attention state is on the GPU but the model runs on the CPU".into(),
+                ))
+            }
             (Some(_), Some(states)) => {
                 states.begin(batch)?;
                 Some(states)

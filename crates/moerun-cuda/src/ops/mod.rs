@@ -10,6 +10,7 @@ mod attention;
 mod elementwise;
 mod embedding;
 pub(crate) mod fused;
+mod gated_delta;
 mod gemm;
 mod gemma;
 mod gemv;
@@ -25,6 +26,8 @@ pub use attention::{
 pub(crate) use elementwise::ElementwiseKernels;
 pub(crate) use fused::FusedKernels;
 pub use fused::{QkvShape, FUSED_MAX_HEAD_DIM};
+pub(crate) use gated_delta::GatedDeltaKernels;
+pub use gated_delta::{DeltaSeqs, DeltaShape, DELTA_MAX_KEY_DIM, DELTA_MAX_TAPS};
 pub use gemm::GemmOut;
 pub(crate) use gemma::GemmaKernels;
 pub use gemv::GemvLayout;

@@ -5,9 +5,7 @@
 
 use moerun_core::Result;
 use moerun_engine::{run_step, Sequence, SequenceKv};
-use moerun_model::{
-    Batch, ForwardOutput, LinearStateCache, LogitsFor, Model, ModelConfig, SeqChunk,
-};
+use moerun_model::{Batch, ForwardOutput, LinearStateCache, LogitsFor, Model, SeqChunk};
 
 /// Paged KV plus the linear-attention state slots of a few sequences.
 pub struct Caches {
@@ -16,11 +14,11 @@ pub struct Caches {
 }
 
 impl Caches {
-    /// Room for `tokens` tokens of KV and `sequences` state slots.
-    pub fn with_capacity(cfg: &ModelConfig, tokens: usize, sequences: usize) -> Caches {
+    /// Room for `tokens` tokens of KV and `sequences` state slots, where `model` runs.
+    pub fn with_capacity(model: &Model, tokens: usize, sequences: usize) -> Caches {
         Caches {
-            kv: SequenceKv::with_capacity(cfg, tokens),
-            states: LinearStateCache::new(cfg, sequences),
+            kv: SequenceKv::for_model(model, tokens).expect("KV cache for the model"),
+            states: model.new_linear_state(sequences),
         }
     }
 }

@@ -15,17 +15,23 @@
 //! - If a capture fails, graphs are switched off for this cache with the reason on stderr and
 //!   every step runs eagerly (same kernels, same results). `MOERUN_CUDA_GRAPHS=0` switches them
 //!   off too, to measure what they buy.
+//! - Gated DeltaNet layers (Qwen3.5) read their sequences' state slots through a device table of
+//!   slot addresses, rewritten before each replay like the token ids; padding rows point at a
+//!   trash slot of the graph's own. Zeroing a slot for a sequence at position 0 is a memset
+//!   enqueued before the replay, outside the graph.
 
 use std::collections::HashMap;
 
 use moerun_core::{Error, Result};
 use moerun_cuda::{CudaSlice, DeviceGraph, MoePath};
 
+use super::deltanet::LinearPlacement;
 use super::pass::{CudaPass, Placement, Tokens};
 use super::{dev_err, CudaModel, DeviceExperts, DeviceKv};
 use crate::batch::Batch;
 use crate::config::ModelConfig;
 use crate::forward;
+use crate::linear_state::LinearStateCache;
 use crate::weights::{FfnWeights, ModelWeights};
 
 /// Batch sizes captured; larger decode batches run eagerly (their kernels are long enough).
@@ -57,6 +63,8 @@ struct DecodeGraph {
     table_blocks: usize,
     tokens: CudaSlice<u32>,
     at: Placement,
+    /// Hybrid models: the sequences' slot addresses, and the padding rows' trash slot.
+    linear: Option<(LinearPlacement, CudaSlice<f32>)>,
     logits: CudaSlice<f32>,
     graph: DeviceGraph,
 }
@@ -66,7 +74,8 @@ fn graphs_enabled() -> bool {
 }
 
 /// Run `batch` from a graph if it is a decode step a graph can take; `None` means run it
-/// eagerly. `rows` are the rows whose logits are wanted.
+/// eagerly. `rows` are the rows whose logits are wanted; `linear` the linear-attention state
+/// and each sequence's slot address (hybrid models).
 pub(crate) fn try_decode(
     m: &CudaModel,
     cfg: &ModelConfig,
@@ -74,10 +83,14 @@ pub(crate) fn try_decode(
     kv: &mut DeviceKv,
     batch: &Batch,
     rows: &[usize],
+    linear: Option<(&LinearStateCache, &[u64])>,
 ) -> Result<Option<Vec<f32>>> {
     let n = batch.seqs.len();
     let decode = batch.seqs.iter().all(|s| s.tokens.len() == 1);
     if !decode || !rows.iter().copied().eq(0..n) || kv.graphs.disabled.is_some() {
+        return Ok(None);
+    }
+    if cfg.linear_attention.is_some() != linear.is_some() {
         return Ok(None);
     }
     let moe = first_moe(m, cfg, w);
@@ -115,7 +128,7 @@ pub(crate) fn try_decode(
         .is_some_and(|g| g.table_blocks >= need_blocks);
     if !fits {
         let table_blocks = need_blocks.next_power_of_two().max(MIN_TABLE_BLOCKS);
-        match capture(m, cfg, w, kv, bucket, table_blocks) {
+        match capture(m, cfg, w, kv, bucket, table_blocks, linear.map(|(c, _)| c)) {
             Ok(g) => {
                 kv.graphs.by_bucket.insert(bucket, g);
             }
@@ -161,6 +174,12 @@ pub(crate) fn try_decode(
         .map_err(dev_err)?;
     dev.copy_to_device(&tables, &mut g.at.block_tables)
         .map_err(dev_err)?;
+    if let (Some((lp, trash)), Some((_, addrs))) = (&mut g.linear, linear) {
+        let trash = dev.state_address(trash).map_err(dev_err)?;
+        let mut all = vec![trash; bucket];
+        all[..n].copy_from_slice(addrs);
+        lp.set_states(dev, &all)?;
+    }
     g.graph.launch().map_err(dev_err)?;
     let vocab = cfg.vocab_size;
     let logits = dev
@@ -177,6 +196,7 @@ fn capture(
     kv: &mut DeviceKv,
     bucket: usize,
     table_blocks: usize,
+    linear: Option<&LinearStateCache>,
 ) -> Result<DecodeGraph> {
     let dev = &m.dev;
     let block_size = kv
@@ -209,6 +229,15 @@ fn capture(
     let mut logits = dev.zeros::<f32>(bucket * cfg.vocab_size).map_err(dev_err)?;
     let host_tokens = vec![0u32; bucket];
     let rows: Vec<usize> = (0..bucket).collect();
+    let linear = match linear {
+        Some(cache) => {
+            let trash = dev.zeros::<f32>(cache.slot_len().max(1)).map_err(dev_err)?;
+            let addr = dev.state_address(&trash).map_err(dev_err)?;
+            let lp = LinearPlacement::for_decode(dev, cfg, cache, bucket, addr)?;
+            Some((lp, trash))
+        }
+        None => None,
+    };
     // Nothing may be pending when capture starts (uploads above finish first).
     dev.synchronize().map_err(dev_err)?;
     let graph = dev
@@ -226,6 +255,9 @@ fn capture(
                 ),
                 None => {
                     let mut pass = CudaPass::new(m, kv, &at, Tokens::Device(&tokens));
+                    if let Some((lp, _)) = &linear {
+                        pass = pass.with_linear_state(lp);
+                    }
                     forward::decoder_logits(&mut pass, cfg, w, &host_tokens, &rows)
                 }
             }
@@ -237,6 +269,7 @@ fn capture(
         table_blocks,
         tokens,
         at,
+        linear,
         logits,
         graph,
     })

@@ -8,9 +8,11 @@
 //! [`DeviceExperts`] (gate and up rows of all experts in one buffer, down in another), keyed by
 //! the layer's router, so the fused MoE op can reach any expert by index without host work.
 //!
-//! Not yet on this backend, refused by name: Qwen3.5's Gated DeltaNet layers and attention
-//! output gate. Gemma 4 runs its own device forward (`crate::gemma4::cuda`), not [`CudaPass`].
+//! Qwen3.5's Gated DeltaNet layers keep their per-sequence state in device buffers of a
+//! [`crate::LinearStateCache`] made by [`crate::Model::new_linear_state`] (see [`deltanet`]).
+//! Gemma 4 runs its own device forward (`crate::gemma4::cuda`), not [`CudaPass`].
 
+pub mod deltanet;
 #[cfg(test)]
 mod gemma4_tests;
 pub(crate) mod graph;
@@ -226,12 +228,20 @@ impl DeviceKv {
 
 /// Refuse what this backend does not run yet, by name.
 pub(crate) fn check_supported(cfg: &ModelConfig) -> Result<()> {
-    if cfg.linear_attention.is_some() || cfg.attention_output_gate {
-        return Err(Error::Unsupported(format!(
-            "{} on the CUDA backend (Gated DeltaNet layers and gated attention run on the CPU \
-             only so far; use --device cpu)",
-            cfg.family
-        )));
+    if let Some(la) = cfg.linear_attention {
+        let shape = moerun_cuda::DeltaShape {
+            key_heads: la.num_key_heads,
+            value_heads: la.num_value_heads,
+            key_dim: la.key_head_dim,
+            value_dim: la.value_head_dim,
+            conv_kernel: la.conv_kernel,
+        };
+        shape.check().map_err(|e| {
+            Error::Unsupported(format!(
+                "{} on the CUDA backend: {e} (use --device cpu)",
+                cfg.family
+            ))
+        })?;
     }
     Ok(())
 }

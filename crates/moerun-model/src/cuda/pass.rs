@@ -102,6 +102,8 @@ pub struct CudaPass<'a> {
     scratch: &'a mut PassScratch,
     at: &'a Placement,
     tokens: Tokens<'a>,
+    /// Sequences and state slots of the Gated DeltaNet layers (hybrid models only).
+    linear: Option<&'a super::deltanet::LinearPlacement>,
 }
 
 impl<'a> CudaPass<'a> {
@@ -117,7 +119,19 @@ impl<'a> CudaPass<'a> {
             scratch: &mut kv.scratch,
             at,
             tokens,
+            linear: None,
         }
+    }
+
+    /// The pass with the batch's linear-attention placement, for models with Gated DeltaNet
+    /// layers.
+    pub fn with_linear_state(mut self, lp: &'a super::deltanet::LinearPlacement) -> CudaPass<'a> {
+        self.linear = Some(lp);
+        self
+    }
+
+    pub(crate) fn model(&self) -> &'a CudaModel {
+        self.m
     }
 
     /// An output buffer the op about to run writes in full.
@@ -279,18 +293,26 @@ impl Backend for CudaPass<'_> {
 
     fn split_query_gate(
         &mut self,
-        _q_and_gate: &CudaSlice<f32>,
-        _head_dim: usize,
+        q_and_gate: &CudaSlice<f32>,
+        head_dim: usize,
     ) -> Result<(CudaSlice<f32>, CudaSlice<f32>)> {
-        Err(Error::Unsupported(
-            "attention output gates on the CUDA backend".into(),
-        ))
+        let m = self.m;
+        profile::timed(&m.dev, "split_query_gate", || {
+            let half = q_and_gate.len() / 2;
+            let mut q = self.alloc(half)?;
+            let mut gate = self.alloc(half)?;
+            m.dev
+                .split_query_gate(q_and_gate, head_dim, &mut q, &mut gate)
+                .map_err(dev_err)?;
+            Ok((q, gate))
+        })
     }
 
-    fn sigmoid_gate(&mut self, _x: &mut CudaSlice<f32>, _gate: &CudaSlice<f32>) -> Result<()> {
-        Err(Error::Unsupported(
-            "attention output gates on the CUDA backend".into(),
-        ))
+    fn sigmoid_gate(&mut self, x: &mut CudaSlice<f32>, gate: &CudaSlice<f32>) -> Result<()> {
+        let m = self.m;
+        profile::timed(&m.dev, "sigmoid_gate", || {
+            m.dev.sigmoid_gate(x, gate).map_err(dev_err)
+        })
     }
 
     fn attention(
@@ -401,13 +423,21 @@ impl Backend for CudaPass<'_> {
 
     fn gated_deltanet(
         &mut self,
-        _layer: usize,
-        _w: &GatedDeltaNetWeights,
-        _xn: &CudaSlice<f32>,
+        layer: usize,
+        w: &GatedDeltaNetWeights,
+        xn: &CudaSlice<f32>,
     ) -> Result<CudaSlice<f32>> {
-        Err(Error::Unsupported(
-            "Gated DeltaNet layers on the CUDA backend".into(),
-        ))
+        let Some(lp) = self.linear else {
+            return Err(Error::Unsupported(
+                "Gated DeltaNet layers keep per-sequence state: run the model with \
+                 Model::forward_with_state and a cache from Model::new_linear_state"
+                    .into(),
+            ));
+        };
+        let m = self.m;
+        profile::timed(&m.dev, "gated_deltanet", || {
+            super::deltanet::gated_deltanet(self, lp, layer, w, xn)
+        })
     }
 
     fn select_rows(

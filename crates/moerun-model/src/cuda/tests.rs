@@ -263,3 +263,163 @@ fn every_layer_matches_the_cpu_on_the_gpu() {
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+/// Qwen3.5 on both backends, layer by layer (Gated DeltaNet and gated attention, MoE with the
+/// sigmoid-gated shared expert) over three steps of a mixed batch: two sequences prefilling
+/// from position 0 in other slots than their order, then one decoding while the other prefills
+/// a continuation, then both decoding. Each step starts both backends from the same input, so
+/// the state carried across steps (conv windows, recurrent states) is what is compared in the
+/// later steps. Also the attention output gate's two ops on their own.
+#[test]
+fn qwen3_5_layers_match_the_cpu_on_the_gpu_prefill_and_decode_mixed() {
+    use super::deltanet::LinearPlacement;
+    let dir =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen3_5_moe_text_f32");
+    let Some((gpu, cpu)) = on_gpu_and_cpu(&dir) else {
+        return;
+    };
+    let cfg = &cpu.config;
+    let cuda = gpu.cuda().unwrap();
+    let mut failures = Vec::new();
+    let mut report = |what: String, e: f64, tol: f64| {
+        let verdict = if e <= tol { "ok" } else { "FAIL" };
+        println!("RESULT|{what}|{e:.2e}|{tol:.0e}|{verdict}");
+        if e > tol {
+            failures.push(format!("{what}: {e:.3e}"));
+        }
+    };
+    // The output gate's ops alone, on values of both signs.
+    {
+        let table = BlockTable { blocks: vec![0] };
+        let toks = [1u32, 2, 3];
+        let batch = Batch::new(vec![SeqChunk {
+            tokens: &toks,
+            start_pos: 0,
+            block_table: &table,
+        }]);
+        let mut ckv = KvCache::new(cfg, 1, 16);
+        let mut gkv = gpu.new_kv_cache(1, 16).unwrap();
+        let at = Placement::of_batch(cuda.device(), &batch).unwrap();
+        let mut c = CpuPass::new(cfg, &cpu.rope, &batch, &mut ckv, None);
+        let mut g = CudaPass::new(cuda, gkv.device.as_mut().unwrap(), &at, Tokens::Host);
+        let d = cfg.head_dim;
+        let x: Vec<f32> = (0..3 * cfg.num_heads * 2 * d)
+            .map(|i| ((i as f32) * 0.37).sin() * 3.0)
+            .collect();
+        let (qc, gc) = c.split_query_gate(&x, d).unwrap();
+        let xg = g.upload(&x).unwrap();
+        let (qg, gg) = g.split_query_gate(&xg, d).unwrap();
+        let (qg, gg2) = (g.to_host(qg).unwrap(), g.to_host(gg.clone()).unwrap());
+        report("backend op split_query_gate q".into(), rel(&qg, &qc), 0.0);
+        report(
+            "backend op split_query_gate gate".into(),
+            rel(&gg2, &gc),
+            0.0,
+        );
+        let mut oc = qc.clone();
+        c.sigmoid_gate(&mut oc, &gc).unwrap();
+        let mut og = g.upload(&qc).unwrap();
+        g.sigmoid_gate(&mut og, &gg).unwrap();
+        report(
+            "backend op sigmoid_gate".into(),
+            rel(&g.to_host(og).unwrap(), &oc),
+            1e-6,
+        );
+    }
+
+    let toks: Vec<u32> = (0..40u32)
+        .map(|i| (i * 53 + 11) % cfg.vocab_size as u32)
+        .collect();
+    let (ta, tb) = (
+        BlockTable { blocks: vec![2, 0] },
+        BlockTable { blocks: vec![1, 3] },
+    );
+    // (tokens of A, start of A, tokens of B, start of B) per step; A in slot 3, B in slot 1.
+    let steps: [(&[u32], usize, &[u32], usize); 3] = [
+        (&toks[..13], 0, &toks[20..26], 0),
+        (&toks[13..14], 13, &toks[26..29], 6),
+        (&toks[14..15], 14, &toks[29..30], 9),
+    ];
+    let mut ckv = KvCache::new(cfg, 4, 16);
+    let mut gkv = gpu.new_kv_cache(4, 16).unwrap();
+    let mut cst = cpu.new_linear_state(4);
+    let mut gst = gpu.new_linear_state(4);
+    assert!(gst.is_on_device() && !cst.is_on_device());
+    let eps = cfg.rms_norm_eps;
+    for (step, &(a, sa, b, sb)) in steps.iter().enumerate() {
+        let batch = Batch::new(vec![
+            SeqChunk {
+                tokens: a,
+                start_pos: sa,
+                block_table: &ta,
+            },
+            SeqChunk {
+                tokens: b,
+                start_pos: sb,
+                block_table: &tb,
+            },
+        ])
+        .with_state_slots(vec![3, 1]);
+        let tokens: Vec<u32> = a.iter().chain(b).copied().collect();
+        cst.begin(&batch).unwrap();
+        gst.begin(&batch).unwrap();
+        let addrs = gst.device_slots(cuda.device(), &batch).unwrap();
+        let lp = LinearPlacement::of_batch(cuda.device(), cfg, &gst, &batch, &addrs).unwrap();
+        let at = Placement::of_batch(cuda.device(), &batch).unwrap();
+        {
+            let mut c = CpuPass::new(cfg, &cpu.rope, &batch, &mut ckv, Some(&mut cst));
+            let mut g = CudaPass::new(cuda, gkv.device.as_mut().unwrap(), &at, Tokens::Host)
+                .with_linear_state(&lp);
+            let mut xc = c.embed(&cpu.weights.embed_tokens, &tokens).unwrap();
+            for l in 0..cfg.num_layers() {
+                let (lc, lg) = (&cpu.weights.layers[l], &gpu.weights.layers[l]);
+                // Both backends start the layer from the CPU's input.
+                let mut xg = g.upload(&xc).unwrap();
+                let nc = c.rms_norm(&xc, &lc.input_layernorm, eps).unwrap();
+                let ng = g.rms_norm(&xg, &lg.input_layernorm, eps).unwrap();
+                let (kind, mc, mg) = match (&lc.mixer, &lg.mixer) {
+                    (MixerWeights::Attention(ac), MixerWeights::Attention(ag)) => {
+                        let sw = cfg.layers[l].sliding_window;
+                        (
+                            "gated attention",
+                            crate::forward::attention_block(&mut c, cfg, ac, l, sw, &nc).unwrap(),
+                            crate::forward::attention_block(&mut g, cfg, ag, l, sw, &ng).unwrap(),
+                        )
+                    }
+                    (MixerWeights::GatedDeltaNet(wc), MixerWeights::GatedDeltaNet(wg)) => (
+                        "gated deltanet",
+                        c.gated_deltanet(l, wc, &nc).unwrap(),
+                        g.gated_deltanet(l, wg, &ng).unwrap(),
+                    ),
+                    _ => unreachable!(),
+                };
+                report(
+                    format!("qwen3_5 step {step} layer {l} {kind}"),
+                    rel(&g.to_host(mg.clone()).unwrap(), &mc),
+                    1e-5,
+                );
+                c.add_assign(&mut xc, &mc).unwrap();
+                g.add_assign(&mut xg, &mg).unwrap();
+                let nc = c.rms_norm(&xc, &lc.post_attention_layernorm, eps).unwrap();
+                let ng = g.rms_norm(&xg, &lg.post_attention_layernorm, eps).unwrap();
+                let (FfnWeights::Moe(fc), FfnWeights::Moe(fg)) = (&lc.ffn, &lg.ffn) else {
+                    panic!("qwen3_5's layers are MoE")
+                };
+                let mcfg = cfg.moe.as_ref().unwrap();
+                let oc = c.moe(&nc, mcfg, fc).unwrap();
+                let og = g.moe(&ng, mcfg, fg).unwrap();
+                report(
+                    format!("qwen3_5 step {step} layer {l} moe (shared expert gated)"),
+                    rel(&g.to_host(og).unwrap(), &oc),
+                    1e-5,
+                );
+                c.add_assign(&mut xc, &oc).unwrap();
+            }
+        }
+        cst.finish(&batch);
+        gst.finish(&batch);
+    }
+    assert_eq!(gst.positions(3), 15);
+    assert_eq!(gst.positions(1), 10);
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}

@@ -9,7 +9,9 @@ use moerun_cuda::{AttentionPrefill, CudaDevice, CudaSlice, DeviceExperts, Device
 use super::{dev_err, tensor_key, vec_key, CudaModel, StackedQkv};
 use crate::attention::Rope;
 use crate::config::ModelConfig;
-use crate::weights::{FfnWeights, Linear, MixerWeights, MlpWeights, ModelWeights, MoeWeights};
+use crate::weights::{
+    FfnWeights, GatedDeltaNetWeights, Linear, MixerWeights, MlpWeights, ModelWeights, MoeWeights,
+};
 
 /// Where the device copy of each matrix comes from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -147,6 +149,42 @@ impl<'a> Uploader<'a> {
         Ok(())
     }
 
+    /// A Gated DeltaNet layer: its projections as every linear; the conv taps, `A_log`,
+    /// `dt_bias` and the norm weight as f32 vectors. With random weights the matrices are drawn
+    /// like every other; the conv taps, which a synthetic model leaves at zero on the host (they
+    /// are a 3-d tensor there, a window onto its shared zero buffer), are drawn here uniform in
+    /// ±1/√kernel (torch's Conv1d default bound) so that the layer does not degenerate to zero;
+    /// `A_log` and `dt_bias` keep the synthetic model's small host values (|x| ≲ 0.03: decay
+    /// e^g ≈ e^(-0.7) per token, β ≈ sigmoid(small) ≈ 0.5, finite for any input) and the norm
+    /// weight its host ones.
+    fn gated_deltanet(&mut self, w: &GatedDeltaNetWeights) -> Result<()> {
+        for l in [
+            &w.in_proj_qkv,
+            &w.in_proj_z,
+            &w.in_proj_b,
+            &w.in_proj_a,
+            &w.out_proj,
+        ] {
+            self.linear(l)?;
+        }
+        for v in [&w.a_log, &w.dt_bias, &w.norm] {
+            self.vector(v)?;
+        }
+        match self.source {
+            WeightSource::Host => self.vector(&w.conv1d_taps),
+            WeightSource::Random { seed } => {
+                let seed = self.seed(seed);
+                let bound = 1.0 / (taps_per_channel(w).max(1) as f32).sqrt();
+                let values: Vec<f32> = (0..w.conv1d_taps.len() as u64)
+                    .map(|i| bound * hash_uniform(seed, i))
+                    .collect();
+                let d = self.dev.upload(&values).map_err(dev_err)?;
+                self.vecs.insert(vec_key(&w.conv1d_taps), d);
+                Ok(())
+            }
+        }
+    }
+
     pub(crate) fn random_bytes(
         &mut self,
         dtype: DType,
@@ -197,6 +235,24 @@ impl<'a> Uploader<'a> {
     }
 }
 
+/// Conv taps per channel of a Gated DeltaNet layer: `conv1d_taps` is `[kernel, conv_dim]` and
+/// `in_proj_qkv` has `conv_dim` rows.
+fn taps_per_channel(w: &GatedDeltaNetWeights) -> usize {
+    w.conv1d_taps.len() / w.in_proj_qkv.weight.shape[0].max(1)
+}
+
+/// Uniform in [-1, 1) from (seed, i): a SplitMix64 step (host twin of the device fill's hash).
+fn hash_uniform(seed: u64, i: u64) -> f32 {
+    let mut z = seed
+        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        .wrapping_add(i)
+        .wrapping_add(0x632B_E59B_D9B4_E019);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    (z >> 40) as f32 * (1.0 / 16_777_216.0) * 2.0 - 1.0
+}
+
 /// Upload `w` to `dev` (or draw it there, per `source`).
 pub(crate) fn upload(
     dev: CudaDevice,
@@ -231,11 +287,7 @@ pub(crate) fn upload(
                     u.vector(n)?;
                 }
             }
-            MixerWeights::GatedDeltaNet(_) => {
-                return Err(moerun_core::Error::Unsupported(
-                    "Gated DeltaNet layers on the CUDA backend".into(),
-                ))
-            }
+            MixerWeights::GatedDeltaNet(g) => u.gated_deltanet(g)?,
         }
         match &layer.ffn {
             FfnWeights::Dense(m) => u.mlp(m)?,

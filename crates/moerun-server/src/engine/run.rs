@@ -41,7 +41,7 @@ pub(super) fn engine_loop(
     // the sequence's first KV block, unique while prefix caching is off for such models. A
     // sequence (re)starting at position 0 starts from a zero state, so preemption needs nothing.
     let mut states = SlotStates {
-        cache: LinearStateCache::new(&model.model.config, sched_config.num_blocks),
+        cache: model.model.new_linear_state(sched_config.num_blocks),
         in_use: HashSet::new(),
     };
     let mut live: HashMap<RequestId, Live<'_>> = HashMap::new();
