@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # On the GPU machine: run every GPU test binary that scripts/gpu-build.sh packed into .gpu-bin/
 # (moerun-cuda's op tests, moerun-engine's conformance_gpu: every fixture against transformers
-# and the CPU), the ops bench, and `moerun bench` on the Qwen3-30B-A3B shapes (random bf16
-# weights drawn on the GPU): decode at batch 1, a 4096-token prefill, decode at 8/32/128
-# sequences. Ends with short tables: each check's relative error with pass/fail, the op speeds,
+# and the CPU), the ops bench, and `moerun bench` on the shapes of Qwen3-30B-A3B, Qwen3.5-35B-A3B
+# and Gemma-4-26B-A4B (random bf16 weights drawn on the GPU): decode at batch 1 and a 4096-token
+# prefill for each, decode at 8/32/128 sequences for the first. Ends with short tables: each check's relative error with pass/fail, the op speeds,
 # the model figures against the rooflines. Full logs go to $OUT (the device tool's output
 # folder; /tmp/gpu-check elsewhere): tests.log, bench.log, memcheck.log, nvidia-smi.txt,
-# model-bench.log and bench-*.json (the device tool brings back at most 8 files).
+# model-bench.log and bench-models.json (the device tool brings back at most 8 files).
 #
 #   bash scripts/gpu-check.sh            # tests, op bench, memcheck, model bench
 #   bash scripts/gpu-check.sh tests      # tests and memcheck only
@@ -73,16 +73,33 @@ fi
 fi
 
 if [ "$mode" != tests ]; then
-    echo "== moerun bench (synthetic qwen3-30b-a3b, 48 layers, bf16, random weights on the GPU)"
+    echo "== moerun bench (synthetic flagship shapes, bf16, random weights drawn on the GPU)"
     m="$bin/moerun"
     "$m" generate --model models/default --device cuda --max-tokens 32 --temperature 0 \
         "Once upon a time" 2>&1 | tail -3
-    like="--like qwen3-30b-a3b --device cuda --json"
+    runs=$(mktemp -d)
     : >"$out/model-bench.log"
-    "$m" bench $like --prompt 512 --gen 256 >"$out/bench-decode.json" 2>>"$out/model-bench.log" || status=1
-    "$m" bench $like --prompt 4096 --gen 8 >"$out/bench-prefill.json" 2>>"$out/model-bench.log" || status=1
-    "$m" bench $like --prompt 512 --gen 64 --concurrency 8,32,128 \
-        >"$out/bench-concurrent.json" 2>>"$out/model-bench.log" || status=1
+    # bench LABEL ARGS...: one `moerun bench --json` run, its JSON kept under LABEL.
+    bench() {
+        local label=$1
+        shift
+        "$m" bench "$@" --device cuda --json >"$runs/$label.json" 2>>"$out/model-bench.log" ||
+            { status=1; rm -f "$runs/$label.json"; }
+    }
+    bench qwen3-decode --like qwen3-30b-a3b --prompt 512 --gen 256
+    bench qwen3-prefill --like qwen3-30b-a3b --prompt 4096 --gen 8
+    bench qwen3-concurrent --like qwen3-30b-a3b --prompt 512 --gen 64 --concurrency 8,32,128
+    bench qwen3.5-decode --like qwen3.5-35b-a3b --prompt 512 --gen 256
+    bench qwen3.5-prefill --like qwen3.5-35b-a3b --prompt 4096 --gen 8
+    bench gemma4-decode --like gemma-4-26b-a4b --prompt 512 --gen 256
+    bench gemma4-prefill --like gemma-4-26b-a4b --prompt 4096 --gen 8
+    # All runs in one file (the device tool brings back at most 8).
+    python3 - "$runs" "$out/bench-models.json" <<'PY'
+import json, os, sys
+runs, dest = sys.argv[1], sys.argv[2]
+all_runs = {f[:-5]: json.load(open(os.path.join(runs, f))) for f in sorted(os.listdir(runs))}
+json.dump(all_runs, open(dest, "w"), indent=1)
+PY
     tail -5 "$out/model-bench.log"
 fi
 
@@ -99,32 +116,31 @@ head -1 "$out/bench.log"
 fi
 if [ "$mode" != tests ]; then
     echo
-    echo "== model (scripts/gpu-check.sh -> moerun bench --like qwen3-30b-a3b --device cuda)"
-    python3 - "$out" <<'PY' || status=1
-import json, sys, os
-out = sys.argv[1]
-def load(name):
-    try:
-        return json.load(open(os.path.join(out, name)))
-    except Exception as e:
-        print(f"{name}: no result ({e})")
-        return None
-d, p, c = load("bench-decode.json"), load("bench-prefill.json"), load("bench-concurrent.json")
-if d:
-    bw = d["read_bandwidth_bytes_per_s"]
-    print(f"gpu: {d.get('gpu')}; copy bandwidth {bw/1e9:.0f} GB/s")
-    print(f"active weights per token: {d['active_bytes_per_token']/1e9:.2f} GB "
-          f"-> roofline {d['decode_roofline_tok_per_s']:.0f} tok/s")
-    print(f"{'figure':34} {'value':>12} {'of roofline':>12}")
-    print(f"{'decode batch 1 (prompt 512)':34} {d['decode_tok_per_s']:>8.1f} t/s "
-          f"{d['decode_bandwidth_pct']:>11.1f}%")
-if p:
-    flops = 2 * p["params_active"] * p["prompt_tokens"]
-    tf = flops / p["prefill_seconds"] / 1e12
-    print(f"{'prefill 4096 tokens':34} {p['prefill_tok_per_s']:>8.0f} t/s {tf:>8.0f} TFLOP/s (2*active params*tokens)")
-if c:
-    for r in c["concurrent_decode"]:
-        print(f"{'decode ' + str(r['sequences']) + ' sequences':34} {r['tok_per_s']:>8.0f} t/s")
+    echo "== models (scripts/gpu-check.sh -> moerun bench --like NAME --device cuda)"
+    python3 - "$out/bench-models.json" <<'PY' || status=1
+import json, sys
+try:
+    runs = json.load(open(sys.argv[1]))
+except Exception as e:
+    sys.exit(f"no bench results ({e})")
+print(f"{'model':18} {'figure':30} {'value':>12} {'against':>24}")
+for name in ["qwen3", "qwen3.5", "gemma4"]:
+    d, p, c = (runs.get(f"{name}-{k}") for k in ["decode", "prefill", "concurrent"])
+    if d:
+        roof = d["decode_roofline_tok_per_s"]
+        print(f"{name:18} {'decode batch 1 (prompt 512)':30} {d['decode_tok_per_s']:>8.1f} t/s "
+              f"{d['decode_bandwidth_pct']:>8.1f}% of {roof:.0f} t/s")
+    if p:
+        tf = 2 * p["params_active"] * p["prompt_tokens"] / p["prefill_seconds"] / 1e12
+        print(f"{name:18} {'prefill 4096 tokens':30} {p['prefill_tok_per_s']:>8.0f} t/s "
+              f"{tf:>10.0f} TFLOP/s")
+    for r in (c or {}).get("concurrent_decode", []):
+        print(f"{name:18} {'decode ' + str(r['sequences']) + ' sequences':30} {r['tok_per_s']:>8.0f} t/s")
+    if d is None:
+        print(f"{name:18} no decode result: see model-bench.log")
+any_run = next(iter(runs.values()), None)
+if any_run:
+    print(f"gpu: {any_run.get('gpu')}; copy bandwidth {any_run['read_bandwidth_bytes_per_s']/1e9:.0f} GB/s")
 PY
 fi
 echo "overall: $([ $status = 0 ] && echo PASS || echo FAIL)"

@@ -14,7 +14,7 @@
 // Kernels (all take one AttnArgs by value; launch shapes are repeated in ops/attention.rs):
 // - kv_write_f32: grid (n), block 128; copies token i's K and V rows into its slot.
 // - attn_split_d<D>_g<G>: split-K flash-decoding, exact f32. Grid (n, nsplit, kv_heads *
-//   head_chunks), block 128, dynamic shared 4 * G * (head_dim + 2) floats. A block owns one token,
+//   head_chunks), block 128 (dynamic shared memory below). A block owns one token,
 //   one kv head, up to G of its query heads (head chunk), and one split of the token's keys, so
 //   each K/V row is read once for all the query heads of its group. Groups of L lanes each take
 //   one key (L = D / 4 lanes of one float4 each; two float4 for D = 256, four for D = 512, where
@@ -24,9 +24,10 @@
 //   scores), so shuffles and exp2 per key are ~G / 4 instead of G * log2(L); the owners run the
 //   online softmax and broadcast the weights. Then the groups' states merge (shuffles, then
 //   shared memory). With nsplit == 1 the block writes the normalised output, else an
-//   unnormalised partial (acc, max, sum) that attn_combine_f32 merges.
-// - attn_combine_f32: grid (n, num_heads), block 64; merges a token's active splits in split
-//   order.
+//   unnormalised partial (acc, max, sum); the last of a token's active split blocks for its kv
+//   head and head chunk to finish (an atomic count in `arrivals`, reset by that block) merges the
+//   partials of its heads in split order (merge_splits), so no second launch is needed. Dynamic
+//   shared memory: the larger of 4 * G * (head_dim + 2) floats and G * nsplit floats (merge).
 // - attn_tile_f32_c<C>: tiled exact-f32 prefill on CUDA cores, tiles of 64 tokens (head_dim <= 256:
 //   the tiles of head_dim 512 would need 400 KiB of shared memory, so that size never tiles). Grid (n / 64,
 //   num_heads), block 256, dynamic shared (3 * 64 * (head_dim + 4) + 64 * 65) floats: Q, K and V
@@ -41,7 +42,7 @@
 // Which kernel owns a token (the tile rule, `tile_owned`): when the host launches a tiled kernel
 // (n >= tile_m, AttnArgs.tiled), a tile of tile_m consecutive tokens that lies wholly inside the
 // batch and whose tokens all share one table_start (one sequence) belongs to the tiled kernel;
-// every other token to attn_split (+ combine). Each kernel evaluates the rule itself from the
+// every other token to attn_split. Each kernel evaluates the rule itself from the
 // same data, so the launches cover the batch exactly once without the host reading device data.
 //
 // Keys whose block-table entry or block id is out of range (a caller bug) are skipped, never read
@@ -61,6 +62,8 @@ struct AttnArgs {
     const int* block_tables;
     float* part_acc;
     float* part_ml;
+    // Per (token, kv head x head chunk): how many of its split blocks have written their partials.
+    u32* arrivals;
     int n;
     int num_heads;
     int kv_heads;
@@ -248,6 +251,51 @@ __device__ __forceinline__ void fetch_keys(const AttnArgs& a, int ts, int kh, in
                 vr[u][v] = zero4();
             }
         }
+    }
+}
+
+// Loads of partials other blocks wrote during this launch: through L2 (.cg), never a stale L1 line.
+__device__ __forceinline__ float ld_cg(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+
+// Token i's output for query heads h0 .. h0 + gh from its `active` split partials: per head the
+// splits' weights exp2(m_s - max) (one warp per head, into `w`, [gh][active]) and their sum
+// weighted by l_s, then each output element sums weight x partial over the splits in split order.
+__device__ __forceinline__ void merge_splits(const AttnArgs& a, int i, int h0, int gh, int active,
+                                             float* w) {
+    __shared__ float sums[8];  // gh <= 8
+    const int d = a.head_dim;
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    for (int h = warp; h < gh; h += SPLIT_WARPS) {
+        const float* ml = a.part_ml + ((u64)i * a.num_heads + h0 + h) * a.nsplit * 2;
+        float mx = NEG_INF;
+        for (int s = lane; s < active; s += 32) mx = fmaxf(mx, ld_cg(ml + 2 * s));
+        const float ref = softmax_ref(warp_max(mx));
+        float sum = 0.0f;
+        for (int s = lane; s < active; s += 32) {
+            const float ws = exp2f(ld_cg(ml + 2 * s) - ref);
+            w[h * active + s] = ws;
+            sum += ws * ld_cg(ml + 2 * s + 1);
+        }
+        sum = warp_sum(sum);
+        if (lane == 0) sums[h] = sum;
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < gh * d; idx += SPLIT_THREADS) {
+        const int h = idx / d;
+        const int e = idx - h * d;
+        const u64 row = (u64)i * a.num_heads + h0 + h;
+        const float* acc = a.part_acc + row * a.nsplit * d + e;
+        const float* wh = w + h * active;
+        float num = 0.0f;
+#pragma unroll 8
+        for (int s = 0; s < active; ++s) num += wh[s] * ld_cg(acc + (u64)s * d);
+        const float sum = sums[h];
+        a.out[row * d + e] = sum > 0.0f ? num / sum : 0.0f;
     }
 }
 
@@ -458,6 +506,22 @@ __device__ __forceinline__ void attn_split(const AttnArgs& a) {
             }
         }
     }
+    if (direct) return;
+    // The last split block of this (token, kv head, head chunk) to arrive merges. The fence
+    // makes this block's partials visible device-wide before it is counted.
+    __shared__ int s_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u32* count = a.arrivals + ((u64)i * gridDim.z + blockIdx.z);
+        const u32 before = atomicAdd(count, 1u);
+        s_last = before == (u32)(active - 1);
+        if (s_last) *count = 0u;  // ready for the next launch
+    }
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    merge_splits(a, i, h0, gh, active, reinterpret_cast<float*>(split_smem4));
 }
 
 #define ATTN_SPLIT(NAME, L, VPL, GM)                                                             \
@@ -490,59 +554,6 @@ ATTN_SPLIT(attn_split_d256_g8, 32, 2, 8)
 // groups run in head chunks of 2.
 ATTN_SPLIT(attn_split_d512_g1, 32, 4, 1)
 ATTN_SPLIT(attn_split_d512_g2, 32, 4, 2)
-
-// Merge token i's partials of query head h over its active splits. The splits' weights are
-// computed in parallel into shared memory (dynamic, nsplit + 8 floats: the unrolled loop below
-// may read them as vectors past the last one); each output element then sums over the splits in
-// split order, several loads in flight.
-#define COMBINE_THREADS 128
-
-extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) attn_combine_f32(const AttnArgs a) {
-    extern __shared__ float comb_w[];
-    __shared__ float red[COMBINE_THREADS / 32];
-    const int i = blockIdx.x;
-    const int h = blockIdx.y;
-    if (tile_owned(a, i)) return;
-    const int d = a.head_dim;
-    const int pos = a.positions[i];
-    const int len = pos + 1 - window_lo(a, pos);
-    const int active = len <= 0 ? 0 : min(a.nsplit, (len + a.chunk - 1) / a.chunk);
-    const u64 row = (u64)i * a.num_heads + h;
-    const float* ml = a.part_ml + row * a.nsplit * 2;
-    const float* acc = a.part_acc + row * a.nsplit * d;
-    const int tid = threadIdx.x;
-    const int lane = tid & 31;
-    const int warp = tid >> 5;
-
-    float mx = NEG_INF;
-    for (int s = tid; s < active; s += COMBINE_THREADS) mx = fmaxf(mx, ml[2 * s]);
-    mx = warp_max(mx);
-    if (lane == 0) red[warp] = mx;
-    __syncthreads();
-    mx = red[0];
-#pragma unroll
-    for (int w = 1; w < COMBINE_THREADS / 32; ++w) mx = fmaxf(mx, red[w]);
-    const float ref = softmax_ref(mx);
-    float sum = 0.0f;
-    for (int s = tid; s < active; s += COMBINE_THREADS) {
-        const float w = exp2f(ml[2 * s] - ref);
-        comb_w[s] = w;
-        sum += w * ml[2 * s + 1];
-    }
-    sum = warp_sum(sum);
-    __syncthreads();  // every thread has read red[] (and written its weights)
-    if (lane == 0) red[warp] = sum;
-    __syncthreads();
-    sum = 0.0f;
-#pragma unroll
-    for (int w = 0; w < COMBINE_THREADS / 32; ++w) sum += red[w];
-    for (int e = tid; e < d; e += COMBINE_THREADS) {
-        float num = 0.0f;
-#pragma unroll 8
-        for (int s = 0; s < active; ++s) num += comb_w[s] * acc[(u64)s * d + e];
-        a.out[row * d + e] = sum > 0.0f ? num / sum : 0.0f;
-    }
-}
 
 // ---- tiled prefill, exact f32 on CUDA cores ----
 

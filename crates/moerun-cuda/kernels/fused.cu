@@ -11,7 +11,9 @@
 //   projection: split each token's row into q, k and v, RMSNorm each q and k head (per-head
 //   weights; skipped when the weight pointer is null), then rotate q and k (rotate-half RoPE on
 //   the leading 2 * half dims, angle inv_freq[i] * pos in f32, cos/sin scaled by the attention
-//   factor), exactly as rms_norm_f32 then rope_rotate_half_f32 compute them.
+//   factor), exactly as rms_norm_f32 then rope_rotate_half_f32 compute them. Given a KV pool
+//   (KvDest.pool_k non-null), the k and v heads also go straight into the token's slot there,
+//   as kv_write_f32 would put them (skipped for a position whose block is out of range).
 //   Launch: grid (tokens, heads_q + 2 * heads_kv), block 32 (one warp per head, head_dim <= 256).
 
 #define FUSED_MAX_HEAD_DIM 256
@@ -64,11 +66,22 @@ extern "C" __global__ void rms_norm_block_f32(const float* x, const float* __res
     for (int i = threadIdx.x; i < width; i += blockDim.x) o[i] = w[i] * (xr[i] * inv);
 }
 
+// Where the prologue writes K/V in the paged pool: the layout of ops/fused.rs's KvDest.
+struct KvDest {
+    float* pool_k;  // null: no pool write
+    float* pool_v;
+    const int* table_start;
+    const int* block_tables;
+    int tables_len;
+    int block_size;
+    int blocks;
+};
+
 extern "C" __global__ void qkv_split_norm_rope_f32(
     const float* __restrict__ qkv, float* q, float* k, float* v, const u32* __restrict__ positions,
     const float* __restrict__ q_norm, const float* __restrict__ k_norm,
     const float* __restrict__ inv_freq, int heads_q, int heads_kv, int head_dim, int half,
-    float attention_factor, float eps) {
+    float attention_factor, float eps, const KvDest kv) {
     __shared__ float hd[FUSED_MAX_HEAD_DIM];
     const int t = blockIdx.x;
     const int h = blockIdx.y;
@@ -116,4 +129,17 @@ extern "C" __global__ void qkv_split_norm_rope_f32(
         __syncwarp();
     }
     for (int i = lane; i < head_dim; i += 32) dst[i] = hd[i];
+    if (kv.pool_k && h >= heads_q) {
+        const int pos = (int)positions[t];
+        const int ti = kv.table_start[t] + pos / kv.block_size;
+        if (ti < 0 || ti >= kv.tables_len) return;
+        const int blk = kv.block_tables[ti];
+        if (blk < 0 || blk >= kv.blocks) return;
+        const bool is_k = h < heads_q + heads_kv;
+        const int kvh = is_k ? h - heads_q : h - heads_q - heads_kv;
+        const u64 row = (u64)blk * kv.block_size + pos % kv.block_size;
+        float* pool = is_k ? kv.pool_k : kv.pool_v;
+        float* slot = pool + (row * heads_kv + kvh) * head_dim;
+        for (int i = lane; i < head_dim; i += 32) slot[i] = hd[i];
+    }
 }

@@ -55,6 +55,7 @@ pub(crate) struct Kernels {
     pub rope: CudaFunction,
     pub silu_mul: CudaFunction,
     pub f32_to_bf16: CudaFunction,
+    pub f32_to_bf16_split: CudaFunction,
     pub route_topk: CudaFunction,
     /// Indexed by [`dtype_slot`].
     pub embed: [CudaFunction; 3],
@@ -119,6 +120,7 @@ impl Kernels {
             rope: get("rope", "rope_rotate_half_f32")?,
             silu_mul: get("activation", "silu_mul_f32")?,
             f32_to_bf16: get("convert", "f32_to_bf16")?,
+            f32_to_bf16_split: get("convert", "f32_to_bf16_split")?,
             route_topk: get("router", "route_topk_f32")?,
             embed: [
                 get("embedding", "embed_bf16")?,

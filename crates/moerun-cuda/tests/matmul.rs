@@ -155,6 +155,15 @@ fn gemm_bf16_matches_reference_within_activation_rounding() {
             rel_err(&got, &matmul_f64(&x, m, &w, n, k)),
             1e-2,
         );
+        // x as two bf16 halves: the f32 product to ~2^-17 of x (plus the f32 sums' rounding).
+        let mut split = dev.upload(&poison(m * n)).unwrap();
+        dev.gemm_split(&xd, m, &wd, &mut split).unwrap();
+        let split = dev.download(&split).unwrap();
+        check(
+            &format!("gemm_split bf16 {shape} vs f32 x"),
+            rel_err(&split, &matmul_f64(&x, m, &w, n, k)),
+            5e-5,
+        );
         let xb = round_bf16(&x);
         check(
             &format!("gemm bf16 {shape} vs bf16 x"),

@@ -77,7 +77,7 @@ pub(crate) fn attention_block<B: Backend>(
     xn: &B::Act,
 ) -> Result<B::Act> {
     let d = cfg.head_dim;
-    let AttentionInputs { q, k, v, gate } = b.attention_inputs(cfg, w, xn)?;
+    let AttentionInputs { q, k, v, gate } = b.attention_inputs(l, cfg, w, xn)?;
     let spec = AttentionSpec {
         num_heads: cfg.num_heads,
         num_kv_heads: cfg.num_kv_heads,

@@ -59,4 +59,33 @@ impl CudaDevice {
         unsafe { b.launch(self.elementwise_cfg(n)) }.ctx("f32_to_bf16")?;
         Ok(())
     }
+
+    /// `x` as two bf16 halves: `hi = bf16(x)`, `lo = bf16(x - hi)` (round to nearest even each).
+    pub fn to_bf16_split(
+        &self,
+        x: &impl DevicePtr<f32>,
+        hi: &mut impl DevicePtrMut<u16>,
+        lo: &mut impl DevicePtrMut<u16>,
+    ) -> Result<()> {
+        let n = x.len();
+        ensure(hi.len() == n && lo.len() == n, || {
+            format!(
+                "to_bf16_split: x holds {n}, hi {}, lo {}",
+                hi.len(),
+                lo.len()
+            )
+        })?;
+        if n == 0 {
+            return Ok(());
+        }
+        let xp = self.ptr(x, "to_bf16_split x")?;
+        let h = self.ptr_mut(hi, "to_bf16_split hi")?;
+        let l = self.ptr_mut(lo, "to_bf16_split lo")?;
+        let n64 = n as u64;
+        let mut b = self.stream.launch_builder(&self.kernels.f32_to_bf16_split);
+        b.arg(&xp).arg(&h).arg(&l).arg(&n64);
+        // SAFETY: x holds n f32, hi and lo n u16 each; the argument list matches the kernel's.
+        unsafe { b.launch(self.elementwise_cfg(n)) }.ctx("f32_to_bf16_split")?;
+        Ok(())
+    }
 }

@@ -138,12 +138,15 @@ pub enum AttentionPrefill {
 pub struct AttentionScratch {
     acc: CudaSlice<f32>,
     ml: CudaSlice<f32>,
+    /// Split blocks arrived, per (token, kv head x head chunk); zero between launches (the last
+    /// block of each group resets its count).
+    arrivals: CudaSlice<u32>,
 }
 
 impl AttentionScratch {
     /// Bytes held on the device.
     pub fn bytes(&self) -> usize {
-        (self.acc.len() + self.ml.len()) * 4
+        (self.acc.len() + self.ml.len() + self.arrivals.len()) * 4
     }
 }
 
@@ -153,7 +156,6 @@ pub(crate) struct AttentionKernels {
     /// `[dim class][group class]`: head_dim <= 16, 32, 64, 128, 256, 512 x query heads per block
     /// 1, 2, 4, 8 (head_dim 512: 1 and 2 only; its row repeats the 2-head kernel).
     split: [[CudaFunction; 4]; 6],
-    combine: CudaFunction,
     /// head_dim <= 64, 128, 256.
     tile_f32: [CudaFunction; 3],
     /// The dynamic shared memory each `tile_f32` kernel was allowed (0: the device refused).
@@ -227,7 +229,6 @@ impl AttentionKernels {
                     f("attn_split_d512_g2")?,
                 ],
             ],
-            combine: f("attn_combine_f32")?,
             tile_f32,
             tile_f32_smem: f32_smem,
             tile_bf16,
@@ -249,6 +250,7 @@ struct AttnArgs {
     block_tables: u64,
     part_acc: u64,
     part_ml: u64,
+    arrivals: u64,
     n: i32,
     num_heads: i32,
     kv_heads: i32,
@@ -267,7 +269,7 @@ struct AttnArgs {
     scale_log2: f32,
 }
 
-const _: () = assert!(std::mem::size_of::<AttnArgs>() == 136);
+const _: () = assert!(std::mem::size_of::<AttnArgs>() == 144);
 
 // SAFETY: plain data (integers, floats, device addresses) in the C layout the kernels declare;
 // passed by value as one kernel parameter.
@@ -428,13 +430,16 @@ impl CudaDevice {
         Ok(AttentionScratch {
             acc: self.zeros(rows * head_dim.max(1))?,
             ml: self.zeros(rows * 2)?,
+            // Splits > 1 only when the (token, kv head x head chunk) groups number under
+            // `target` (split_plan): one count each.
+            arrivals: self.zeros(target)?,
         })
     }
 
     /// `out[n, num_heads * head_dim] = softmax(q · Kᵀ · scale) · V` over each token's visible
     /// keys, with [`AttentionPrefill::ExactF32`] prefill tiles. The pool must already hold the
     /// K/V of every visible position, the tokens' own included (call [`CudaDevice::kv_write`]
-    /// first). Enqueues 1 to 3 kernels; no allocation, no synchronisation.
+    /// first). Enqueues 1 or 2 kernels (prefill tiles, split-K); no allocation, no synchronisation.
     pub fn paged_attention(
         &self,
         q: &impl DevicePtr<f32>,
@@ -559,6 +564,7 @@ impl CudaDevice {
             block_tables: self.ptr(at.block_tables, "paged_attention block_tables")?,
             part_acc: self.ptr_mut(&mut scratch.acc, "paged_attention scratch")?,
             part_ml: self.ptr_mut(&mut scratch.ml, "paged_attention scratch")?,
+            arrivals: self.ptr_mut(&mut scratch.arrivals, "paged_attention scratch")?,
             n: to_i32(n, "tokens")?,
             num_heads: to_i32(num_heads, "num_heads")?,
             kv_heads: to_i32(num_kv_heads, "num_kv_heads")?,
@@ -604,6 +610,17 @@ impl CudaDevice {
             unsafe { b.launch(cfg) }.ctx("attention prefill tiles")?;
         }
 
+        let groups = n * num_kv_heads * head_chunks;
+        ensure(plan.splits == 1 || groups <= scratch.arrivals.len(), || {
+            format!(
+                "paged_attention: {groups} split groups but {} arrival counts",
+                scratch.arrivals.len()
+            )
+        })?;
+        let g = GROUP_CLASSES[group_class];
+        // The block's own merge of its 4 warps, or (the last split block of a group) the
+        // splits' weights of its heads, whichever is larger.
+        let smem = (4 * g * (d + 2)).max(g * plan.splits) * 4;
         let split_cfg = LaunchConfig {
             grid_dim: (
                 args.n as u32,
@@ -611,31 +628,17 @@ impl CudaDevice {
                 grid_yz(num_kv_heads * head_chunks, "kv heads x head chunks")?,
             ),
             block_dim: (128, 1, 1),
-            shared_mem_bytes: (4 * GROUP_CLASSES[group_class] * (d + 2) * 4) as u32,
+            shared_mem_bytes: smem as u32,
         };
         let func = &kernels.split[class_of(&DIM_CLASSES, d)][group_class];
         let mut b = self.stream.launch_builder(func);
         b.arg(&args);
         // SAFETY: as above; with more than one split the partials of n x num_heads x splits rows
-        // fit the scratch (`capacity` bounds the plan), and the dynamic shared memory holds 4
-        // warps' states of up to 8 heads (<= 33 KiB for head_dim 256).
+        // fit the scratch (`capacity` bounds the plan) and each group has an arrival count
+        // (checked above); the dynamic shared memory holds 4 warps' states of up to 8 heads
+        // (<= 33 KiB for head_dim 256) or the merge's weights (8 x splits floats, splits <= 4 x
+        // SMs: <= 17 KiB).
         unsafe { b.launch(split_cfg) }.ctx("attention split-K")?;
-
-        if plan.splits > 1 {
-            // One weight per split in shared memory (splits <= 4 x SMs: a few KiB), plus 8: the
-            // compiler reads the weights of its unrolled loop as 16-byte vectors, which may run
-            // past the last split (compute-sanitizer flagged it with 2 splits).
-            let cfg = LaunchConfig {
-                grid_dim: (args.n as u32, heads_y, 1),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: ((plan.splits + 8) * 4) as u32,
-            };
-            let mut b = self.stream.launch_builder(&kernels.combine);
-            b.arg(&args);
-            // SAFETY: reads the partials the split launch just wrote (same stream, same plan);
-            // the dynamic shared memory holds one float per split.
-            unsafe { b.launch(cfg) }.ctx("attention combine")?;
-        }
         Ok(())
     }
 }

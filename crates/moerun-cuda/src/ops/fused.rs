@@ -7,10 +7,10 @@
 //! (tokens, heads_q + 2 * heads_kv), block 32.
 
 use cudarc::driver::{
-    CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 
-use super::{blocks, to_i32, DeviceRope};
+use super::{blocks, to_i32, DeviceKvPool, DeviceRope, TokenPlacement};
 use crate::error::{ensure, DriverContext, Result};
 use crate::CudaDevice;
 
@@ -45,6 +45,24 @@ pub struct QkvShape {
     pub head_dim: usize,
     pub eps: f32,
 }
+
+/// Where the prologue writes K/V: the C layout of `struct KvDest` in kernels/fused.cu (a null
+/// `pool_k` writes none).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct KvDest {
+    pool_k: u64,
+    pool_v: u64,
+    table_start: u64,
+    block_tables: u64,
+    tables_len: i32,
+    block_size: i32,
+    blocks: i32,
+}
+
+// SAFETY: plain data (device addresses, integers) in the C layout the kernel declares; passed by
+// value as one kernel parameter.
+unsafe impl DeviceRepr for KvDest {}
 
 impl CudaDevice {
     /// `x += y`, then `out = weight * (x / sqrt(mean(x²) + eps))` per row of `weight.len()`.
@@ -104,6 +122,7 @@ impl CudaDevice {
         q: &mut impl DevicePtrMut<f32>,
         k: &mut impl DevicePtrMut<f32>,
         v: &mut impl DevicePtrMut<f32>,
+        kv: Option<(&mut DeviceKvPool, &TokenPlacement)>,
     ) -> Result<()> {
         let QkvShape {
             heads_q,
@@ -168,6 +187,37 @@ impl CudaDevice {
             to_i32(rope.half(), "half")?,
         );
         let factor = rope.attention_factor();
+        let dest = match kv {
+            None => KvDest::default(),
+            Some((pool, at)) => {
+                ensure(
+                    pool.kv_heads() == heads_kv
+                        && pool.head_dim() == head_dim
+                        && at.positions.len() == tokens
+                        && at.table_start.len() == tokens,
+                    || {
+                        format!(
+                            "qkv_split_norm_rope: a pool of {} x {} and {} placed tokens for \
+                             {tokens} tokens of {heads_kv} x {head_dim}",
+                            pool.kv_heads(),
+                            pool.head_dim(),
+                            at.positions.len()
+                        )
+                    },
+                )?;
+                let (blocks, block_size) = (pool.blocks(), pool.block_size());
+                let (k_buf, v_buf) = pool.k_v_mut();
+                KvDest {
+                    pool_k: self.ptr_mut(k_buf, "pool k")?,
+                    pool_v: self.ptr_mut(v_buf, "pool v")?,
+                    table_start: self.ptr(at.table_start, "table_start")?,
+                    block_tables: self.ptr(at.block_tables, "block_tables")?,
+                    tables_len: to_i32(at.block_tables.len(), "block_tables length")?,
+                    block_size: to_i32(block_size, "block_size")?,
+                    blocks: to_i32(blocks, "blocks")?,
+                }
+            }
+        };
         let cfg = LaunchConfig {
             grid_dim: (
                 u32::try_from(tokens).unwrap_or(u32::MAX),
@@ -193,9 +243,12 @@ impl CudaDevice {
             .arg(&d)
             .arg(&half)
             .arg(&factor)
-            .arg(&eps);
+            .arg(&eps)
+            .arg(&dest);
         // SAFETY: qkv holds tokens * width f32, q/k/v their parts, positions tokens, norms
-        // head_dim (or null), inv_freq half <= head_dim / 2; args match the kernel.
+        // head_dim (or null), inv_freq half <= head_dim / 2; the pool (when given) holds blocks x
+        // block_size rows of heads_kv x head_dim and the kernel bounds every table index and
+        // block id; args match the kernel.
         unsafe { b.launch(cfg) }.ctx("qkv_split_norm_rope_f32")?;
         Ok(())
     }

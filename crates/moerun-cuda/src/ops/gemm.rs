@@ -7,6 +7,10 @@
 //! this path and the GEMV (which keeps x in f32). f32 weights: a plain f32 SGEMM (no TF32), no
 //! rounding. f16 weights are refused (f16 activations could overflow); convert them at load.
 //!
+//! [`CudaDevice::gemm_split`] trades twice the tensor-core work for the GEMV's precision: x enters
+//! as two bf16 halves (hi + lo, 16 mantissa bits), each multiplied once, the second pass adding
+//! into the first's f32 output.
+//!
 //! Layout: cuBLAS is column-major, so the row-major `out[m, n]` is computed as the column-major
 //! `outᵀ[n, m] = w[n, k] · xᵀ[k, m]`: `A = w` read transposed (lda = k), `B = x` (ldb = k).
 
@@ -37,6 +41,8 @@ struct GemmCall {
     out: u64,
     in_type: cudaDataType,
     out_type: cudaDataType,
+    /// Add into `out` (`beta` = 1) instead of overwriting it.
+    accumulate: bool,
 }
 
 impl CudaDevice {
@@ -74,6 +80,7 @@ impl CudaDevice {
                     out: self.ptr_mut(out, "gemm out")?,
                     in_type: cudaDataType::CUDA_R_32F,
                     out_type: cudaDataType::CUDA_R_32F,
+                    accumulate: false,
                 };
                 self.cublas_gemm(&call)
             }
@@ -81,6 +88,48 @@ impl CudaDevice {
                 "GEMM with f16 weights (convert them to bf16 at load)".into(),
             )),
         }
+    }
+
+    /// [`CudaDevice::gemm`] with bf16 weights multiplying x split into two bf16 halves (see the
+    /// module doc): `out = w · hi + w · lo`, where the rounded path has `w · bf16(x)`. Other
+    /// weights: [`CudaDevice::gemm`].
+    pub fn gemm_split(
+        &self,
+        x: &impl DevicePtr<f32>,
+        m: usize,
+        w: &DeviceMatrix,
+        out: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        if w.dtype() != DType::BF16 {
+            return self.gemm(x, m, w, out);
+        }
+        let (n, k) = (w.rows(), w.cols());
+        ensure(x.len() == m * k, || {
+            format!("gemm_split: x holds {}, expected {m} x {k}", x.len())
+        })?;
+        ensure(out.len() == m * n, || {
+            format!("gemm_split: out holds {}, expected {m} x {n}", out.len())
+        })?;
+        // SAFETY: uninitialised device memory, written in full by to_bf16_split before either
+        // GEMM (later on the same stream) reads it.
+        let mut hi = unsafe { self.stream.alloc::<u16>(m * k) }.ctx("allocating")?;
+        let mut lo = unsafe { self.stream.alloc::<u16>(m * k) }.ctx("allocating")?;
+        self.to_bf16_split(x, &mut hi, &mut lo)?;
+        let mut call = GemmCall {
+            m: to_i32(m, "m")?,
+            n: to_i32(n, "n")?,
+            k: to_i32(k, "k")?,
+            w: self.ptr(w.data(), "gemm w")?,
+            x: self.ptr(&hi, "gemm x hi")?,
+            out: self.ptr_mut(out, "gemm out")?,
+            in_type: cudaDataType::CUDA_R_16BF,
+            out_type: cudaDataType::CUDA_R_32F,
+            accumulate: false,
+        };
+        self.cublas_gemm(&call)?;
+        call.x = self.ptr(&lo, "gemm x lo")?;
+        call.accumulate = true;
+        self.cublas_gemm(&call)
     }
 
     /// `out[m, w.rows()] = x[m, w.cols()] · wᵀ` with x already bf16 and bf16 weights, f32
@@ -124,6 +173,7 @@ impl CudaDevice {
             out,
             in_type: cudaDataType::CUDA_R_16BF,
             out_type,
+            accumulate: false,
         };
         self.cublas_gemm(&call)
     }
@@ -134,7 +184,7 @@ impl CudaDevice {
         }
         // cuBLAS calls run on the thread's current context.
         self.ctx.bind_to_thread().ctx("binding the context")?;
-        let (alpha, beta) = (1.0f32, 0.0f32);
+        let (alpha, beta) = (1.0f32, if c.accumulate { 1.0f32 } else { 0.0 });
         // SAFETY: w holds n * k, x m * k and out m * n elements of the given types (checked by
         // the callers); alpha and beta are host f32, as CUBLAS_COMPUTE_32F with the default host
         // pointer mode expects; the handle is bound to this device's stream.

@@ -60,11 +60,14 @@ pub trait Backend {
         self.add_assign(x, y)?;
         self.rms_norm(x, weight, eps)
     }
-    /// The attention prologue of a layer over its normed input: q (and Qwen3.5's output gate),
-    /// k and v, normed and rotated as the family says ([`crate::forward::attention_inputs`]).
-    /// A backend may fuse it; the composition is the reference.
+    /// The attention prologue of layer `layer` over its normed input: q (and Qwen3.5's output
+    /// gate), k and v, normed and rotated as the family says
+    /// ([`crate::forward::attention_inputs`]). A backend may fuse it; the composition is the
+    /// reference. A fused prologue may also write k and v into the layer's KV (the CUDA one
+    /// does); that backend's [`Backend::attention`] then does not write them again.
     fn attention_inputs(
         &mut self,
+        _layer: usize,
         cfg: &ModelConfig,
         w: &AttentionWeights,
         xn: &Self::Act,

@@ -87,6 +87,21 @@ fn append_tables(batch: &Batch, windowed: bool, tables: &mut Vec<i32>) -> Result
     Ok(starts)
 }
 
+/// The batch's placement in the block tables of a layer's group: the window group's tables for a
+/// sliding-window layer when the cache keeps them apart, else the others.
+fn placement(at: &Placement, windowed: bool) -> TokenPlacement<'_> {
+    let table_start = match (&at.window_table_start, windowed) {
+        (Some(w), true) => w,
+        _ => &at.table_start,
+    };
+    TokenPlacement {
+        positions: &at.positions,
+        table_start,
+        block_tables: &at.block_tables,
+        max_context: at.max_context,
+    }
+}
+
 /// Where the pass finds the batch's token ids.
 pub enum Tokens<'a> {
     /// On the host, uploaded (and checked) by the embedding op.
@@ -104,6 +119,9 @@ pub struct CudaPass<'a> {
     tokens: Tokens<'a>,
     /// Sequences and state slots of the Gated DeltaNet layers (hybrid models only).
     linear: Option<&'a super::deltanet::LinearPlacement>,
+    /// The layer whose K/V the fused prologue has just written into its pool: its `attention`
+    /// skips the write.
+    kv_written: Option<usize>,
 }
 
 impl<'a> CudaPass<'a> {
@@ -120,6 +138,7 @@ impl<'a> CudaPass<'a> {
             at,
             tokens,
             linear: None,
+            kv_written: None,
         }
     }
 
@@ -205,6 +224,7 @@ impl Backend for CudaPass<'_> {
 
     fn attention_inputs(
         &mut self,
+        layer: usize,
         cfg: &ModelConfig,
         w: &AttentionWeights,
         xn: &CudaSlice<f32>,
@@ -230,6 +250,12 @@ impl Backend for CudaPass<'_> {
                 head_dim: d,
                 eps: cfg.rms_norm_eps,
             };
+            // K/V go straight into the layer's pool too: no kv_write launch in `attention`.
+            let windowed = cfg.layers[layer].sliding_window.is_some();
+            let at = placement(self.at, windowed);
+            let pool = self.pools[layer]
+                .as_mut()
+                .ok_or_else(|| Error::Device(format!("layer {layer} has no KV pool")))?;
             m.dev
                 .qkv_split_norm_rope(
                     &qkv,
@@ -241,8 +267,10 @@ impl Backend for CudaPass<'_> {
                     &mut q,
                     &mut k,
                     &mut v,
+                    Some((pool, &at)),
                 )
                 .map_err(dev_err)?;
+            self.kv_written = Some(layer);
             Ok(AttentionInputs {
                 q,
                 k,
@@ -326,21 +354,14 @@ impl Backend for CudaPass<'_> {
         let m = self.m;
         profile::timed(&m.dev, "attention", || {
             let dev = &self.m.dev;
-            // Sliding-window layers read their own tables when the cache keeps them apart.
-            let table_start = match (&self.at.window_table_start, spec.sliding_window) {
-                (Some(w), Some(_)) => w,
-                _ => &self.at.table_start,
-            };
-            let at = TokenPlacement {
-                positions: &self.at.positions,
-                table_start,
-                block_tables: &self.at.block_tables,
-                max_context: self.at.max_context,
-            };
+            let written = self.kv_written.take() == Some(layer);
+            let at = placement(self.at, spec.sliding_window.is_some());
             let pool = self.pools[layer]
                 .as_mut()
                 .ok_or_else(|| Error::Device(format!("layer {layer} has no KV pool")))?;
-            dev.kv_write(pool, k, v, &at).map_err(dev_err)?;
+            if !written {
+                dev.kv_write(pool, k, v, &at).map_err(dev_err)?;
+            }
             let shape = AttentionShape {
                 num_heads: spec.num_heads,
                 num_kv_heads: spec.num_kv_heads,

@@ -119,7 +119,7 @@ fn every_backend_op_matches_the_cpu_on_the_gpu() {
                 unreachable!()
             };
             let x = b.upload(&xn).unwrap();
-            let i = b.attention_inputs(cfg, a, &x).unwrap();
+            let i = b.attention_inputs(0, cfg, a, &x).unwrap();
             [i.q, i.k, i.v].into_iter().nth(part).unwrap()
         }));
     }

@@ -97,20 +97,13 @@ pub(crate) fn layer_alone(
     ple: Option<(&[f32], usize)>,
 ) {
     let g = cfg.gemma4.as_ref().expect("a Gemma 4 config");
-    let mut slots = Vec::new();
-    for seq in &batch.seqs {
-        for i in 0..seq.tokens.len() {
-            slots.push(TokenSlot {
-                block_table: &seq.block_table.blocks,
-                position: seq.start_pos + i,
-            });
-        }
-    }
+    let slots = token_slots(batch, false);
     let pass = Pass {
         cfg,
         g,
         ropes: &w.ropes,
         slots: &slots,
+        window_slots: &[],
     };
     layer(&pass, l, &w.layers[l], x, ple, kv);
 }
