@@ -260,10 +260,18 @@ __device__ __forceinline__ float ld_cg(const float* p) {
     asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
     return v;
 }
+__device__ __forceinline__ float4 ld_cg4(const float* p) {
+    float4 v;
+    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "l"(p));
+    return v;
+}
 
 // Token i's output for query heads h0 .. h0 + gh from its `active` split partials: per head the
 // splits' weights exp2(m_s - max) (one warp per head, into `w`, [gh][active]) and their sum
-// weighted by l_s, then each output element sums weight x partial over the splits in split order.
+// weighted by l_s, then each output element sums weight x partial over the splits in split order
+// (a float4 of elements per item; head_dim is a multiple of 4).
 __device__ __forceinline__ void merge_splits(const AttnArgs& a, int i, int h0, int gh, int active,
                                              float* w) {
     __shared__ float sums[8];  // gh <= 8
@@ -285,17 +293,29 @@ __device__ __forceinline__ void merge_splits(const AttnArgs& a, int i, int h0, i
         if (lane == 0) sums[h] = sum;
     }
     __syncthreads();
-    for (int idx = threadIdx.x; idx < gh * d; idx += SPLIT_THREADS) {
-        const int h = idx / d;
-        const int e = idx - h * d;
+    // A float4 of one head's output per item, 8 splits' loads in flight at a time: the partials
+    // come from L2, so the merge is as long as its chain of dependent load rounds.
+    const int d4 = d >> 2;
+    for (int idx = threadIdx.x; idx < gh * d4; idx += SPLIT_THREADS) {
+        const int h = idx / d4;
+        const int c = idx - h * d4;
         const u64 row = (u64)i * a.num_heads + h0 + h;
-        const float* acc = a.part_acc + row * a.nsplit * d + e;
+        const float* acc = a.part_acc + row * a.nsplit * d + 4 * c;
         const float* wh = w + h * active;
-        float num = 0.0f;
-#pragma unroll 8
-        for (int s = 0; s < active; ++s) num += wh[s] * ld_cg(acc + (u64)s * d);
+        float4 num = zero4();
+        int s = 0;
+        for (; s + 8 <= active; s += 8) {
+            float4 v[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) v[u] = ld_cg4(acc + (u64)(s + u) * d);
+#pragma unroll
+            for (int u = 0; u < 8; ++u) num = axpy4(wh[s + u], v[u], num);
+        }
+        for (; s < active; ++s) num = axpy4(wh[s], ld_cg4(acc + (u64)s * d), num);
         const float sum = sums[h];
-        a.out[row * d + e] = sum > 0.0f ? num / sum : 0.0f;
+        const float4 o = sum > 0.0f ? make_float4(num.x / sum, num.y / sum, num.z / sum, num.w / sum)
+                                    : zero4();
+        st4(a.out + row * d + 4 * c, o);
     }
 }
 
