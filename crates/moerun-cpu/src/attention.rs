@@ -8,7 +8,9 @@
 
 use rayon::prelude::*;
 
+#[cfg(doc)]
 use crate::ops::{axpy, dot};
+use crate::ops::{reduce_lanes, LANES};
 
 /// One layer's paged keys and values.
 pub struct KvPool {
@@ -98,6 +100,11 @@ pub fn paged_attention(
 fn attend_token(q: &[f32], slot: &TokenSlot, pool: &KvPool, s: &AttentionShape, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU supports AVX-512F, checked just above.
+            unsafe { attend_token_avx512(q, slot, pool, s, out) };
+            return;
+        }
         if std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: the CPU supports AVX2, checked just above.
             unsafe { attend_token_avx2(q, slot, pool, s, out) };
@@ -121,13 +128,50 @@ unsafe fn attend_token_avx2(
     attend_token_generic(q, slot, pool, s, out)
 }
 
+/// The same again with AVX-512: a lane array of 16 f32 is one register, so a block of 8 heads'
+/// accumulators fits the register file. Bitwise identical to the others.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn attend_token_avx512(
+    q: &[f32],
+    slot: &TokenSlot,
+    pool: &KvPool,
+    s: &AttentionShape,
+    out: &mut [f32],
+) {
+    attend_token_generic(q, slot, pool, s, out)
+}
+
+/// Output columns per pass of the P·V accumulation (one lane array).
+const PV_COLS: usize = LANES;
+
 /// One token's attention. The query heads that share a KV head are taken together: each K and V
 /// row of the token's visible positions is read once for the whole group (GQA groups are 4-8
-/// heads in the supported families) instead of once per head, and each position's row offset is
-/// found once per token. Per head the arithmetic is the one-head-at-a-time loop's, in the same
-/// order (scores by position, softmax, `axpy` by position), so the results are bitwise the same.
+/// heads in the supported families), and each position's row offset is found once per token.
+/// Heads go in blocks of up to 8 (the largest power of two dividing the group) whose per-head
+/// accumulators stay in registers across the positions: a score is [`dot`]'s lane sums and tree,
+/// an output element the sum over positions in order of `weight * v` (as [`axpy`] adds it), so
+/// the arithmetic per head is the one-head-at-a-time loop's and the results are bitwise the same.
 #[inline(always)]
 fn attend_token_generic(
+    q: &[f32],
+    slot: &TokenSlot,
+    pool: &KvPool,
+    s: &AttentionShape,
+    out: &mut [f32],
+) {
+    let group = s.num_heads / s.num_kv_heads;
+    match group {
+        g if g % 8 == 0 => attend_token_blocks::<8>(q, slot, pool, s, out),
+        g if g % 4 == 0 => attend_token_blocks::<4>(q, slot, pool, s, out),
+        g if g % 2 == 0 => attend_token_blocks::<2>(q, slot, pool, s, out),
+        _ => attend_token_blocks::<1>(q, slot, pool, s, out),
+    }
+}
+
+/// [`attend_token_generic`] with heads in blocks of `HB` (which divides the group).
+#[inline(always)]
+fn attend_token_blocks<const HB: usize>(
     q: &[f32],
     slot: &TokenSlot,
     pool: &KvPool,
@@ -145,35 +189,84 @@ fn attend_token_generic(
     let rows: Vec<usize> = (lo..=pos)
         .map(|p| pool.offset(slot.block_table, p))
         .collect();
-    // scores[g * n + i]: head g of the group, position lo + i.
+    // scores[g * n + i]: head g of the group, position lo + i; then the softmax weights.
     let mut scores = vec![0.0f32; group * n];
-    let mut inv = vec![0.0f32; group];
-    out.fill(0.0);
     for kvh in 0..s.num_kv_heads {
-        let heads = kvh * group..(kvh + 1) * group;
-        for (i, &row) in rows.iter().enumerate() {
-            let k = &pool.k[row + kvh * d..][..d];
-            for (g, h) in heads.clone().enumerate() {
-                scores[g * n + i] = dot(&q[h * d..(h + 1) * d], k) * s.scale;
+        let h0 = kvh * group;
+        for b0 in (0..group).step_by(HB) {
+            let qs: [&[f32]; HB] = std::array::from_fn(|g| &q[(h0 + b0 + g) * d..][..d]);
+            for (i, &row) in rows.iter().enumerate() {
+                let dots = dot_heads(&qs, &pool.k[row + kvh * d..][..d]);
+                for (g, dg) in dots.iter().enumerate() {
+                    scores[(b0 + g) * n + i] = dg * s.scale;
+                }
             }
         }
-        for (g, head_scores) in scores.chunks_exact_mut(n).enumerate() {
+        for head_scores in scores.chunks_exact_mut(n) {
             let max = head_scores.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
             let mut sum = 0.0f32;
             for score in head_scores.iter_mut() {
                 *score = (*score - max).exp();
                 sum += *score;
             }
-            inv[g] = 1.0 / sum;
+            let inv = 1.0 / sum;
+            for score in head_scores.iter_mut() {
+                *score *= inv;
+            }
         }
-        let group_out = &mut out[heads.start * d..heads.end * d];
-        for (i, &row) in rows.iter().enumerate() {
-            let v = &pool.v[row + kvh * d..][..d];
-            for (g, oh) in group_out.chunks_exact_mut(d).enumerate() {
-                axpy(scores[g * n + i] * inv[g], v, oh);
+        let group_out = &mut out[h0 * d..(h0 + group) * d];
+        for b0 in (0..group).step_by(HB) {
+            for c0 in (0..d).step_by(PV_COLS) {
+                let cols = PV_COLS.min(d - c0);
+                let mut acc = [[0.0f32; PV_COLS]; HB];
+                for (i, &row) in rows.iter().enumerate() {
+                    let src = &pool.v[row + kvh * d + c0..][..cols];
+                    // A whole lane array is read in place (a copy through the stack stalls on
+                    // store forwarding); only a head_dim that is not a multiple of 16 pads.
+                    let mut padded = [0.0f32; PV_COLS];
+                    let v: &[f32; PV_COLS] = match src.try_into() {
+                        Ok(whole) => whole,
+                        Err(_) => {
+                            padded[..cols].copy_from_slice(src);
+                            &padded
+                        }
+                    };
+                    for (g, a) in acc.iter_mut().enumerate() {
+                        let w = scores[(b0 + g) * n + i];
+                        for l in 0..PV_COLS {
+                            a[l] += w * v[l];
+                        }
+                    }
+                }
+                for (g, a) in acc.iter().enumerate() {
+                    group_out[(b0 + g) * d + c0..][..cols].copy_from_slice(&a[..cols]);
+                }
             }
         }
     }
+}
+
+/// `dot(q[g], k)` for every head of a block at once, each with [`dot`]'s own lane sums and
+/// reduction tree (so each equals `dot(q[g], k)` bit for bit); `k` is read once for all.
+#[inline(always)]
+fn dot_heads<const HB: usize>(q: &[&[f32]; HB], k: &[f32]) -> [f32; HB] {
+    let mut acc = [[0.0f32; LANES]; HB];
+    let chunks = k.len() / LANES;
+    for c in 0..chunks {
+        let kc = &k[c * LANES..][..LANES];
+        for (g, a) in acc.iter_mut().enumerate() {
+            let qc = &q[g][c * LANES..][..LANES];
+            for l in 0..LANES {
+                a[l] += qc[l] * kc[l];
+            }
+        }
+    }
+    for i in chunks * LANES..k.len() {
+        for (g, a) in acc.iter_mut().enumerate() {
+            a[i % LANES] += q[g][i] * k[i];
+        }
+    }
+    acc.map(reduce_lanes)
 }
 
 #[cfg(test)]

@@ -5,7 +5,7 @@
 
 /// Lanes of the fixed-order reductions below. Sixteen independent partial sums let the compiler
 /// vectorise without reassociating (which it may not do for floats on its own).
-const LANES: usize = 16;
+pub(crate) const LANES: usize = 16;
 
 /// Sum of `a[i] * b[i]`, accumulated in 16 interleaved lanes then a fixed pairwise tree.
 #[inline(always)]
@@ -32,7 +32,7 @@ pub fn sum_squares(a: &[f32]) -> f32 {
 }
 
 #[inline(always)]
-fn reduce_lanes(mut acc: [f32; LANES]) -> f32 {
+pub(crate) fn reduce_lanes(mut acc: [f32; LANES]) -> f32 {
     let mut width = LANES / 2;
     while width > 0 {
         for l in 0..width {
