@@ -23,10 +23,10 @@
 //! rewritten before each replay.
 
 use moerun_core::{Error, Result};
-use moerun_cuda::{CudaDevice, CudaSlice, DeltaSeqs, DeltaShape};
+use moerun_cuda::{CudaDevice, CudaSlice, DeltaSeqs, DeltaShape, DevicePtr, DevicePtrMut};
 
-use super::dev_err;
 use super::pass::CudaPass;
+use super::{dev_err, tensor_key};
 use crate::backend::Backend;
 use crate::batch::Batch;
 use crate::config::ModelConfig;
@@ -140,10 +140,51 @@ pub(crate) fn gated_deltanet(
         .ok_or_else(|| Error::Device(format!("layer {layer} has no linear-attention state")))?;
     let shape = lp.shape;
     let rows = lp.rows;
+    let m = pass.model();
+    // One token: one GEMV over the four input projections stacked, whose output row is
+    // [qkv | z | b | a]; read in place as four slices. More rows: four products (the stacked
+    // output would interleave them row by row).
+    let stacked = match m.qkv.get(&tensor_key(&w.in_proj_qkv.weight)) {
+        Some(s) if rows == 1 => Some(pass.product_with(xn, &s.weight)?),
+        _ => None,
+    };
+    if let Some(mut all) = stacked {
+        let (qkv_len, z_len) = (shape.conv_dim(), shape.value_heads * shape.value_dim);
+        let hv = shape.value_heads;
+        if all.len() != qkv_len + z_len + 2 * hv {
+            return Err(Error::Device(format!(
+                "gated deltanet: stacked input projections give {} values, expected {}",
+                all.len(),
+                qkv_len + z_len + 2 * hv
+            )));
+        }
+        let (mut qkv, mut rest) = all.split_at_mut(qkv_len);
+        let (z, mut rest) = rest.split_at_mut(z_len);
+        let (b, a) = rest.split_at_mut(hv);
+        return deltanet_core(pass, lp, (conv_offset, rec_offset), w, &mut qkv, &z, &b, &a);
+    }
     let mut qkv = pass.linear(xn, &w.in_proj_qkv)?;
     let z = pass.linear(xn, &w.in_proj_z)?;
     let b = pass.linear(xn, &w.in_proj_b)?;
     let a = pass.linear(xn, &w.in_proj_a)?;
+    deltanet_core(pass, lp, (conv_offset, rec_offset), w, &mut qkv, &z, &b, &a)
+}
+
+/// The layer after its input projections: conv + SiLU, gates, the delta rule from each
+/// sequence's state, gated RMSNorm with z, `out_proj`.
+#[allow(clippy::too_many_arguments)] // the four projections' outputs, each its own buffer
+fn deltanet_core(
+    pass: &mut CudaPass,
+    lp: &LinearPlacement,
+    (conv_offset, rec_offset): (usize, usize),
+    w: &GatedDeltaNetWeights,
+    qkv: &mut (impl DevicePtrMut<f32> + DevicePtr<f32>),
+    z: &impl DevicePtr<f32>,
+    b: &impl DevicePtr<f32>,
+    a: &impl DevicePtr<f32>,
+) -> Result<CudaSlice<f32>> {
+    let shape = lp.shape;
+    let rows = lp.rows;
     if qkv.len() != rows * shape.conv_dim() {
         return Err(Error::Device(format!(
             "gated deltanet: {} input rows but the placement has {rows}",
@@ -158,16 +199,16 @@ pub(crate) fn gated_deltanet(
         states: &lp.states,
         rows,
     };
-    dev.deltanet_conv_silu(&mut qkv, m.vec(&w.conv1d_taps)?, shape, &seqs, conv_offset)
+    dev.deltanet_conv_silu(qkv, m.vec(&w.conv1d_taps)?, shape, &seqs, conv_offset)
         .map_err(dev_err)?;
     let hv = shape.value_heads;
     let mut beta = dev.alloc_f32(rows * hv).map_err(dev_err)?;
     let mut g = dev.alloc_f32(rows * hv).map_err(dev_err)?;
     dev.deltanet_gates(
-        &mut qkv,
+        qkv,
         shape,
-        &b,
-        &a,
+        b,
+        a,
         m.vec(&w.a_log)?,
         m.vec(&w.dt_bias)?,
         &mut beta,
@@ -177,9 +218,9 @@ pub(crate) fn gated_deltanet(
     let mut core = dev
         .alloc_f32(rows * hv * shape.value_dim)
         .map_err(dev_err)?;
-    dev.gated_delta_recurrent(&qkv, &beta, &g, shape, &seqs, rec_offset, &mut core)
+    dev.gated_delta_recurrent(qkv, &beta, &g, shape, &seqs, rec_offset, &mut core)
         .map_err(dev_err)?;
-    dev.gated_rms_norm(&mut core, &z, m.vec(&w.norm)?, lp.eps)
+    dev.gated_rms_norm(&mut core, z, m.vec(&w.norm)?, lp.eps)
         .map_err(dev_err)?;
     pass.linear(&core, &w.out_proj)
 }

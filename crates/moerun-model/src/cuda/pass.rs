@@ -164,7 +164,11 @@ impl<'a> CudaPass<'a> {
     }
 
     /// `x · Dᵀ` for a device matrix.
-    fn product_with(&self, x: &CudaSlice<f32>, d: &DeviceMatrix) -> Result<CudaSlice<f32>> {
+    pub(crate) fn product_with(
+        &self,
+        x: &CudaSlice<f32>,
+        d: &DeviceMatrix,
+    ) -> Result<CudaSlice<f32>> {
         let rows = x.len() / d.cols();
         let mut out = self.alloc(rows * d.rows())?;
         let dev = &self.m.dev;

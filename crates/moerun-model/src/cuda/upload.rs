@@ -101,13 +101,15 @@ impl<'a> Uploader<'a> {
         self.linear(&w.down_proj)
     }
 
-    /// q, k and v stacked (rows of q, then k, then v) into one matrix, and their biases.
-    fn stacked_qkv(&mut self, parts: [&Linear; 3]) -> Result<()> {
-        let mats = parts.map(|l| l.weight.mat());
+    /// Projections of the same input stacked (the rows of each in turn) into one matrix, and
+    /// their biases, found by the first part's weight: q, k and v; a Gated DeltaNet layer's four
+    /// input projections.
+    fn stacked_qkv(&mut self, parts: &[&Linear]) -> Result<()> {
+        let mats: Vec<_> = parts.iter().map(|l| l.weight.mat()).collect();
         let (dtype, cols) = (mats[0].dtype, mats[0].cols);
         if mats.iter().any(|m| m.dtype != dtype || m.cols != cols) {
             return Err(moerun_core::Error::Config(
-                "q, k and v projections differ in dtype or input width".into(),
+                "stacked projections differ in dtype or input width".into(),
             ));
         }
         let rows: usize = mats.iter().map(|m| m.rows).sum();
@@ -157,6 +159,9 @@ impl<'a> Uploader<'a> {
     /// `A_log` and `dt_bias` keep the synthetic model's small host values (|x| ≲ 0.03: decay
     /// e^g ≈ e^(-0.7) per token, β ≈ sigmoid(small) ≈ 0.5, finite for any input) and the norm
     /// weight its host ones.
+    ///
+    /// The four input projections are also stacked into one matrix: a single-token step (batch-1
+    /// decode) runs one GEMV over it and reads the four outputs as slices of one row.
     fn gated_deltanet(&mut self, w: &GatedDeltaNetWeights) -> Result<()> {
         for l in [
             &w.in_proj_qkv,
@@ -166,6 +171,13 @@ impl<'a> Uploader<'a> {
             &w.out_proj,
         ] {
             self.linear(l)?;
+        }
+        if w.in_proj_qkv.bias.is_none()
+            && w.in_proj_z.bias.is_none()
+            && w.in_proj_b.bias.is_none()
+            && w.in_proj_a.bias.is_none()
+        {
+            self.stacked_qkv(&[&w.in_proj_qkv, &w.in_proj_z, &w.in_proj_b, &w.in_proj_a])?;
         }
         for v in [&w.a_log, &w.dt_bias, &w.norm] {
             self.vector(v)?;
@@ -276,7 +288,7 @@ pub(crate) fn upload(
         match &layer.mixer {
             MixerWeights::Attention(a) => {
                 if super::fused_prologue(cfg) {
-                    u.stacked_qkv([&a.q_proj, &a.k_proj, &a.v_proj])?;
+                    u.stacked_qkv(&[&a.q_proj, &a.k_proj, &a.v_proj])?;
                 } else {
                     for l in [&a.q_proj, &a.k_proj, &a.v_proj] {
                         u.linear(l)?;
