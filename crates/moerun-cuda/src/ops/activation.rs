@@ -10,7 +10,8 @@ use crate::error::{ensure, DriverContext, Result};
 use crate::CudaDevice;
 
 impl CudaDevice {
-    fn elementwise_cfg(&self, n: usize) -> LaunchConfig {
+    /// The launch of a 1-D grid-stride elementwise kernel of 256 threads over `n` values.
+    pub(crate) fn elementwise_cfg(&self, n: usize) -> LaunchConfig {
         LaunchConfig {
             grid_dim: (elementwise_grid(n, self.info().multiprocessors), 1, 1),
             block_dim: (256, 1, 1),

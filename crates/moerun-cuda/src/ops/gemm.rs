@@ -45,6 +45,25 @@ struct GemmCall {
     accumulate: bool,
 }
 
+/// `(w.rows(), w.cols())` once `x` (of `x_len` values) holds `m` rows of `w.cols()` and `out`
+/// (of `out_len`) `m` rows of `w.rows()`; else the error names `op` and the mismatch.
+fn gemm_shapes(
+    op: &str,
+    x_len: usize,
+    m: usize,
+    w: &DeviceMatrix,
+    out_len: usize,
+) -> Result<(usize, usize)> {
+    let (n, k) = (w.rows(), w.cols());
+    ensure(x_len == m * k, || {
+        format!("{op}: x holds {x_len}, expected {m} x {k}")
+    })?;
+    ensure(out_len == m * n, || {
+        format!("{op}: out holds {out_len}, expected {m} x {n}")
+    })?;
+    Ok((n, k))
+}
+
 impl CudaDevice {
     /// `out[m, w.rows()] = x[m, w.cols()] · wᵀ` on cuBLAS. bf16 weights round x to bf16 first
     /// (see the module doc); f32 weights run an exact f32 SGEMM.
@@ -55,13 +74,7 @@ impl CudaDevice {
         w: &DeviceMatrix,
         out: &mut impl DevicePtrMut<f32>,
     ) -> Result<()> {
-        let (n, k) = (w.rows(), w.cols());
-        ensure(x.len() == m * k, || {
-            format!("gemm: x holds {}, expected {m} x {k}", x.len())
-        })?;
-        ensure(out.len() == m * n, || {
-            format!("gemm: out holds {}, expected {m} x {n}", out.len())
-        })?;
+        let (n, k) = gemm_shapes("gemm", x.len(), m, w, out.len())?;
         match w.dtype() {
             DType::BF16 => {
                 // SAFETY: uninitialised device memory, but to_bf16 writes all m * k elements
@@ -103,13 +116,7 @@ impl CudaDevice {
         if w.dtype() != DType::BF16 {
             return self.gemm(x, m, w, out);
         }
-        let (n, k) = (w.rows(), w.cols());
-        ensure(x.len() == m * k, || {
-            format!("gemm_split: x holds {}, expected {m} x {k}", x.len())
-        })?;
-        ensure(out.len() == m * n, || {
-            format!("gemm_split: out holds {}, expected {m} x {n}", out.len())
-        })?;
+        let (n, k) = gemm_shapes("gemm_split", x.len(), m, w, out.len())?;
         // SAFETY: uninitialised device memory, written in full by to_bf16_split before either
         // GEMM (later on the same stream) reads it.
         let mut hi = unsafe { self.stream.alloc::<u16>(m * k) }.ctx("allocating")?;

@@ -4,9 +4,9 @@
 //!
 //! Launch (all): 1-D grid-stride, block 256, grid ceil(n / 256) capped at 32 blocks per SM.
 
-use cudarc::driver::{CudaFunction, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, DevicePtr, DevicePtrMut, PushKernelArg};
 
-use super::{elementwise_grid, to_i32};
+use super::to_i32;
 use crate::error::{ensure, DriverContext, Result};
 use crate::CudaDevice;
 
@@ -32,14 +32,6 @@ impl GemmaKernels {
 }
 
 impl CudaDevice {
-    fn gemma_cfg(&self, n: usize) -> LaunchConfig {
-        LaunchConfig {
-            grid_dim: (elementwise_grid(n, self.info().multiprocessors), 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        }
-    }
-
     /// `gate[i] = gelu_tanh(gate[i]) * up[i]` (Gemma's MLP).
     pub fn gelu_tanh_mul(
         &self,
@@ -96,7 +88,7 @@ impl CudaDevice {
         b.arg(&g).arg(&u).arg(&n64).arg(&w).arg(&st).arg(&off);
         // SAFETY: gate holds rows x width f32, up rows x up_stride with the slice inside each
         // row; the argument list matches the kernel's.
-        unsafe { b.launch(self.gemma_cfg(n)) }.ctx("gelu_tanh_mul_f32")?;
+        unsafe { b.launch(self.elementwise_cfg(n)) }.ctx("gelu_tanh_mul_f32")?;
         Ok(())
     }
 
@@ -129,7 +121,7 @@ impl CudaDevice {
         let mut b = self.stream.launch_builder(func);
         b.arg(&xp).arg(&s).arg(&n64);
         // SAFETY: x holds n f32; the argument list matches the kernel's.
-        unsafe { b.launch(self.gemma_cfg(n)) }.ctx(name)?;
+        unsafe { b.launch(self.elementwise_cfg(n)) }.ctx(name)?;
         Ok(())
     }
 
@@ -153,7 +145,7 @@ impl CudaDevice {
         let mut b = self.stream.launch_builder(&self.kernels.gemma.row_scale);
         b.arg(&xp).arg(&sp).arg(&root).arg(&n64).arg(&w);
         // SAFETY: x holds n f32 in rows of width, s width f32; the argument list matches.
-        unsafe { b.launch(self.gemma_cfg(n)) }.ctx("row_scale_f32")?;
+        unsafe { b.launch(self.elementwise_cfg(n)) }.ctx("row_scale_f32")?;
         Ok(())
     }
 
@@ -180,7 +172,7 @@ impl CudaDevice {
         b.arg(&wp).arg(&ip).arg(&sp).arg(&n64).arg(&e);
         // SAFETY: weights and ids hold n values, scale `experts` f32 (ids are bounds-checked in
         // the kernel); the argument list matches the kernel's.
-        unsafe { b.launch(self.gemma_cfg(n)) }.ctx("expert_scale_f32")?;
+        unsafe { b.launch(self.elementwise_cfg(n)) }.ctx("expert_scale_f32")?;
         Ok(())
     }
 }

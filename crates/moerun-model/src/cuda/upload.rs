@@ -197,6 +197,23 @@ impl<'a> Uploader<'a> {
         }
     }
 
+    /// `experts` stacked experts of random weights drawn on the device (`bench --like`).
+    pub(crate) fn random_experts(
+        &mut self,
+        dtype: DType,
+        experts: usize,
+        hidden: usize,
+        inter: usize,
+        seed: u64,
+    ) -> Result<DeviceExperts> {
+        let n = experts * inter * hidden;
+        let gate_up = self.random_bytes(dtype, 2 * n, seed)?;
+        let down = self.random_bytes(dtype, n, seed)?;
+        self.dev
+            .experts_from_parts(dtype, experts, hidden, inter, gate_up, down)
+            .map_err(dev_err)
+    }
+
     pub(crate) fn random_bytes(
         &mut self,
         dtype: DType,
@@ -233,12 +250,7 @@ impl<'a> Uploader<'a> {
                 self.dev.upload_experts(&parts).map_err(dev_err)?
             }
             WeightSource::Random { seed } => {
-                let n = w.experts.len() * inter * hidden;
-                let gate_up = self.random_bytes(dtype, 2 * n, seed)?;
-                let down = self.random_bytes(dtype, n, seed)?;
-                self.dev
-                    .experts_from_parts(dtype, w.experts.len(), hidden, inter, gate_up, down)
-                    .map_err(dev_err)?
+                self.random_experts(dtype, w.experts.len(), hidden, inter, seed)?
             }
         };
         self.bytes += stacked.bytes();

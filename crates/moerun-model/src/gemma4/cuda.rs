@@ -174,12 +174,7 @@ fn upload_experts(u: &mut Uploader, w: &Gemma4MoeWeights) -> Result<()> {
             u.dev.upload_experts(&parts).map_err(dev_err)?
         }
         WeightSource::Random { seed } => {
-            let n = w.experts.len() * inter * hidden;
-            let gate_up = u.random_bytes(dtype, 2 * n, seed)?;
-            let down = u.random_bytes(dtype, n, seed)?;
-            u.dev
-                .experts_from_parts(dtype, w.experts.len(), hidden, inter, gate_up, down)
-                .map_err(dev_err)?
+            u.random_experts(dtype, w.experts.len(), hidden, inter, seed)?
         }
     };
     u.bytes += stacked.bytes();
