@@ -109,6 +109,11 @@ pub enum StartError {
 impl ServerOptions {
     /// The scheduler's limits for `model`, with the KV cache sized from the options (at most
     /// `kv_budget` bytes unless `--kv-cache-memory` says otherwise).
+    ///
+    /// Models with linear-attention layers also keep a fixed-size state per running sequence
+    /// (tens of MB at real shapes), allocated as sequences start. Unless `--kv-cache-memory` is
+    /// given, those states come out of the same budget: at most half of it, `max_num_seqs` being
+    /// lowered to what that half holds (the start message says so).
     pub fn scheduler_config(
         &self,
         model: &ModelConfig,
@@ -121,7 +126,8 @@ impl ServerOptions {
                 "--max-model-len {max_model_len} exceeds the model's context of {context} tokens"
             )));
         }
-        let sizes = kv_sizes(self, model, max_model_len);
+        let (max_num_seqs, kv_budget) = self.sequences_and_kv_budget(model, kv_budget)?;
+        let sizes = kv_sizes(self, max_num_seqs, model, max_model_len);
         let bytes = self
             .kv_cache_bytes
             .unwrap_or_else(|| sizes.wanted_bytes().min(kv_budget));
@@ -133,7 +139,7 @@ impl ServerOptions {
             )));
         }
         let config = SchedulerConfig {
-            max_num_seqs: self.max_num_seqs,
+            max_num_seqs,
             max_num_batched_tokens: self.max_num_batched_tokens,
             max_model_len,
             block_size: DEFAULT_BLOCK_SIZE,
@@ -154,6 +160,30 @@ impl ServerOptions {
     }
 }
 
+impl ServerOptions {
+    /// The most sequences that may run, and the bytes left for KV once their linear-attention
+    /// states are set aside (see [`ServerOptions::scheduler_config`]).
+    fn sequences_and_kv_budget(
+        &self,
+        model: &ModelConfig,
+        kv_budget: u64,
+    ) -> Result<(usize, u64), StartError> {
+        let per_seq = model.linear_state_bytes_per_sequence() as u64;
+        if per_seq == 0 || self.kv_cache_bytes.is_some() {
+            return Ok((self.max_num_seqs, kv_budget));
+        }
+        let fit = usize::try_from(kv_budget / 2 / per_seq).unwrap_or(usize::MAX);
+        if fit == 0 {
+            return Err(StartError::Config(format!(
+                "one sequence's linear-attention state ({per_seq} bytes) is more than half of the \
+                 {kv_budget} bytes the KV cache may take: give more with --kv-cache-memory"
+            )));
+        }
+        let seqs = self.max_num_seqs.min(fit);
+        Ok((seqs, kv_budget - seqs as u64 * per_seq))
+    }
+}
+
 /// What the KV cache of a model needs per block, and how many blocks `max_num_seqs` sequences of
 /// `max_model_len` tokens would want, in each group: the layers that see every position, and
 /// (when the model's sliding window is shorter than `max_model_len`) the sliding-window layers,
@@ -165,10 +195,15 @@ struct KvSizes {
     window: Option<(usize, u64, u64)>,
 }
 
-fn kv_sizes(options: &ServerOptions, model: &ModelConfig, max_model_len: usize) -> KvSizes {
+fn kv_sizes(
+    options: &ServerOptions,
+    max_num_seqs: usize,
+    model: &ModelConfig,
+    max_model_len: usize,
+) -> KvSizes {
     let bs = DEFAULT_BLOCK_SIZE;
     let (full, windowed) = model.kv_bytes_per_token_by_group(KV_BYTES_PER_VALUE);
-    let seqs = options.max_num_seqs as u64;
+    let seqs = max_num_seqs as u64;
     let seq_blocks = max_model_len.div_ceil(bs);
     match model.kv_window().filter(|&w| w < max_model_len) {
         Some(w) => {
@@ -412,6 +447,38 @@ mod tests {
         // The same bytes without a window group would hold under a fifth as many positions.
         let plain = (full + windowed) * DEFAULT_BLOCK_SIZE;
         assert!(wanted / 4 / plain < quarter.num_blocks / 5);
+    }
+
+    #[test]
+    fn linear_attention_state_comes_out_of_the_budget() {
+        // Qwen3.5-35B-A3B: 30 Gated DeltaNet layers, ~66 MB of state per sequence.
+        let model = config("configs/qwen3.5-35b-a3b.json");
+        let per_seq = model.linear_state_bytes_per_sequence() as u64;
+        assert!(per_seq > 50 << 20, "{per_seq}");
+        let o = options(256, 4096);
+        // The CPU default (1 GiB): half of it holds 8 sequences' states.
+        let cpu = o.scheduler_config(&model, 1 << 30).unwrap();
+        assert_eq!(cpu.max_num_seqs as u64, (1u64 << 29) / per_seq);
+        let kv = cpu.num_blocks as u64 * 16 * model.kv_bytes_per_token(4) as u64;
+        assert!(kv + cpu.max_num_seqs as u64 * per_seq <= 1 << 30);
+        // A GPU's budget holds all 256.
+        let gpu = o.scheduler_config(&model, 100 << 30).unwrap();
+        assert_eq!(gpu.max_num_seqs, 256);
+        // Too small for even one: refused with the way out.
+        let e = o.scheduler_config(&model, per_seq).unwrap_err().to_string();
+        assert!(e.contains("--kv-cache-memory"), "{e}");
+        // An explicit --kv-cache-memory is the KV alone.
+        let explicit = ServerOptions {
+            kv_cache_bytes: Some(1 << 30),
+            ..o.clone()
+        };
+        assert_eq!(
+            explicit
+                .scheduler_config(&model, 1 << 30)
+                .unwrap()
+                .max_num_seqs,
+            256
+        );
     }
 
     #[test]

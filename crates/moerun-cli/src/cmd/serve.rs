@@ -21,9 +21,17 @@ pub fn run(args: &ServeArgs) -> CliResult {
     let name = model.name.clone();
     let server = Server::start(model, &options)?;
     let s = &server.scheduler;
+    let lowered = if s.max_num_seqs < options.max_num_seqs {
+        format!(
+            " (lowered from {}: their linear-attention states take half the KV budget)",
+            options.max_num_seqs
+        )
+    } else {
+        String::new()
+    };
     eprintln!(
-        "moerun: serving '{name}' at {} (max {} sequences, {} tokens per step, context {}, \
-         {} KV blocks of {} tokens{}); Ctrl-C stops",
+        "moerun: serving '{name}' at {} (max {} sequences{lowered}, {} tokens per step, \
+         context {}, {} KV blocks of {} tokens{}); Ctrl-C stops",
         server.url(),
         s.max_num_seqs,
         s.max_num_batched_tokens,
