@@ -11,7 +11,8 @@
 //   projection: split each token's row into q, k and v, RMSNorm each q and k head (per-head
 //   weights; skipped when the weight pointer is null), then rotate q and k (rotate-half RoPE on
 //   the leading 2 * half dims, angle inv_freq[i] * pos in f32, cos/sin scaled by the attention
-//   factor), exactly as rms_norm_f32 then rope_rotate_half_f32 compute them. Given a KV pool
+//   factor), exactly as rms_norm_f32 then rope_rotate_half_f32 compute them; with v_unit_norm,
+//   RMSNorm each v head without a weight (Gemma 4's v_norm). Given a KV pool
 //   (KvDest.pool_k non-null), the k and v heads also go straight into the token's slot there,
 //   as kv_write_f32 would put them (skipped for a position whose block is out of range).
 //   Launch: grid (tokens, heads_q + 2 * heads_kv), block 32 (one warp per head, head_dim <= 256).
@@ -81,7 +82,7 @@ extern "C" __global__ void qkv_split_norm_rope_f32(
     const float* __restrict__ qkv, float* q, float* k, float* v, const u32* __restrict__ positions,
     const float* __restrict__ q_norm, const float* __restrict__ k_norm,
     const float* __restrict__ inv_freq, int heads_q, int heads_kv, int head_dim, int half,
-    float attention_factor, float eps, const KvDest kv) {
+    float attention_factor, float eps, int v_unit_norm, const KvDest kv) {
     __shared__ float hd[FUSED_MAX_HEAD_DIM];
     const int t = blockIdx.x;
     const int h = blockIdx.y;
@@ -112,6 +113,11 @@ extern "C" __global__ void qkv_split_norm_rope_f32(
         ss = warp_sum(ss);
         const float inv = 1.0f / sqrtf(ss / (float)head_dim + eps);
         for (int i = lane; i < head_dim; i += 32) hd[i] = norm[i] * (hd[i] * inv);
+    } else if (!rotate && v_unit_norm) {
+        // v_norm without a learned scale: the weight 1 multiplies exactly, so it is left out.
+        ss = warp_sum(ss);
+        const float inv = 1.0f / sqrtf(ss / (float)head_dim + eps);
+        for (int i = lane; i < head_dim; i += 32) hd[i] = hd[i] * inv;
     }
     __syncwarp();
     if (rotate) {

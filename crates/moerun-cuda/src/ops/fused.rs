@@ -44,6 +44,8 @@ pub struct QkvShape {
     pub heads_kv: usize,
     pub head_dim: usize,
     pub eps: f32,
+    /// RMSNorm each v head without a learned scale (Gemma 4's `v_norm`).
+    pub v_unit_norm: bool,
 }
 
 /// Where the prologue writes K/V: the C layout of `struct KvDest` in kernels/fused.cu (a null
@@ -129,6 +131,7 @@ impl CudaDevice {
             heads_kv,
             head_dim,
             eps,
+            v_unit_norm,
         } = shape;
         let tokens = positions.len();
         let width = (heads_q + 2 * heads_kv) * head_dim;
@@ -187,6 +190,7 @@ impl CudaDevice {
             to_i32(rope.half(), "half")?,
         );
         let factor = rope.attention_factor();
+        let v_norm = i32::from(v_unit_norm);
         let dest = match kv {
             None => KvDest::default(),
             Some((pool, at)) => {
@@ -244,6 +248,7 @@ impl CudaDevice {
             .arg(&half)
             .arg(&factor)
             .arg(&eps)
+            .arg(&v_norm)
             .arg(&dest);
         // SAFETY: qkv holds tokens * width f32, q/k/v their parts, positions tokens, norms
         // head_dim (or null), inv_freq half <= head_dim / 2; the pool (when given) holds blocks x

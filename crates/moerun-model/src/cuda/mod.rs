@@ -32,6 +32,7 @@ use moerun_cuda::{
 
 use crate::config::{ModelConfig, QkNorm};
 
+pub(crate) use pass::placement;
 pub use pass::{CudaPass, Placement, Tokens, GEMV_MAX_ROWS};
 pub use upload::WeightSource;
 

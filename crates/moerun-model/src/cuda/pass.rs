@@ -89,7 +89,7 @@ fn append_tables(batch: &Batch, windowed: bool, tables: &mut Vec<i32>) -> Result
 
 /// The batch's placement in the block tables of a layer's group: the window group's tables for a
 /// sliding-window layer when the cache keeps them apart, else the others.
-fn placement(at: &Placement, windowed: bool) -> TokenPlacement<'_> {
+pub(crate) fn placement(at: &Placement, windowed: bool) -> TokenPlacement<'_> {
     let table_start = match (&at.window_table_start, windowed) {
         (Some(w), true) => w,
         _ => &at.table_start,
@@ -253,6 +253,7 @@ impl Backend for CudaPass<'_> {
                 heads_kv: cfg.num_kv_heads,
                 head_dim: d,
                 eps: cfg.rms_norm_eps,
+                v_unit_norm: false,
             };
             // K/V go straight into the layer's pool too: no kv_write launch in `attention`.
             let windowed = cfg.layers[layer].sliding_window.is_some();

@@ -104,7 +104,7 @@ impl<'a> Uploader<'a> {
     /// Projections of the same input stacked (the rows of each in turn) into one matrix, and
     /// their biases, found by the first part's weight: q, k and v; a Gated DeltaNet layer's four
     /// input projections.
-    fn stacked_qkv(&mut self, parts: &[&Linear]) -> Result<()> {
+    pub(crate) fn stacked_qkv(&mut self, parts: &[&Linear]) -> Result<()> {
         let mats: Vec<_> = parts.iter().map(|l| l.weight.mat()).collect();
         let (dtype, cols) = (mats[0].dtype, mats[0].cols);
         if mats.iter().any(|m| m.dtype != dtype || m.cols != cols) {

@@ -20,7 +20,7 @@ use std::collections::HashMap;
 use moerun_core::{DType, Error, MatRef, Result, Tensor};
 use moerun_cuda::{
     AttentionPrefill, AttentionShape, CudaDevice, CudaSlice, DeviceMatrix, DeviceRope,
-    ExpertActivation, RouterShape, TokenPlacement,
+    ExpertActivation, QkvShape, RouterShape, TokenPlacement,
 };
 
 use crate::batch::Batch;
@@ -101,6 +101,11 @@ pub(crate) fn upload(
     })
 }
 
+/// Whether the fused attention prologue takes a layer: head_dim within its limit.
+fn fused_prologue_fits(lw: &Gemma4LayerWeights) -> bool {
+    lw.self_attn.q_norm.len() <= moerun_cuda::FUSED_MAX_HEAD_DIM
+}
+
 fn upload_layer(u: &mut Uploader, lw: &Gemma4LayerWeights) -> Result<()> {
     for v in [
         &lw.input_layernorm,
@@ -111,15 +116,24 @@ fn upload_layer(u: &mut Uploader, lw: &Gemma4LayerWeights) -> Result<()> {
         u.vector(v)?;
     }
     let a = &lw.self_attn;
-    u.linear(&a.q_proj)?;
     u.vector(&a.q_norm)?;
     u.linear(&a.o_proj)?;
-    if let Some(own) = &a.kv {
-        u.linear(&own.k_proj)?;
-        if let Some(v) = &own.v_proj {
-            u.linear(v)?;
+    match &a.kv {
+        // q, k and v of one input: one stacked matrix, run by the fused prologue (`attention`).
+        Some(own) if own.v_proj.is_some() && fused_prologue_fits(lw) => {
+            let v = own.v_proj.as_ref().expect("matched");
+            u.stacked_qkv(&[&a.q_proj, &own.k_proj, v])?;
+            u.vector(&own.k_norm)?;
         }
-        u.vector(&own.k_norm)?;
+        Some(own) => {
+            u.linear(&a.q_proj)?;
+            u.linear(&own.k_proj)?;
+            if let Some(v) = &own.v_proj {
+                u.linear(v)?;
+            }
+            u.vector(&own.k_norm)?;
+        }
+        None => u.linear(&a.q_proj)?,
     }
     u.mlp(&lw.mlp)?;
     if let Some(moe) = &lw.moe {
@@ -324,7 +338,11 @@ impl Pass<'_> {
 
     /// `x · Wᵀ`: the GEMV up to [`GEMV_MAX_ROWS`] rows, cuBLAS past it (as `CudaPass` does).
     fn product(&self, x: &CudaSlice<f32>, w: &Tensor) -> Result<CudaSlice<f32>> {
-        let d: &DeviceMatrix = self.m.mat(w)?;
+        self.product_with(x, self.m.mat(w)?)
+    }
+
+    /// [`Self::product`] for a device matrix (a stacked q/k/v).
+    fn product_with(&self, x: &CudaSlice<f32>, d: &DeviceMatrix) -> Result<CudaSlice<f32>> {
         let rows = x.len() / d.cols();
         let mut out = self.alloc(rows * d.rows())?;
         if rows <= GEMV_MAX_ROWS || d.dtype() == DType::F16 {
@@ -551,16 +569,62 @@ impl Pass<'_> {
         let (m, placement) = (self.m, self.at);
         let dev = &m.dev;
         // Sliding layers read their own tables when the KV cache keeps them apart.
-        let table_start = match (&placement.window_table_start, spec.sliding) {
-            (Some(w), true) => w,
-            _ => &placement.table_start,
+        let at = crate::cuda::placement(placement, spec.sliding);
+        let stacked = m.qkv.get(&tensor_key(&w.q_proj.weight));
+        let q = match (stacked, &w.kv) {
+            // One GEMV (or GEMM) of the stacked q/k/v, then one kernel for the q/k norms, RoPE,
+            // v's unit norm and the K/V write into the pool.
+            (Some(stacked), Some(own)) => {
+                let qkv = self.product_with(xn, &stacked.weight)?;
+                let rows = self.rows;
+                let mut q = self.alloc(rows * heads * d)?;
+                let mut k = self.alloc(rows * spec.num_kv_heads * d)?;
+                let mut v = self.alloc(rows * spec.num_kv_heads * d)?;
+                let shape = QkvShape {
+                    heads_q: heads,
+                    heads_kv: spec.num_kv_heads,
+                    head_dim: d,
+                    eps: self.cfg.rms_norm_eps,
+                    v_unit_norm: true,
+                };
+                let pool = self.kv.pools[l]
+                    .as_mut()
+                    .ok_or_else(|| Error::Device(format!("layer {l} has no KV pool")))?;
+                dev.qkv_split_norm_rope(
+                    &qkv,
+                    shape,
+                    &placement.positions_u32,
+                    Some(m.vec(&w.q_norm)?),
+                    Some(m.vec(&own.k_norm)?),
+                    rope,
+                    &mut q,
+                    &mut k,
+                    &mut v,
+                    Some((pool, &at)),
+                )
+                .map_err(dev_err)?;
+                q
+            }
+            _ => self.attention_inputs_unfused(l, w, xn, rope, &at)?,
         };
-        let at = TokenPlacement {
-            positions: &placement.positions,
-            table_start,
-            block_tables: &placement.block_tables,
-            max_context: placement.max_context,
-        };
+        self.attend(l, &q, &w.o_proj)
+    }
+
+    /// q normed and rotated, and (for a layer with its own K/V) k and v written into the layer's
+    /// pool, one op after another.
+    fn attention_inputs_unfused(
+        &mut self,
+        l: usize,
+        w: &Gemma4AttentionWeights,
+        xn: &CudaSlice<f32>,
+        rope: &DeviceRope,
+        at: &TokenPlacement,
+    ) -> Result<CudaSlice<f32>> {
+        let spec = self.g.layers[l];
+        let d = spec.head_dim;
+        let heads = self.cfg.num_heads;
+        let (m, placement) = (self.m, self.at);
+        let dev = &m.dev;
         let mut q = self.linear(xn, &w.q_proj)?;
         self.norm_in_place(&mut q, &w.q_norm)?;
         dev.rope(&mut q, &placement.positions_u32, rope, heads, d)
@@ -583,8 +647,19 @@ impl Pass<'_> {
             let pool = self.kv.pools[l]
                 .as_mut()
                 .ok_or_else(|| Error::Device(format!("layer {l} has no KV pool")))?;
-            dev.kv_write(pool, &k, &v, &at).map_err(dev_err)?;
+            dev.kv_write(pool, &k, &v, at).map_err(dev_err)?;
         }
+        Ok(q)
+    }
+
+    /// Attention of layer `l`'s queries over the K/V it reads, then `o_proj`.
+    fn attend(&mut self, l: usize, q: &CudaSlice<f32>, o_proj: &Linear) -> Result<CudaSlice<f32>> {
+        let spec = self.g.layers[l];
+        let d = spec.head_dim;
+        let heads = self.cfg.num_heads;
+        let (m, placement) = (self.m, self.at);
+        let dev = &m.dev;
+        let at = crate::cuda::placement(placement, spec.sliding);
 
         let shape = AttentionShape {
             num_heads: heads,
@@ -610,7 +685,7 @@ impl Pass<'_> {
         })?;
         dev.paged_attention_with(
             prefill,
-            &q,
+            q,
             pool,
             &at,
             &shape,
@@ -618,6 +693,6 @@ impl Pass<'_> {
             &mut scratch.attention,
         )
         .map_err(dev_err)?;
-        self.linear(&out, &w.o_proj)
+        self.linear(&out, o_proj)
     }
 }
