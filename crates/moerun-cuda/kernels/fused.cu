@@ -15,9 +15,13 @@
 //   RMSNorm each v head without a weight (Gemma 4's v_norm). Given a KV pool
 //   (KvDest.pool_k non-null), the k and v heads also go straight into the token's slot there,
 //   as kv_write_f32 would put them (skipped for a position whose block is out of range).
-//   Launch: grid (tokens, heads_q + 2 * heads_kv), block 32 (one warp per head, head_dim <= 256).
+//   Launch: grid (tokens, ceil((heads_q + 2 * heads_kv) / 4)), block (32, 4): one warp per head
+//   (head_dim <= 256), four heads per block.
 
 #define FUSED_MAX_HEAD_DIM 256
+// Heads (warps) per block of qkv_split_norm_rope_f32: a block per (token, head) made prefill's
+// 4096 x 40 blocks of one warp cost 105 us a layer, scheduling-bound.
+#define QKV_HEADS_PER_BLOCK 4
 
 // Sum of `v` over the block (blockDim.x a multiple of 32, at most 1024); every thread gets it.
 __device__ __forceinline__ float block_sum(float v) {
@@ -83,10 +87,12 @@ extern "C" __global__ void qkv_split_norm_rope_f32(
     const float* __restrict__ q_norm, const float* __restrict__ k_norm,
     const float* __restrict__ inv_freq, int heads_q, int heads_kv, int head_dim, int half,
     float attention_factor, float eps, int v_unit_norm, const KvDest kv) {
-    __shared__ float hd[FUSED_MAX_HEAD_DIM];
+    __shared__ float heads_smem[QKV_HEADS_PER_BLOCK][FUSED_MAX_HEAD_DIM];
+    float* hd = heads_smem[threadIdx.y];
     const int t = blockIdx.x;
-    const int h = blockIdx.y;
+    const int h = blockIdx.y * QKV_HEADS_PER_BLOCK + threadIdx.y;
     const int lane = threadIdx.x;
+    if (h >= heads_q + 2 * heads_kv) return;  // warps are independent: no block barrier below
     const int width = (heads_q + 2 * heads_kv) * head_dim;
     const float* src = qkv + (u64)t * width + (u64)h * head_dim;
     float* dst;

@@ -48,6 +48,9 @@ pub struct QkvShape {
     pub v_unit_norm: bool,
 }
 
+/// Heads per block of the prologue kernel (`QKV_HEADS_PER_BLOCK` in kernels/fused.cu).
+const QKV_HEADS_PER_BLOCK: usize = 4;
+
 /// Where the prologue writes K/V: the C layout of `struct KvDest` in kernels/fused.cu (a null
 /// `pool_k` writes none).
 #[repr(C)]
@@ -225,10 +228,10 @@ impl CudaDevice {
         let cfg = LaunchConfig {
             grid_dim: (
                 u32::try_from(tokens).unwrap_or(u32::MAX),
-                (heads_q + 2 * heads_kv) as u32,
+                (heads_q + 2 * heads_kv).div_ceil(QKV_HEADS_PER_BLOCK) as u32,
                 1,
             ),
-            block_dim: (32, 1, 1),
+            block_dim: (32, QKV_HEADS_PER_BLOCK as u32, 1),
             shared_mem_bytes: 0,
         };
         let mut b = self
