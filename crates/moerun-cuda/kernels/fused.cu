@@ -12,7 +12,8 @@
 //   weights; skipped when the weight pointer is null), then rotate q and k (rotate-half RoPE on
 //   the leading 2 * half dims, angle inv_freq[i] * pos in f32, cos/sin scaled by the attention
 //   factor), exactly as rms_norm_f32 then rope_rotate_half_f32 compute them; with v_unit_norm,
-//   RMSNorm each v head without a weight (Gemma 4's v_norm). Given a KV pool
+//   RMSNorm each v head without a weight (Gemma 4's v_norm); with a gate buffer, each q head's
+//   projection is its query then its output gate (Qwen3.5's doubled q_proj), the gate copied out. Given a KV pool
 //   (KvDest.pool_k non-null), the k and v heads also go straight into the token's slot there,
 //   as kv_write_f32 would put them (skipped for a position whose block is out of range).
 //   Launch: grid (tokens, ceil((heads_q + 2 * heads_kv) / 4)), block (32, 4): one warp per head
@@ -86,15 +87,23 @@ extern "C" __global__ void qkv_split_norm_rope_f32(
     const float* __restrict__ qkv, float* q, float* k, float* v, const u32* __restrict__ positions,
     const float* __restrict__ q_norm, const float* __restrict__ k_norm,
     const float* __restrict__ inv_freq, int heads_q, int heads_kv, int head_dim, int half,
-    float attention_factor, float eps, int v_unit_norm, const KvDest kv) {
+    float attention_factor, float eps, int v_unit_norm, float* gate, const KvDest kv) {
     __shared__ float heads_smem[QKV_HEADS_PER_BLOCK][FUSED_MAX_HEAD_DIM];
     float* hd = heads_smem[threadIdx.y];
     const int t = blockIdx.x;
     const int h = blockIdx.y * QKV_HEADS_PER_BLOCK + threadIdx.y;
     const int lane = threadIdx.x;
     if (h >= heads_q + 2 * heads_kv) return;  // warps are independent: no block barrier below
-    const int width = (heads_q + 2 * heads_kv) * head_dim;
-    const float* src = qkv + (u64)t * width + (u64)h * head_dim;
+    // With an output gate (Qwen3.5) each q head's rows are its query then its gate.
+    const int q_width = gate ? 2 * head_dim : head_dim;
+    const int width = heads_q * q_width + 2 * heads_kv * head_dim;
+    const float* row = qkv + (u64)t * width;
+    const float* src = h < heads_q ? row + (u64)h * q_width
+                                   : row + (u64)heads_q * q_width + (u64)(h - heads_q) * head_dim;
+    if (gate && h < heads_q) {
+        float* g = gate + ((u64)t * heads_q + h) * head_dim;
+        for (int i = lane; i < head_dim; i += 32) g[i] = src[head_dim + i];
+    }
     float* dst;
     const float* norm;
     bool rotate = true;

@@ -127,6 +127,7 @@ impl CudaDevice {
         q: &mut impl DevicePtrMut<f32>,
         k: &mut impl DevicePtrMut<f32>,
         v: &mut impl DevicePtrMut<f32>,
+        gate: Option<&mut CudaSlice<f32>>,
         kv: Option<(&mut DeviceKvPool, &TokenPlacement)>,
     ) -> Result<()> {
         let QkvShape {
@@ -137,7 +138,12 @@ impl CudaDevice {
             v_unit_norm,
         } = shape;
         let tokens = positions.len();
-        let width = (heads_q + 2 * heads_kv) * head_dim;
+        let q_width = if gate.is_some() {
+            2 * head_dim
+        } else {
+            head_dim
+        };
+        let width = heads_q * q_width + 2 * heads_kv * head_dim;
         ensure(qkv.len() == tokens * width, || {
             format!(
                 "qkv_split_norm_rope: qkv {} is not {tokens} x {width}",
@@ -194,6 +200,19 @@ impl CudaDevice {
         );
         let factor = rope.attention_factor();
         let v_norm = i32::from(v_unit_norm);
+        let gate_ptr = match gate {
+            Some(g) => {
+                ensure(g.len() == tokens * heads_q * head_dim, || {
+                    format!(
+                        "qkv_split_norm_rope: gate holds {}, expected {tokens} x {heads_q} x \
+                         {head_dim}",
+                        g.len()
+                    )
+                })?;
+                self.ptr_mut(g, "gate")?
+            }
+            None => 0,
+        };
         let dest = match kv {
             None => KvDest::default(),
             Some((pool, at)) => {
@@ -252,6 +271,7 @@ impl CudaDevice {
             .arg(&factor)
             .arg(&eps)
             .arg(&v_norm)
+            .arg(&gate_ptr)
             .arg(&dest);
         // SAFETY: qkv holds tokens * width f32, q/k/v their parts, positions tokens, norms
         // head_dim (or null), inv_freq half <= head_dim / 2; the pool (when given) holds blocks x

@@ -141,11 +141,11 @@ pub(crate) struct StackedQkv {
     pub(crate) bias: Option<CudaSlice<f32>>,
 }
 
-/// Whether the fused attention prologue (stacked q/k/v, per-head q/k norm, RoPE in one kernel)
-/// computes this family's attention inputs: no output gate, no whole-projection norm, no clip.
+/// Whether the fused attention prologue (stacked q/k/v, per-head q/k norm, RoPE, Qwen3.5's output
+/// gate split off, in one kernel) computes this family's attention inputs: no whole-projection
+/// norm, no clip, heads that fit the kernel.
 pub(crate) fn fused_prologue(cfg: &ModelConfig) -> bool {
-    !cfg.attention_output_gate
-        && matches!(cfg.qk_norm, QkNorm::None | QkNorm::PerHead)
+    matches!(cfg.qk_norm, QkNorm::None | QkNorm::PerHead)
         && cfg.clip_qkv.is_none()
         && cfg.head_dim <= moerun_cuda::FUSED_MAX_HEAD_DIM
 }

@@ -244,6 +244,10 @@ impl Backend for CudaPass<'_> {
             }
             let d = cfg.head_dim;
             let rows = xn.len() / cfg.hidden_size;
+            let mut gate = match cfg.attention_output_gate {
+                true => Some(self.alloc(rows * cfg.num_heads * d)?),
+                false => None,
+            };
             let mut q = self.alloc(rows * cfg.num_heads * d)?;
             let mut k = self.alloc(rows * cfg.num_kv_heads * d)?;
             let mut v = self.alloc(rows * cfg.num_kv_heads * d)?;
@@ -272,16 +276,12 @@ impl Backend for CudaPass<'_> {
                     &mut q,
                     &mut k,
                     &mut v,
+                    gate.as_mut(),
                     Some((pool, &at)),
                 )
                 .map_err(dev_err)?;
             self.kv_written = Some(layer);
-            Ok(AttentionInputs {
-                q,
-                k,
-                v,
-                gate: None,
-            })
+            Ok(AttentionInputs { q, k, v, gate })
         })
     }
 

@@ -600,6 +600,7 @@ impl Pass<'_> {
                     &mut q,
                     &mut k,
                     &mut v,
+                    None,
                     Some((pool, &at)),
                 )
                 .map_err(dev_err)?;
