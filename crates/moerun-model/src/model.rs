@@ -338,28 +338,29 @@ impl Model {
         let logits =
             match crate::cuda::graph::try_decode(cuda, cfg, w, dkv, batch, &rows, graph_state)? {
                 Some(logits) => logits,
-                None if w.gemma4.is_some() => {
-                    let g = w.gemma4.as_ref().expect("checked by the guard");
-                    crate::gemma4::cuda::forward(cuda, dkv, cfg, g, batch, &tokens, &rows)?
-                }
-                None => {
-                    let at = Placement::of_batch(cuda.device(), batch)?;
-                    let lp = match &linear {
-                        Some((states, addrs)) => Some(LinearPlacement::of_batch(
-                            cuda.device(),
-                            cfg,
-                            states,
-                            batch,
-                            addrs,
-                        )?),
-                        None => None,
-                    };
-                    let mut pass = CudaPass::new(cuda, dkv, &at, Tokens::Host);
-                    if let Some(lp) = &lp {
-                        pass = pass.with_linear_state(lp);
+                None => match &w.gemma4 {
+                    Some(g) => {
+                        crate::gemma4::cuda::forward(cuda, dkv, cfg, g, batch, &tokens, &rows)?
                     }
-                    forward::decoder(&mut pass, cfg, w, &tokens, &rows)?
-                }
+                    None => {
+                        let at = Placement::of_batch(cuda.device(), batch)?;
+                        let lp = match &linear {
+                            Some((states, addrs)) => Some(LinearPlacement::of_batch(
+                                cuda.device(),
+                                cfg,
+                                states,
+                                batch,
+                                addrs,
+                            )?),
+                            None => None,
+                        };
+                        let mut pass = CudaPass::new(cuda, dkv, &at, Tokens::Host);
+                        if let Some(lp) = &lp {
+                            pass = pass.with_linear_state(lp);
+                        }
+                        forward::decoder(&mut pass, cfg, w, &tokens, &rows)?
+                    }
+                },
             };
         if let Some((states, _)) = linear {
             states.finish(batch);
