@@ -97,6 +97,9 @@ pub fn generate(
             &[usize::MAX],
             LogitsFor::LastOfEachSeq,
         )?;
+        if !seq.pending().is_empty() {
+            continue; // a prompt longer than the cache's chunk prefills over several steps
+        }
         let mut logits = out.logits;
         let next = sampler.sample(&mut logits, &seq.tokens);
         if tokens.is_empty() {

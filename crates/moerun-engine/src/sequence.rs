@@ -16,7 +16,21 @@ pub struct SequenceKv {
     /// sequence is its first block id, unique on this path since blocks are never shared here.
     states: LinearStateCache,
     allocator: BlockAllocator,
+    /// The sliding-window layers' own blocks, when the cache keeps them apart
+    /// ([`SequenceKv::for_one_sequence`]).
+    window: Option<WindowBlocks>,
 }
+
+/// The window group of a [`SequenceKv`]: its allocator, the window, and the most tokens a step
+/// may feed (what the pool was sized for).
+struct WindowBlocks {
+    allocator: BlockAllocator,
+    window: usize,
+    max_chunk: usize,
+}
+
+/// Tokens per step [`SequenceKv::for_one_sequence`] sizes the window group for.
+pub const WINDOWED_MAX_CHUNK: usize = 2048;
 
 impl SequenceKv {
     /// `num_blocks` blocks of `block_size` tokens for every layer of `cfg`.
@@ -43,13 +57,44 @@ impl SequenceKv {
         Ok(Self::from_parts(cache, states))
     }
 
+    /// Room for one sequence of up to `max_len` tokens, fed at most `max_chunk` at a time.
+    /// When the model has sliding-window layers whose window is shorter than `max_len`, their K/V
+    /// goes to a window group sized for the window plus one chunk, and blocks that leave the
+    /// window are reused: a long generation's KV for those layers stays bounded. `run_step`
+    /// then feeds at most `max_chunk` tokens per step ([`SequenceKv::max_chunk`]).
+    pub fn for_one_sequence(model: &Model, max_len: usize, max_chunk: usize) -> Result<Self> {
+        let bs = DEFAULT_BLOCK_SIZE;
+        let blocks = max_len.div_ceil(bs).max(1);
+        let window = model.config.kv_window().filter(|&w| w < max_len);
+        let Some(window) = window else {
+            return Self::for_model(model, max_len);
+        };
+        let max_chunk = max_chunk.max(1);
+        let window_blocks = blocks.min((window - 1 + max_chunk).div_ceil(bs) + 1);
+        let cache = model.new_kv_cache_with_window_group(blocks, window_blocks, bs)?;
+        let states = model.new_linear_state(cache.num_blocks());
+        let mut kv = Self::from_parts(cache, states);
+        kv.window = Some(WindowBlocks {
+            allocator: BlockAllocator::new(window_blocks, bs),
+            window,
+            max_chunk,
+        });
+        Ok(kv)
+    }
+
     fn from_parts(cache: KvCache, states: LinearStateCache) -> Self {
         let allocator = BlockAllocator::new(cache.num_blocks(), cache.block_size());
         SequenceKv {
             cache,
             states,
             allocator,
+            window: None,
         }
+    }
+
+    /// The most tokens of one sequence a step feeds (`usize::MAX` without a window group).
+    pub fn max_chunk(&self) -> usize {
+        self.window.as_ref().map_or(usize::MAX, |w| w.max_chunk)
     }
 
     /// Tokens per block.
@@ -91,6 +136,8 @@ impl SequenceKv {
 pub struct Sequence {
     pub tokens: Vec<u32>,
     pub table: BlockTable,
+    /// Its sliding-window layers' blocks, when the cache keeps them apart.
+    pub window_table: BlockTable,
     pub cached: usize,
 }
 
@@ -110,12 +157,17 @@ impl Sequence {
     /// Give the sequence's blocks back to the cache.
     pub fn release(&mut self, kv: &mut SequenceKv) {
         kv.free(&mut self.table);
+        if let Some(w) = &mut kv.window {
+            w.allocator.free_table(&mut self.window_table);
+        }
         self.cached = 0;
     }
 }
 
-/// Run up to `max_tokens[i]` pending tokens of each sequence as one flat batch, then mark them
-/// cached. Blocks are reserved first, all or nothing per sequence.
+/// Run up to `max_tokens[i]` pending tokens of each sequence (and at most
+/// [`SequenceKv::max_chunk`]) as one flat batch, then mark them cached. Blocks are reserved
+/// first, all or nothing per sequence; with a window group, each sequence first gives back the
+/// window blocks its chunk can no longer see.
 pub fn run_step(
     model: &Model,
     kv: &mut SequenceKv,
@@ -125,8 +177,14 @@ pub fn run_step(
 ) -> Result<ForwardOutput> {
     let mut counts = Vec::with_capacity(seqs.len());
     for (s, &limit) in seqs.iter_mut().zip(max_tokens) {
-        let n = s.pending().len().min(limit);
+        let n = s.pending().len().min(limit).min(kv.max_chunk());
         kv.reserve(&mut s.table, s.cached + n)?;
+        if let Some(w) = &mut kv.window {
+            let first_visible = (s.cached + 1).saturating_sub(w.window);
+            w.allocator
+                .release_before(&mut s.window_table, first_visible);
+            w.allocator.reserve(&mut s.window_table, s.cached + n)?;
+        }
         counts.push(n);
     }
     let slots: Vec<usize> = seqs
@@ -143,7 +201,13 @@ pub fn run_step(
                 block_table: &s.table,
             })
             .collect();
-        let batch = Batch::new(chunks).with_state_slots(slots);
+        let windows = match kv.window {
+            Some(_) => seqs.iter().map(|s| &s.window_table).collect(),
+            None => Vec::new(),
+        };
+        let batch = Batch::new(chunks)
+            .with_state_slots(slots)
+            .with_window_tables(windows);
         model.forward_with_state(&batch, &mut kv.cache, &mut kv.states, which)?
     };
     for (s, n) in seqs.iter_mut().zip(counts) {

@@ -88,3 +88,59 @@ fn a_window_group_cache_refuses_batches_that_do_not_fit_it() {
         .to_string();
     assert!(e.contains("no sliding-window layers"), "{e}");
 }
+
+#[test]
+fn a_one_sequence_cache_keeps_only_the_window_and_changes_nothing() {
+    use moerun_engine::{run_step, Sequence, SequenceKv};
+    use reference::{argmax, prefill_logits};
+    for name in WINDOWED_FIXTURES {
+        let dir = fixtures_dir().join(name);
+        let model = Model::load(&dir).unwrap();
+        let r = load_reference(&dir);
+        let window = model.config.kv_window().unwrap();
+        let total = r.tokens.len() + r.greedy.len();
+        // Chunks of 4: the window group holds the window plus 4 tokens, far below `total`.
+        let mut kv = SequenceKv::for_one_sequence(&model, total, 4).unwrap();
+        assert_eq!(kv.max_chunk(), 4);
+        let mut seq = Sequence::new(r.tokens.clone());
+        let mut logits = Vec::new();
+        while !seq.pending().is_empty() {
+            let out = run_step(
+                &model,
+                &mut kv,
+                &mut [&mut seq],
+                &[usize::MAX],
+                LogitsFor::AllTokens,
+            );
+            logits.extend(out.unwrap().logits);
+        }
+        assert!(
+            logits == prefill_logits(&model, &r.tokens),
+            "{name}: windowed chunked prefill differs from one prefill"
+        );
+        let held = seq.window_table.held().count();
+        assert!(
+            held <= (window + 3).div_ceil(16) + 1,
+            "{name}: {held} window blocks held"
+        );
+        // Greedy on from there, one token a step, as `generate` does.
+        let vocab = model.config.vocab_size;
+        let mut next = argmax(&logits[logits.len() - vocab..]);
+        let mut greedy = vec![next];
+        while greedy.len() < r.greedy.len() {
+            seq.tokens.push(next);
+            let out = run_step(
+                &model,
+                &mut kv,
+                &mut [&mut seq],
+                &[1],
+                LogitsFor::LastOfEachSeq,
+            );
+            next = argmax(&out.unwrap().logits);
+            greedy.push(next);
+        }
+        assert_eq!(greedy, r.greedy, "{name}: greedy continuation");
+        seq.release(&mut kv);
+        println!("{name:36} window {window}: chunked windowed prefill bitwise equal, greedy equal");
+    }
+}

@@ -17,7 +17,7 @@ pub fn run(args: &ChatArgs) -> CliResult {
     let tm = TextModel::load(args.model.as_deref(), args.device.device)?;
     let params = args.sampling.apply(tm.generation.sampling_params());
     let interactive = std::io::stdin().is_terminal();
-    let mut kv = tm.kv_cache(tm.context_len())?;
+    let mut kv = tm.generation_kv_cache(tm.context_len())?;
     let mut seq = Sequence::default();
     let mut history: Vec<TemplateValue> = Vec::new();
     if let Some(system) = &args.system {

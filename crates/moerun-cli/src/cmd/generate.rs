@@ -99,7 +99,7 @@ pub fn run_generation(
     stops: &[String],
     emit: impl FnMut(&str),
 ) -> CliResult<(String, Generation)> {
-    let mut kv = tm.kv_cache(prompt_ids.len() + max_new)?;
+    let mut kv = tm.generation_kv_cache(prompt_ids.len() + max_new)?;
     let mut seq = Sequence::new(prompt_ids);
     continue_generation(tm, &mut kv, &mut seq, params, max_new, stops, emit)
 }

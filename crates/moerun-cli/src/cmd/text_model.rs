@@ -58,6 +58,16 @@ impl TextModel {
         Ok(SequenceKv::for_model(&self.model, tokens)?)
     }
 
+    /// A KV cache for one generated sequence of up to `tokens` tokens: sliding-window layers keep
+    /// only their window (plus one prefill chunk), however long the generation.
+    pub fn generation_kv_cache(&self, tokens: usize) -> CliResult<SequenceKv> {
+        Ok(SequenceKv::for_one_sequence(
+            &self.model,
+            tokens,
+            moerun_engine::sequence::WINDOWED_MAX_CHUNK,
+        )?)
+    }
+
     /// Refuse a prompt that leaves no room to generate.
     pub fn check_prompt_len(&self, prompt_tokens: usize) -> CliResult {
         if prompt_tokens == 0 {
