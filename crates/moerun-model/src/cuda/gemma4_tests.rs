@@ -11,16 +11,7 @@ use crate::batch::{Batch, SeqChunk};
 use crate::kv::KvCache;
 use crate::Model;
 
-fn rel(got: &[f32], want: &[f32]) -> f64 {
-    assert_eq!(got.len(), want.len(), "lengths differ");
-    let d: f64 = got
-        .iter()
-        .zip(want)
-        .map(|(a, b)| (*a as f64 - *b as f64).powi(2))
-        .sum();
-    let n: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum();
-    (d / n.max(1e-30)).sqrt()
-}
+use super::tests::rel;
 
 /// Deterministic values in [-a, a).
 fn values(n: usize, seed: u64, a: f32) -> Vec<f32> {

@@ -34,7 +34,8 @@ fn proj(w: &crate::weights::ModelWeights, i: usize) -> &crate::weights::Linear {
     }
 }
 
-fn rel(got: &[f32], want: &[f32]) -> f64 {
+/// `‖got − want‖ / ‖want‖` in f64 (shared with the Gemma 4 tests).
+pub(super) fn rel(got: &[f32], want: &[f32]) -> f64 {
     assert_eq!(got.len(), want.len(), "lengths differ");
     let d: f64 = got
         .iter()
