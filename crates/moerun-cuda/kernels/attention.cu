@@ -344,8 +344,9 @@ __device__ __forceinline__ void attn_split(const AttnArgs& a) {
     const bool direct = a.nsplit == 1;
     const int active = len <= 0 ? 0 : min(a.nsplit, (len + a.chunk - 1) / a.chunk);
     if (s >= active) {
-        // Only a token with no visible key at all gets here with s == 0: its output is zero.
-        if (direct) {
+        // Only a token with no visible key at all gets here with s == 0: its output is zero
+        // (written by split 0 alone; no partials, so no merge either).
+        if (s == 0) {
             float* o = a.out + ((u64)i * a.num_heads + h0) * d;
             for (int e = threadIdx.x; e < gh * d; e += SPLIT_THREADS) o[e] = 0.0f;
         }
