@@ -254,12 +254,7 @@ __device__ __forceinline__ void fetch_keys(const AttnArgs& a, int ts, int kh, in
     }
 }
 
-// Loads of partials other blocks wrote during this launch: through L2 (.cg), never a stale L1 line.
-__device__ __forceinline__ float ld_cg(const float* p) {
-    float v;
-    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
-    return v;
-}
+// Loads of partials other blocks wrote during this launch: through L2 (load_cg and this).
 __device__ __forceinline__ float4 ld_cg4(const float* p) {
     float4 v;
     asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];"
@@ -281,13 +276,13 @@ __device__ __forceinline__ void merge_splits(const AttnArgs& a, int i, int h0, i
     for (int h = warp; h < gh; h += SPLIT_WARPS) {
         const float* ml = a.part_ml + ((u64)i * a.num_heads + h0 + h) * a.nsplit * 2;
         float mx = NEG_INF;
-        for (int s = lane; s < active; s += 32) mx = fmaxf(mx, ld_cg(ml + 2 * s));
+        for (int s = lane; s < active; s += 32) mx = fmaxf(mx, load_cg(ml + 2 * s));
         const float ref = softmax_ref(warp_max(mx));
         float sum = 0.0f;
         for (int s = lane; s < active; s += 32) {
-            const float ws = exp2f(ld_cg(ml + 2 * s) - ref);
+            const float ws = exp2f(load_cg(ml + 2 * s) - ref);
             w[h * active + s] = ws;
-            sum += ws * ld_cg(ml + 2 * s + 1);
+            sum += ws * load_cg(ml + 2 * s + 1);
         }
         sum = warp_sum(sum);
         if (lane == 0) sums[h] = sum;

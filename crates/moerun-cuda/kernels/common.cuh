@@ -53,3 +53,55 @@ __device__ __forceinline__ float gelu_tanh_f32(float x) {
 __device__ __forceinline__ float expert_act(float g, int act) {
     return act == 1 ? gelu_tanh_f32(g) : g / (1.0f + expf(-g));
 }
+
+// ---- weight streaming, shared by the GEMV, MoE and attention kernels ----
+
+// 16 bytes of read-once weights: not kept in L1 (ld.global.nc.L1::no_allocate).
+__device__ __forceinline__ uint4 load_stream(const uint4* p) {
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+    return r;
+}
+
+// A 16-byte chunk of weights widened to f32.
+struct ChunkBf16 {
+    static constexpr int N = 8;
+    __device__ static void widen(uint4 c, float* f) {
+        const u32 w[4] = {c.x, c.y, c.z, c.w};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            f[2 * q] = __uint_as_float(w[q] << 16);
+            f[2 * q + 1] = __uint_as_float(w[q] & 0xffff0000u);
+        }
+    }
+};
+struct ChunkF16 {
+    static constexpr int N = 8;
+    __device__ static void widen(uint4 c, float* f) {
+        const u32 w[4] = {c.x, c.y, c.z, c.w};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            f[2 * q] = f16_to_f32((u16)(w[q] & 0xffffu));
+            f[2 * q + 1] = f16_to_f32((u16)(w[q] >> 16));
+        }
+    }
+};
+struct ChunkF32 {
+    static constexpr int N = 4;
+    __device__ static void widen(uint4 c, float* f) {
+        f[0] = __uint_as_float(c.x);
+        f[1] = __uint_as_float(c.y);
+        f[2] = __uint_as_float(c.z);
+        f[3] = __uint_as_float(c.w);
+    }
+};
+
+// A load served by L2, the point of coherence: it sees what other blocks of the same launch
+// published (after their fence), never a stale L1 line.
+__device__ __forceinline__ float load_cg(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}

@@ -38,54 +38,6 @@
 #define MOE_DOWN_TILE (MOE_WARPS * MOE_DOWN_ROWS)  // down rows per block: one arrival counter each
 #define MOE_MAX_M 8
 
-__device__ __forceinline__ uint4 moe_stream(const uint4* p) {
-    uint4 r;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-                 : "l"(p));
-    return r;
-}
-
-// A load served by L2, the point of coherence: it sees the y rows other blocks published.
-__device__ __forceinline__ float moe_load_cg(const float* p) {
-    float v;
-    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
-    return v;
-}
-
-// A 16-byte chunk of weights widened to f32.
-struct MoeBf16 {
-    static constexpr int N = 8;
-    __device__ static void widen(uint4 c, float* f) {
-        const u32 w[4] = {c.x, c.y, c.z, c.w};
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            f[2 * q] = __uint_as_float(w[q] << 16);
-            f[2 * q + 1] = __uint_as_float(w[q] & 0xffff0000u);
-        }
-    }
-};
-struct MoeF16 {
-    static constexpr int N = 8;
-    __device__ static void widen(uint4 c, float* f) {
-        const u32 w[4] = {c.x, c.y, c.z, c.w};
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            f[2 * q] = f16_to_f32((u16)(w[q] & 0xffffu));
-            f[2 * q + 1] = f16_to_f32((u16)(w[q] >> 16));
-        }
-    }
-};
-struct MoeF32 {
-    static constexpr int N = 4;
-    __device__ static void widen(uint4 c, float* f) {
-        f[0] = __uint_as_float(c.x);
-        f[1] = __uint_as_float(c.y);
-        f[2] = __uint_as_float(c.z);
-        f[3] = __uint_as_float(c.w);
-    }
-};
-
 // ---- 1. alignment ----
 
 extern "C" __global__ void __launch_bounds__(1024)
@@ -169,7 +121,7 @@ __device__ __forceinline__ void moe_warp_rows(const uint4* const (&w)[R], const 
             const int c = c0 + 32 * u;
 #pragma unroll
             for (int r = 0; r < R; ++r)
-                q[u][r] = c < chunks ? moe_stream(w[r] + c) : make_uint4(0u, 0u, 0u, 0u);
+                q[u][r] = c < chunks ? load_stream(w[r] + c) : make_uint4(0u, 0u, 0u, 0u);
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -303,16 +255,16 @@ __device__ __forceinline__ void moe_gate_up(const void* __restrict__ gate_up,
                                  top_k, act);                                                    \
     }
 
-MOE_GATE_UP_KERNEL(moe_gate_up_bf16_m1, MoeBf16, 1, 4)
-MOE_GATE_UP_KERNEL(moe_gate_up_bf16_m4, MoeBf16, 4, 2)
-MOE_GATE_UP_KERNEL(moe_gate_up_bf16_m8, MoeBf16, 8, 1)
-MOE_GATE_UP_KERNEL(moe_gate_up_f16_m1, MoeF16, 1, 4)
-MOE_GATE_UP_KERNEL(moe_gate_up_f16_m4, MoeF16, 4, 2)
-MOE_GATE_UP_KERNEL(moe_gate_up_f16_m8, MoeF16, 8, 1)
+MOE_GATE_UP_KERNEL(moe_gate_up_bf16_m1, ChunkBf16, 1, 4)
+MOE_GATE_UP_KERNEL(moe_gate_up_bf16_m4, ChunkBf16, 4, 2)
+MOE_GATE_UP_KERNEL(moe_gate_up_bf16_m8, ChunkBf16, 8, 1)
+MOE_GATE_UP_KERNEL(moe_gate_up_f16_m1, ChunkF16, 1, 4)
+MOE_GATE_UP_KERNEL(moe_gate_up_f16_m4, ChunkF16, 4, 2)
+MOE_GATE_UP_KERNEL(moe_gate_up_f16_m8, ChunkF16, 8, 1)
 // f32 rows at 64 registers spilled a word: this one gets 128.
-MOE_GATE_UP_KERNEL(moe_gate_up_f32_m1, MoeF32, 1, 2)
-MOE_GATE_UP_KERNEL(moe_gate_up_f32_m4, MoeF32, 4, 2)
-MOE_GATE_UP_KERNEL(moe_gate_up_f32_m8, MoeF32, 8, 1)
+MOE_GATE_UP_KERNEL(moe_gate_up_f32_m1, ChunkF32, 1, 2)
+MOE_GATE_UP_KERNEL(moe_gate_up_f32_m4, ChunkF32, 4, 2)
+MOE_GATE_UP_KERNEL(moe_gate_up_f32_m8, ChunkF32, 8, 1)
 
 // ---- 3. down + rank-order combine ----
 
@@ -424,7 +376,7 @@ __device__ __forceinline__ void moe_down(const void* __restrict__ down, const fl
                 const u64 p0 = t * (u64)top_k;
                 float s = 0.0f;
                 for (int r = 0; r < top_k; ++r)
-                    s = fmaf(weights[p0 + r], moe_load_cg(y + (p0 + r) * hidden + row), s);
+                    s = fmaf(weights[p0 + r], load_cg(y + (p0 + r) * hidden + row), s);
                 out[t * hidden + row] = s;
             }
         }
@@ -442,15 +394,15 @@ __device__ __forceinline__ void moe_down(const void* __restrict__ down, const fl
                               experts, hidden, inter, top_k);                                    \
     }
 
-MOE_DOWN_KERNEL(moe_down_bf16_m1, MoeBf16, 1, 4)
-MOE_DOWN_KERNEL(moe_down_bf16_m4, MoeBf16, 4, 2)
-MOE_DOWN_KERNEL(moe_down_bf16_m8, MoeBf16, 8, 1)
-MOE_DOWN_KERNEL(moe_down_f16_m1, MoeF16, 1, 4)
-MOE_DOWN_KERNEL(moe_down_f16_m4, MoeF16, 4, 2)
-MOE_DOWN_KERNEL(moe_down_f16_m8, MoeF16, 8, 1)
-MOE_DOWN_KERNEL(moe_down_f32_m1, MoeF32, 1, 4)
-MOE_DOWN_KERNEL(moe_down_f32_m4, MoeF32, 4, 2)
-MOE_DOWN_KERNEL(moe_down_f32_m8, MoeF32, 8, 1)
+MOE_DOWN_KERNEL(moe_down_bf16_m1, ChunkBf16, 1, 4)
+MOE_DOWN_KERNEL(moe_down_bf16_m4, ChunkBf16, 4, 2)
+MOE_DOWN_KERNEL(moe_down_bf16_m8, ChunkBf16, 8, 1)
+MOE_DOWN_KERNEL(moe_down_f16_m1, ChunkF16, 1, 4)
+MOE_DOWN_KERNEL(moe_down_f16_m4, ChunkF16, 4, 2)
+MOE_DOWN_KERNEL(moe_down_f16_m8, ChunkF16, 8, 1)
+MOE_DOWN_KERNEL(moe_down_f32_m1, ChunkF32, 1, 4)
+MOE_DOWN_KERNEL(moe_down_f32_m4, ChunkF32, 4, 2)
+MOE_DOWN_KERNEL(moe_down_f32_m8, ChunkF32, 8, 1)
 
 // ---- tiny batches: P = n k <= 32 pairs, two launches, no alignment ----
 //
@@ -548,6 +500,6 @@ __device__ __forceinline__ void moe_tiny_down(const void* __restrict__ down,
         moe_tiny_down<CHUNK>(down, h, ids, weights, out, experts, hidden, inter, top_k);         \
     }
 
-MOE_TINY_KERNELS(bf16, MoeBf16)
-MOE_TINY_KERNELS(f16, MoeF16)
-MOE_TINY_KERNELS(f32, MoeF32)
+MOE_TINY_KERNELS(bf16, ChunkBf16)
+MOE_TINY_KERNELS(f16, ChunkF16)
+MOE_TINY_KERNELS(f32, ChunkF32)

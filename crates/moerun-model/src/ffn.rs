@@ -56,25 +56,25 @@ pub fn route(logits: &[f32], top_k: usize, norm_topk_prob: bool) -> Route {
     }
 }
 
-/// The MoE block over `m` rows of normed input.
-pub fn ffn_block(cfg: &MoeConfig, w: &MoeWeights, x: &[f32], m: usize) -> Vec<f32> {
-    let h = x.len() / m.max(1);
-    let k = cfg.top_k;
-    let router_logits = linear(x, m, &w.router, None);
-    let routes: Vec<Route> = router_logits
-        .chunks_exact(cfg.num_experts)
-        .map(|row| route(row, k, cfg.norm_topk_prob))
-        .collect();
-
-    // Group (token, rank) pairs by expert, keeping token order inside each group.
-    let mut groups: Vec<Vec<(usize, usize)>> = vec![Vec::new(); cfg.num_experts];
+/// The routed experts' weighted sum over the rows of `x` (width `h`), one route per row:
+/// `run(e, rows, n)` is expert `e` over `n` gathered rows. The (token, rank) pairs are grouped by
+/// expert (token order kept), each expert runs once over its tokens, and each token's weighted
+/// outputs are summed in rank order, so a row's result does not depend on the batch.
+pub(crate) fn routed_sum(
+    routes: &[Route],
+    num_experts: usize,
+    x: &[f32],
+    h: usize,
+    run: impl Fn(usize, &[f32], usize) -> Vec<f32> + Sync,
+) -> Vec<f32> {
+    let m = routes.len();
+    let k = routes.first().map_or(0, |r| r.experts.len());
+    let mut groups: Vec<Vec<(usize, usize)>> = vec![Vec::new(); num_experts];
     for (t, r) in routes.iter().enumerate() {
         for (rank, &e) in r.experts.iter().enumerate() {
             groups[e].push((t, rank));
         }
     }
-    // Each (token, rank) gets its weighted expert output here, summed in rank order below.
-    let mut per_rank = vec![0.0f32; m * k * h];
     // The selected experts run side by side: in decode each is a handful of small products,
     // and one parallel region over all of them keeps both threads streaming weights instead of
     // splitting and joining every 3 MiB product. Each output row is computed exactly as alone.
@@ -87,9 +87,11 @@ pub fn ffn_block(cfg: &MoeConfig, w: &MoeWeights, x: &[f32], m: usize) -> Vec<f3
             for &(t, _) in group {
                 gathered.extend_from_slice(&x[t * h..(t + 1) * h]);
             }
-            (e, expert_mlp(&w.experts[e], &gathered, group.len()))
+            (e, run(e, &gathered, group.len()))
         })
         .collect();
+    // Each (token, rank) gets its weighted expert output here, summed in rank order below.
+    let mut per_rank = vec![0.0f32; m * k * h];
     for (e, y) in outputs {
         for (row, &(t, rank)) in y.chunks_exact(h).zip(&groups[e]) {
             let weight = routes[t].weights[rank];
@@ -108,6 +110,21 @@ pub fn ffn_block(cfg: &MoeConfig, w: &MoeWeights, x: &[f32], m: usize) -> Vec<f3
             }
         }
     }
+    out
+}
+
+/// The MoE block over `m` rows of normed input.
+pub fn ffn_block(cfg: &MoeConfig, w: &MoeWeights, x: &[f32], m: usize) -> Vec<f32> {
+    let h = x.len() / m.max(1);
+    let k = cfg.top_k;
+    let router_logits = linear(x, m, &w.router, None);
+    let routes: Vec<Route> = router_logits
+        .chunks_exact(cfg.num_experts)
+        .map(|row| route(row, k, cfg.norm_topk_prob))
+        .collect();
+    let mut out = routed_sum(&routes, cfg.num_experts, x, h, |e, rows, n| {
+        expert_mlp(&w.experts[e], rows, n)
+    });
     if let Some(shared) = &w.shared_expert {
         let s = mlp(shared, x, m);
         let gates = w.shared_expert_gate.as_ref().map(|g| linear(x, m, g, None));

@@ -120,15 +120,15 @@ pub struct ModelWeights {
     pub gemma4: Option<crate::gemma4::Gemma4Weights>,
 }
 
-/// Fetches tensors with shape checks.
-struct Loader<'a> {
-    ckpt: &'a Checkpoint,
+/// Fetches tensors with shape checks (also Gemma 4's loader, with no norm offset).
+pub(crate) struct Loader<'a> {
+    pub(crate) ckpt: &'a Checkpoint,
     /// Add one to RMSNorm weights (zero-centred storage).
-    norm_offset: bool,
+    pub(crate) norm_offset: bool,
 }
 
 impl Loader<'_> {
-    fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+    pub(crate) fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
         let t = self.ckpt.tensor(name)?;
         if t.shape != shape {
             return Err(Error::ShapeMismatch {
@@ -140,7 +140,7 @@ impl Loader<'_> {
         Ok(t)
     }
 
-    fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
+    pub(crate) fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
         Ok(self.tensor(name, &[len])?.to_f32_vec())
     }
 
@@ -156,7 +156,13 @@ impl Loader<'_> {
         Ok(w)
     }
 
-    fn linear(&self, prefix: &str, out: usize, inp: usize, bias: bool) -> Result<Linear> {
+    pub(crate) fn linear(
+        &self,
+        prefix: &str,
+        out: usize,
+        inp: usize,
+        bias: bool,
+    ) -> Result<Linear> {
         Ok(Linear {
             weight: self.tensor(&format!("{prefix}.weight"), &[out, inp])?,
             bias: if bias {

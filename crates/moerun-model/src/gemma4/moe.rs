@@ -10,10 +10,9 @@
 //! As elsewhere in moerun each selected expert runs once over all its tokens, and each token's
 //! outputs are summed in router rank order, so results do not depend on the batch.
 
-use rayon::prelude::*;
-
 use moerun_cpu::ops::{gelu_tanh_mul_in_place, rms_norm_rows, softmax_in_place};
 
+use crate::ffn::{routed_sum, Route};
 use crate::linear::{apply, linear};
 use crate::weights::MlpWeights;
 
@@ -25,13 +24,6 @@ pub fn mlp(w: &MlpWeights, x: &[f32], m: usize) -> Vec<f32> {
     let u = apply(x, m, &w.up_proj);
     gelu_tanh_mul_in_place(&mut g, &u);
     apply(&g, m, &w.down_proj)
-}
-
-/// One token's experts and weights, in rank order (best first).
-#[derive(Clone, Debug, PartialEq)]
-pub struct Route {
-    pub experts: Vec<usize>,
-    pub weights: Vec<f32>,
 }
 
 /// Route one row of router logits: softmax, top-k, renormalise, scale per expert.
@@ -78,47 +70,9 @@ pub fn experts(w: &Gemma4MoeWeights, top_k: usize, x: &[f32], m: usize, eps: f32
         .collect();
     let mut xn = x.to_vec();
     rms_norm_rows(&mut xn, &w.pre_feedforward_layernorm_2, eps);
-
-    // (token, rank) pairs grouped by expert, token order kept inside each group.
-    let mut groups: Vec<Vec<(usize, usize)>> = vec![Vec::new(); num_experts];
-    for (t, r) in routes.iter().enumerate() {
-        for (rank, &e) in r.experts.iter().enumerate() {
-            groups[e].push((t, rank));
-        }
-    }
-    // The selected experts run side by side; each output row is computed exactly as alone.
-    let outputs: Vec<(usize, Vec<f32>)> = groups
-        .par_iter()
-        .enumerate()
-        .filter(|(_, group)| !group.is_empty())
-        .map(|(e, group)| {
-            let mut gathered = Vec::with_capacity(group.len() * h);
-            for &(t, _) in group {
-                gathered.extend_from_slice(&xn[t * h..(t + 1) * h]);
-            }
-            (e, expert(&w.experts[e], &gathered, group.len()))
-        })
-        .collect();
-    let mut per_rank = vec![0.0f32; m * top_k * h];
-    for (e, y) in outputs {
-        for (row, &(t, rank)) in y.chunks_exact(h).zip(&groups[e]) {
-            let weight = routes[t].weights[rank];
-            let dst = &mut per_rank[(t * top_k + rank) * h..][..h];
-            for (d, v) in dst.iter_mut().zip(row) {
-                *d = v * weight;
-            }
-        }
-    }
-    let mut out = vec![0.0f32; m * h];
-    for (t, o) in out.chunks_exact_mut(h).enumerate() {
-        for rank in 0..top_k {
-            let src = &per_rank[(t * top_k + rank) * h..][..h];
-            for (d, v) in o.iter_mut().zip(src) {
-                *d += v;
-            }
-        }
-    }
-    out
+    routed_sum(&routes, num_experts, &xn, h, |e, rows, n| {
+        expert(&w.experts[e], rows, n)
+    })
 }
 
 /// One expert over `m` gathered rows: `gate_up` gives `[m, 2I]`, gate then up in each row.

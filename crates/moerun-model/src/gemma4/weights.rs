@@ -9,11 +9,11 @@
 //! `v_proj`, `k_norm` (a checkpoint may still carry them: transformers ignores them, so do we);
 //! full layers with `attention_k_eq_v` have no `v_proj`.
 
-use moerun_core::{DType, Error, Result, Tensor};
+use moerun_core::{DType, Result, Tensor};
 
 use crate::checkpoint::Checkpoint;
 use crate::config::{Gemma4Config, ModelConfig};
-use crate::weights::{Linear, MlpWeights};
+use crate::weights::{Linear, Loader, MlpWeights};
 
 use super::attention::LayerRopes;
 
@@ -95,40 +95,6 @@ pub struct LayerInputWeights {
     pub post_norm: Vec<f32>,
 }
 
-/// Fetches tensors under a prefix, with shape checks.
-struct Loader<'a> {
-    ckpt: &'a Checkpoint,
-}
-
-impl Loader<'_> {
-    fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
-        let t = self.ckpt.tensor(name)?;
-        if t.shape != shape {
-            return Err(Error::ShapeMismatch {
-                name: name.to_string(),
-                expected: shape.to_vec(),
-                found: t.shape.clone(),
-            });
-        }
-        Ok(t)
-    }
-
-    fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
-        Ok(self.tensor(name, &[len])?.to_f32_vec())
-    }
-
-    fn linear(&self, prefix: &str, out: usize, inp: usize, bias: bool) -> Result<Linear> {
-        Ok(Linear {
-            weight: self.tensor(&format!("{prefix}.weight"), &[out, inp])?,
-            bias: if bias {
-                Some(self.vector(&format!("{prefix}.bias"), out)?)
-            } else {
-                None
-            },
-        })
-    }
-}
-
 /// `sqrt(width)` as `Gemma4TextScaledWordEmbedding` applies it: an f32 buffer cast to the table's
 /// dtype before the multiply (so 53.066 becomes 53.0 for a bf16 table of width 2816).
 pub fn embed_scale(width: usize, dtype: DType) -> f32 {
@@ -153,7 +119,10 @@ fn text_prefix(ckpt: &Checkpoint) -> &'static str {
 impl Gemma4Weights {
     /// Find and check every tensor `cfg` calls for.
     pub fn load(ckpt: &Checkpoint, cfg: &ModelConfig, g: &Gemma4Config) -> Result<Gemma4Weights> {
-        let ld = Loader { ckpt };
+        let ld = Loader {
+            ckpt,
+            norm_offset: false,
+        };
         let (h, v) = (cfg.hidden_size, cfg.vocab_size);
         let base = text_prefix(ckpt);
         announce_skipped_towers(ckpt, g);
