@@ -105,3 +105,22 @@ __device__ __forceinline__ float load_cg(const float* p) {
     asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
     return v;
 }
+
+// Programmatic dependent launch (Hopper and later). In a captured decode graph, graph.rs turns
+// the edge into each kernel named in `graph::PDL_KERNELS` programmatic: the kernel may launch
+// while the one before it still runs. Such a kernel calls pdl_entry() before it touches memory
+// that an earlier kernel writes or reads (it may first pull read-only weights towards L2, the
+// point of launching early): griddepcontrol.wait returns once the previous kernel has finished
+// and its writes are visible. It then lets the next kernel launch, so at most one kernel waits
+// ahead of the running one. Launched any other way, both instructions do nothing.
+__device__ __forceinline__ void pdl_entry() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Ask for the 128-byte line at `p` to be brought into L2 (no register, no wait).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}

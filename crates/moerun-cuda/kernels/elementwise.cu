@@ -4,18 +4,21 @@
 // Launch (all but gather_rows): 1-D grid-stride, block 256, grid min(ceil(n / 256), 32 * SMs).
 
 extern "C" __global__ void add_f32(float* x, const float* __restrict__ y, u64 n) {
+    pdl_entry();
     const u64 stride = (u64)gridDim.x * blockDim.x;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) x[i] += y[i];
 }
 
 // x[r, c] += bias[c] for `n` = rows * width elements.
 extern "C" __global__ void add_bias_f32(float* x, const float* __restrict__ bias, u64 n, int width) {
+    pdl_entry();
     const u64 stride = (u64)gridDim.x * blockDim.x;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
         x[i] += bias[i % (u64)width];
 }
 
 extern "C" __global__ void clamp_f32(float* x, float c, u64 n) {
+    pdl_entry();
     const u64 stride = (u64)gridDim.x * blockDim.x;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
         x[i] = fminf(fmaxf(x[i], -c), c);
@@ -25,6 +28,7 @@ extern "C" __global__ void clamp_f32(float* x, float c, u64 n) {
 // (an ungated shared expert: scale 1). n = rows * width.
 extern "C" __global__ void add_sigmoid_scaled_f32(float* out, const float* __restrict__ s,
                                                   const float* __restrict__ gate, u64 n, int width) {
+    pdl_entry();
     const u64 stride = (u64)gridDim.x * blockDim.x;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
         float scale = 1.0f;
@@ -36,6 +40,7 @@ extern "C" __global__ void add_sigmoid_scaled_f32(float* out, const float* __res
 // out[j, :] = x[rows[j], :]. Launch: grid (rows), block 256.
 extern "C" __global__ void gather_rows_f32(const float* __restrict__ x, const int* __restrict__ rows,
                                            float* out, int width) {
+    pdl_entry();
     const float* src = x + (u64)rows[blockIdx.x] * width;
     float* dst = out + (u64)blockIdx.x * width;
     for (int c = threadIdx.x; c < width; c += blockDim.x) dst[c] = src[c];

@@ -6,6 +6,7 @@
 template <typename T, typename Widen>
 __device__ __forceinline__ void embed_rows(const T* __restrict__ table, const u32* __restrict__ ids,
                                            float* __restrict__ out, int hidden, u32 rows) {
+    pdl_entry();
     const u32 id = ids[blockIdx.x];
     float* dst = out + (u64)blockIdx.x * hidden;
     if (id >= rows) {

@@ -41,6 +41,7 @@ __device__ __forceinline__ float block_sum(float v) {
 extern "C" __global__ void add_rms_norm_f32(float* x, const float* __restrict__ y,
                                             const float* __restrict__ w, float* out, int width,
                                             float eps) {
+    pdl_entry();
     const u64 row = blockIdx.x;
     float* xr = x + row * width;
     const float* yr = y + row * width;
@@ -59,6 +60,7 @@ extern "C" __global__ void add_rms_norm_f32(float* x, const float* __restrict__ 
 // RMSNorm of wide rows (hidden states), a block per row: out may alias x.
 extern "C" __global__ void rms_norm_block_f32(const float* x, const float* __restrict__ w,
                                               float* out, int width, float eps) {
+    pdl_entry();
     const u64 row = blockIdx.x;
     const float* xr = x + row * width;
     float* o = out + row * width;
@@ -90,6 +92,7 @@ extern "C" __global__ void qkv_split_norm_rope_f32(
     float attention_factor, float eps, int v_unit_norm, float* gate, const KvDest kv) {
     __shared__ float heads_smem[QKV_HEADS_PER_BLOCK][FUSED_MAX_HEAD_DIM];
     float* hd = heads_smem[threadIdx.y];
+    pdl_entry();
     const int t = blockIdx.x;
     const int h = blockIdx.y * QKV_HEADS_PER_BLOCK + threadIdx.y;
     const int lane = threadIdx.x;

@@ -38,9 +38,13 @@ __device__ __forceinline__ void gemv_warp_row(const void* __restrict__ w_raw, co
                                           float* __restrict__ y, int n, int k) {
     const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
-    if (row >= n) return;
     const int chunks = k / C::N;
     const uint4* w = reinterpret_cast<const uint4*>(w_raw) + (u64)row * chunks;
+    // The weights do not depend on the kernel before: start them towards L2 while it finishes.
+    if (row < n)
+        for (int c = 8 * lane; c < chunks; c += 8 * 32) prefetch_l2(w + c);
+    pdl_entry();
+    if (row >= n) return;
     float acc[M];
 #pragma unroll
     for (int m = 0; m < M; ++m) acc[m] = 0.0f;
@@ -122,6 +126,16 @@ __device__ __forceinline__ void gemv_block_rows(const void* __restrict__ w_raw,
     const int rows_here = min(R, n - row0);  // block-uniform
     const int chunks = k / C::N;
     const uint4* w = reinterpret_cast<const uint4*>(w_raw) + (u64)row0 * chunks;
+    // The weights do not depend on the kernel before: start them towards L2 while it finishes
+    // (one prefetch per 128-byte line, 8 chunks).
+    {
+        const int lines = (chunks + 7) / 8;
+        for (int i = tid; i < rows_here * lines; i += ROWS_THREADS) {
+            const int r = i / lines;
+            prefetch_l2(w + (u64)r * chunks + 8 * (i - r * lines));
+        }
+    }
+    pdl_entry();
     float acc[M][R];
 #pragma unroll
     for (int m = 0; m < M; ++m)

@@ -425,6 +425,7 @@ __device__ __forceinline__ void moe_tiny_gate_up(const void* __restrict__ gate_u
                                                  const u32* __restrict__ ids, int pairs_n,
                                                  float* __restrict__ h, int experts, int hidden,
                                                  int inter, int top_k, int act) {
+    pdl_entry();
     const u32 full = 0xffffffffu;
     const int lane = threadIdx.x & 31;
     const u32 id = lane < pairs_n ? ids[lane] : MOE_NONE;
@@ -459,6 +460,7 @@ __device__ __forceinline__ void moe_tiny_down(const void* __restrict__ down,
                                               float* __restrict__ out, int experts, int hidden,
                                               int inter, int top_k) {
     __shared__ float ys[MOE_TINY_MAX_K][MOE_DOWN_ROWS];
+    pdl_entry();
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
     const u64 t = blockIdx.y;

@@ -5,6 +5,7 @@
 
 extern "C" __global__ void rms_norm_f32(const float* x, const float* __restrict__ w, float* out,
                                         int rows, int width, float eps) {
+    pdl_entry();
     const int row = blockIdx.x * blockDim.y + threadIdx.y;
     if (row >= rows) return;
     const float* xr = x + (u64)row * width;

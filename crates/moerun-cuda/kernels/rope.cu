@@ -12,6 +12,7 @@ extern "C" __global__ void rope_rotate_half_f32(float* x, const u32* __restrict_
                                                 int head_dim, int half, float attention_factor) {
     __shared__ float cos_s[ROPE_MAX_HALF];
     __shared__ float sin_s[ROPE_MAX_HALF];
+    pdl_entry();
     const int t = blockIdx.x;
     const float pos = (float)positions[t];
     for (int i = threadIdx.x; i < half; i += blockDim.x) {

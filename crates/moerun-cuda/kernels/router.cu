@@ -9,6 +9,7 @@ extern "C" __global__ void route_topk_f32(const float* __restrict__ logits, int 
                                           int k, int renormalise, u32* __restrict__ out_experts,
                                           float* __restrict__ out_weights) {
     extern __shared__ float probs_all[];
+    pdl_entry();
     const int row = blockIdx.x * blockDim.y + threadIdx.y;
     if (row >= rows) return;  // no block-wide barrier below: warps are independent
     const int lane = threadIdx.x;

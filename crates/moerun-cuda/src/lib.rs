@@ -17,7 +17,7 @@ mod bandwidth;
 pub mod compile;
 mod device;
 pub mod error;
-mod graph;
+pub mod graph;
 pub mod ops;
 pub mod probe;
 

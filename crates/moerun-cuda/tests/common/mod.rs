@@ -2,6 +2,8 @@
 //! random inputs with a printed seed, the norm-wise relative error, and the `RESULT` line that
 //! scripts/gpu-check.sh collects into its table.
 
+#![allow(dead_code)] // each test binary uses its own subset
+
 use std::sync::OnceLock;
 
 use moerun_cuda::CudaDevice;
