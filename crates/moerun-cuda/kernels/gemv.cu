@@ -40,21 +40,31 @@ __device__ __forceinline__ void gemv_warp_row(const void* __restrict__ w_raw, co
     const int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     const int chunks = k / C::N;
     const uint4* w = reinterpret_cast<const uint4*>(w_raw) + (u64)row * chunks;
-    // The weights do not depend on the kernel before: start them towards L2 while it finishes.
-    if (row < n)
-        for (int c = 8 * lane; c < chunks; c += 8 * 32) prefetch_l2(w + c);
+    // The first step's weights do not depend on the kernel before (programmatic dependent
+    // launch, common.cuh): load them, then wait for it. Same steps, same order as without.
+    int c = lane;
+    const int first = c + 32 * (GEMV_UNROLL - 1) < chunks ? GEMV_UNROLL : (c < chunks ? 1 : 0);
+    uint4 q[GEMV_UNROLL];
+#pragma unroll
+    for (int u = 0; u < GEMV_UNROLL; ++u)
+        q[u] = row < n && u < first ? load_stream(w + c + 32 * u) : make_uint4(0u, 0u, 0u, 0u);
     pdl_entry();
     if (row >= n) return;
     float acc[M];
 #pragma unroll
     for (int m = 0; m < M; ++m) acc[m] = 0.0f;
-    int c = lane;
-    for (; c + 32 * (GEMV_UNROLL - 1) < chunks; c += 32 * GEMV_UNROLL) {
-        uint4 q[GEMV_UNROLL];
+    if (first == GEMV_UNROLL) {
+        for (;;) {
 #pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; ++u) q[u] = load_stream(w + c + 32 * u);
+            for (int u = 0; u < GEMV_UNROLL; ++u) fma_chunk<C, M>(q[u], x, k, c + 32 * u, acc);
+            c += 32 * GEMV_UNROLL;
+            if (c + 32 * (GEMV_UNROLL - 1) >= chunks) break;
 #pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; ++u) fma_chunk<C, M>(q[u], x, k, c + 32 * u, acc);
+            for (int u = 0; u < GEMV_UNROLL; ++u) q[u] = load_stream(w + c + 32 * u);
+        }
+    } else if (first == 1) {
+        fma_chunk<C, M>(q[0], x, k, c, acc);
+        c += 32;
     }
     for (; c < chunks; c += 32) fma_chunk<C, M>(load_stream(w + c), x, k, c, acc);
 #pragma unroll
@@ -126,39 +136,46 @@ __device__ __forceinline__ void gemv_block_rows(const void* __restrict__ w_raw,
     const int rows_here = min(R, n - row0);  // block-uniform
     const int chunks = k / C::N;
     const uint4* w = reinterpret_cast<const uint4*>(w_raw) + (u64)row0 * chunks;
-    // The weights do not depend on the kernel before: start them towards L2 while it finishes
-    // (one prefetch per 128-byte line, 8 chunks).
-    {
-        const int lines = (chunks + 7) / 8;
-        for (int i = tid; i < rows_here * lines; i += ROWS_THREADS) {
-            const int r = i / lines;
-            prefetch_l2(w + (u64)r * chunks + 8 * (i - r * lines));
-        }
-    }
+    // The first step's weights do not depend on the kernel before (programmatic dependent
+    // launch, common.cuh): load them, then wait for it. Same steps, same order as without.
+    int c = tid;
+    const int first = c + ROWS_THREADS * (U - 1) < chunks ? U : (c < chunks ? 1 : 0);
+    uint4 q[U][R];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+            q[u][r] = u < first && r < rows_here ? load_stream(w + (u64)r * chunks + c + ROWS_THREADS * u)
+                                                 : make_uint4(0u, 0u, 0u, 0u);
     pdl_entry();
     float acc[M][R];
 #pragma unroll
     for (int m = 0; m < M; ++m)
 #pragma unroll
         for (int r = 0; r < R; ++r) acc[m][r] = 0.0f;
-    int c = tid;
-    for (; c + ROWS_THREADS * (U - 1) < chunks; c += ROWS_THREADS * U) {
-        uint4 q[U][R];
+    if (first == U) {
+        for (;;) {
 #pragma unroll
-        for (int u = 0; u < U; ++u)
+            for (int u = 0; u < U; ++u) fma_rows<C, M, R>(q[u], x, k, c + ROWS_THREADS * u, acc);
+            c += ROWS_THREADS * U;
+            if (c + ROWS_THREADS * (U - 1) >= chunks) break;
 #pragma unroll
-            for (int r = 0; r < R; ++r)
-                q[u][r] = r < rows_here ? load_stream(w + (u64)r * chunks + c + ROWS_THREADS * u)
-                                        : make_uint4(0u, 0u, 0u, 0u);
+            for (int u = 0; u < U; ++u)
 #pragma unroll
-        for (int u = 0; u < U; ++u) fma_rows<C, M, R>(q[u], x, k, c + ROWS_THREADS * u, acc);
+                for (int r = 0; r < R; ++r)
+                    q[u][r] = r < rows_here ? load_stream(w + (u64)r * chunks + c + ROWS_THREADS * u)
+                                            : make_uint4(0u, 0u, 0u, 0u);
+        }
+    } else if (first == 1) {
+        fma_rows<C, M, R>(q[0], x, k, c, acc);
+        c += ROWS_THREADS;
     }
     for (; c < chunks; c += ROWS_THREADS) {
-        uint4 q[R];
+        uint4 t[R];
 #pragma unroll
         for (int r = 0; r < R; ++r)
-            q[r] = r < rows_here ? load_stream(w + (u64)r * chunks + c) : make_uint4(0u, 0u, 0u, 0u);
-        fma_rows<C, M, R>(q, x, k, c, acc);
+            t[r] = r < rows_here ? load_stream(w + (u64)r * chunks + c) : make_uint4(0u, 0u, 0u, 0u);
+        fma_rows<C, M, R>(t, x, k, c, acc);
     }
 #pragma unroll
     for (int m = 0; m < M; ++m)

@@ -13,6 +13,7 @@
 //! [`CudaDevice::download`] waits for it. The CPU kernels of `moerun-cpu` are the reference these
 //! ops are tested against (`tests/`).
 
+pub mod arena;
 mod bandwidth;
 pub mod compile;
 mod device;
@@ -21,7 +22,8 @@ pub mod graph;
 pub mod ops;
 pub mod probe;
 
-pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
+pub use arena::{ActivationArena, DeviceBuffer};
+pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr};
 pub use device::{CudaDevice, DeviceInfo, DeviceMatrix};
 pub use error::{CudaError, Result};
 pub use graph::DeviceGraph;

@@ -23,7 +23,9 @@
 //! rewritten before each replay.
 
 use moerun_core::{Error, Result};
-use moerun_cuda::{CudaDevice, CudaSlice, DeltaSeqs, DeltaShape, DevicePtr, DevicePtrMut};
+use moerun_cuda::{
+    CudaDevice, CudaSlice, DeltaSeqs, DeltaShape, DeviceBuffer, DevicePtr, DevicePtrMut,
+};
 
 use super::pass::CudaPass;
 use super::{dev_err, tensor_key};
@@ -130,8 +132,8 @@ pub(crate) fn gated_deltanet(
     lp: &LinearPlacement,
     layer: usize,
     w: &GatedDeltaNetWeights,
-    xn: &CudaSlice<f32>,
-) -> Result<CudaSlice<f32>> {
+    xn: &DeviceBuffer<f32>,
+) -> Result<DeviceBuffer<f32>> {
     let (conv_offset, rec_offset) = lp
         .offsets
         .get(layer)
@@ -182,7 +184,7 @@ fn deltanet_core(
     z: &impl DevicePtr<f32>,
     b: &impl DevicePtr<f32>,
     a: &impl DevicePtr<f32>,
-) -> Result<CudaSlice<f32>> {
+) -> Result<DeviceBuffer<f32>> {
     let shape = lp.shape;
     let rows = lp.rows;
     if qkv.len() != rows * shape.conv_dim() {
@@ -202,8 +204,8 @@ fn deltanet_core(
     dev.deltanet_conv_silu(qkv, m.vec(&w.conv1d_taps)?, shape, &seqs, conv_offset)
         .map_err(dev_err)?;
     let hv = shape.value_heads;
-    let mut beta = dev.alloc_f32(rows * hv).map_err(dev_err)?;
-    let mut g = dev.alloc_f32(rows * hv).map_err(dev_err)?;
+    let mut beta = pass.alloc(rows * hv)?;
+    let mut g = pass.alloc(rows * hv)?;
     dev.deltanet_gates(
         qkv,
         shape,
@@ -215,9 +217,7 @@ fn deltanet_core(
         &mut g,
     )
     .map_err(dev_err)?;
-    let mut core = dev
-        .alloc_f32(rows * hv * shape.value_dim)
-        .map_err(dev_err)?;
+    let mut core = pass.alloc(rows * hv * shape.value_dim)?;
     dev.gated_delta_recurrent(qkv, &beta, &g, shape, &seqs, rec_offset, &mut core)
         .map_err(dev_err)?;
     dev.gated_rms_norm(&mut core, z, m.vec(&w.norm)?, lp.eps)

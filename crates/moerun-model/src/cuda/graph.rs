@@ -23,7 +23,7 @@
 use std::collections::HashMap;
 
 use moerun_core::{Error, Result};
-use moerun_cuda::{CudaSlice, DeviceGraph, MoePath};
+use moerun_cuda::{CudaSlice, DeviceBuffer, DeviceGraph, MoePath};
 
 use super::deltanet::LinearPlacement;
 use super::pass::{CudaPass, Placement, Tokens};
@@ -67,6 +67,14 @@ struct DecodeGraph {
     linear: Option<(LinearPlacement, CudaSlice<f32>)>,
     logits: CudaSlice<f32>,
     graph: DeviceGraph,
+    /// Bytes of activations the step drew from (or wanted of) the arena.
+    arena_bytes: usize,
+}
+
+/// Whether captured steps draw their activations from the arena: off with
+/// `MOERUN_CUDA_ARENA=0` (each op then allocates, and the graph holds allocation nodes).
+fn arena_enabled() -> bool {
+    std::env::var_os("MOERUN_CUDA_ARENA").is_none_or(|v| v != "0")
 }
 
 fn graphs_enabled() -> bool {
@@ -128,7 +136,7 @@ pub(crate) fn try_decode(
         .is_some_and(|g| g.table_blocks >= need_blocks);
     if !fits {
         let table_blocks = need_blocks.next_power_of_two().max(MIN_TABLE_BLOCKS);
-        match capture(m, cfg, w, kv, bucket, table_blocks, linear.map(|(c, _)| c)) {
+        match capture_in_arena(m, cfg, w, kv, bucket, table_blocks, linear.map(|(c, _)| c)) {
             Ok(g) => {
                 kv.graphs.by_bucket.insert(bucket, g);
             }
@@ -188,6 +196,31 @@ pub(crate) fn try_decode(
     Ok(Some(logits))
 }
 
+/// [`capture`] with every activation of the step in the cache's arena, so that the graph is a
+/// chain of kernels without allocation nodes (whose edges can then be programmatic). If the
+/// arena was too small, it grows (to at least twice its size, so that recaptures stay few), the
+/// graphs captured over its old region are dropped, and the step is captured again.
+fn capture_in_arena(
+    m: &CudaModel,
+    cfg: &ModelConfig,
+    w: &ModelWeights,
+    kv: &mut DeviceKv,
+    bucket: usize,
+    table_blocks: usize,
+    linear: Option<&LinearStateCache>,
+) -> Result<DecodeGraph> {
+    let g = capture(m, cfg, w, kv, bucket, table_blocks, linear)?;
+    let capacity = kv.scratch.arena.capacity();
+    if g.arena_bytes <= capacity {
+        return Ok(g);
+    }
+    let wanted = g.arena_bytes.max(2 * capacity);
+    drop(g);
+    kv.graphs.clear();
+    kv.scratch.arena.grow(&m.dev, wanted).map_err(dev_err)?;
+    capture(m, cfg, w, kv, bucket, table_blocks, linear)
+}
+
 /// Capture a decode step of `bucket` sequences with block tables `table_blocks` wide.
 fn capture(
     m: &CudaModel,
@@ -240,31 +273,38 @@ fn capture(
     };
     // Nothing may be pending when capture starts (uploads above finish first).
     dev.synchronize().map_err(dev_err)?;
-    let graph = dev
-        .capture(|| {
-            let out = match &w.gemma4 {
-                Some(g) => crate::gemma4::cuda::decode_logits(
-                    m,
-                    kv,
-                    cfg,
-                    g,
-                    &at,
-                    &tokens,
-                    &host_tokens,
-                    &rows,
-                ),
-                None => {
-                    let mut pass = CudaPass::new(m, kv, &at, Tokens::Device(&tokens));
-                    if let Some((lp, _)) = &linear {
-                        pass = pass.with_linear_state(lp);
-                    }
-                    forward::decoder_logits(&mut pass, cfg, w, &host_tokens, &rows)
-                }
+    if arena_enabled() {
+        kv.scratch.arena.begin();
+    }
+    let captured = dev.capture(|| {
+        let out = match &w.gemma4 {
+            Some(g) => {
+                crate::gemma4::cuda::decode_logits(m, kv, cfg, g, &at, &tokens, &host_tokens, &rows)
+                    .map(DeviceBuffer::owned)
             }
-            .map_err(|e| moerun_cuda::CudaError::Unsupported(e.to_string()))?;
-            dev.copy_within(&out, &mut logits)
-        })
-        .map_err(dev_err)?;
+            None => {
+                let mut pass = CudaPass::new(m, kv, &at, Tokens::Device(&tokens));
+                if let Some((lp, _)) = &linear {
+                    pass = pass.with_linear_state(lp);
+                }
+                forward::decoder_logits(&mut pass, cfg, w, &host_tokens, &rows)
+            }
+        }
+        .map_err(|e| moerun_cuda::CudaError::Unsupported(e.to_string()))?;
+        dev.copy_within(&out, &mut logits)
+    });
+    let arena_bytes = kv.scratch.arena.end();
+    let graph = captured.map_err(dev_err)?;
+    if std::env::var_os("MOERUN_CUDA_GRAPH_INFO").is_some_and(|v| v == "1") {
+        eprintln!(
+            "moerun: decode graph for {bucket} sequences: {} nodes, {} programmatic edges, \
+             {:.1} MB of activations (arena {:.1} MB)",
+            graph.nodes(),
+            graph.programmatic_edges(),
+            arena_bytes as f64 / 1e6,
+            kv.scratch.arena.capacity() as f64 / 1e6
+        );
+    }
     Ok(DecodeGraph {
         table_blocks,
         tokens,
@@ -272,6 +312,7 @@ fn capture(
         linear,
         logits,
         graph,
+        arena_bytes,
     })
 }
 

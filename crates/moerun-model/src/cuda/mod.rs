@@ -26,8 +26,8 @@ use std::collections::HashMap;
 
 use moerun_core::{Error, Result, Tensor};
 use moerun_cuda::{
-    AttentionPrefill, AttentionScratch, CudaDevice, CudaError, CudaSlice, DeviceExperts,
-    DeviceKvPool, DeviceMatrix, DeviceRope, MoeScratch,
+    ActivationArena, AttentionPrefill, AttentionScratch, CudaDevice, CudaError, CudaSlice,
+    DeviceExperts, DeviceKvPool, DeviceMatrix, DeviceRope, MoeScratch,
 };
 
 use crate::config::{ModelConfig, QkNorm};
@@ -113,6 +113,8 @@ pub(crate) struct PassScratch {
     moe: Option<(usize, MoeScratch)>,
     /// Set when a buffer was replaced: graphs captured before must not be replayed.
     pub(crate) replaced: bool,
+    /// Where a captured decode step's activations live (no allocation nodes in its graph).
+    pub(crate) arena: ActivationArena,
 }
 
 impl PassScratch {
@@ -210,6 +212,7 @@ impl DeviceKv {
                 attention,
                 moe: None,
                 replaced: false,
+                arena: ActivationArena::new(),
             },
             graphs: graph::DecodeGraphs::default(),
             trash_block: num_blocks,

@@ -10,8 +10,8 @@
 
 use moerun_core::{DType, Error, Result, Tensor};
 use moerun_cuda::{
-    AttentionShape, CudaDevice, CudaSlice, DeviceKvPool, DeviceMatrix, QkvShape, RouterShape,
-    TokenPlacement,
+    AttentionShape, CudaDevice, CudaSlice, DeviceBuffer, DeviceKvPool, DeviceMatrix, DeviceRepr,
+    QkvShape, RouterShape, TokenPlacement,
 };
 
 use super::{dev_err, profile, tensor_key, CudaModel, DeviceKv, PassScratch};
@@ -153,22 +153,30 @@ impl<'a> CudaPass<'a> {
         self.m
     }
 
-    /// An output buffer the op about to run writes in full.
-    fn alloc(&self, len: usize) -> Result<CudaSlice<f32>> {
-        self.m.dev.alloc_f32(len).map_err(dev_err)
+    /// An output buffer the op about to run writes in full: from the pass's arena while a
+    /// decode step is being captured, else allocated.
+    pub(crate) fn alloc(&self, len: usize) -> Result<DeviceBuffer<f32>> {
+        self.alloc_of(len)
+    }
+
+    fn alloc_of<T: DeviceRepr>(&self, len: usize) -> Result<DeviceBuffer<T>> {
+        self.m
+            .dev
+            .activation(Some(&self.scratch.arena), len)
+            .map_err(dev_err)
     }
 
     /// `x · Wᵀ` for the device copy of `w`.
-    fn product(&self, x: &CudaSlice<f32>, w: &Tensor) -> Result<CudaSlice<f32>> {
+    fn product(&self, x: &DeviceBuffer<f32>, w: &Tensor) -> Result<DeviceBuffer<f32>> {
         self.product_with(x, self.m.mat(w)?)
     }
 
     /// `x · Dᵀ` for a device matrix.
     pub(crate) fn product_with(
         &self,
-        x: &CudaSlice<f32>,
+        x: &DeviceBuffer<f32>,
         d: &DeviceMatrix,
-    ) -> Result<CudaSlice<f32>> {
+    ) -> Result<DeviceBuffer<f32>> {
         let rows = x.len() / d.cols();
         let mut out = self.alloc(rows * d.rows())?;
         let dev = &self.m.dev;
@@ -182,9 +190,9 @@ impl<'a> CudaPass<'a> {
 }
 
 impl Backend for CudaPass<'_> {
-    type Act = CudaSlice<f32>;
+    type Act = DeviceBuffer<f32>;
 
-    fn embed(&mut self, table: &Tensor, tokens: &[u32]) -> Result<CudaSlice<f32>> {
+    fn embed(&mut self, table: &Tensor, tokens: &[u32]) -> Result<DeviceBuffer<f32>> {
         let m = self.m;
         profile::timed(&m.dev, "embed", || {
             let d = self.m.mat(table)?;
@@ -198,7 +206,12 @@ impl Backend for CudaPass<'_> {
         })
     }
 
-    fn rms_norm(&mut self, x: &CudaSlice<f32>, weight: &[f32], eps: f32) -> Result<CudaSlice<f32>> {
+    fn rms_norm(
+        &mut self,
+        x: &DeviceBuffer<f32>,
+        weight: &[f32],
+        eps: f32,
+    ) -> Result<DeviceBuffer<f32>> {
         let m = self.m;
         profile::timed(&m.dev, "rms_norm", || {
             let w = self.m.vec(weight)?;
@@ -210,11 +223,11 @@ impl Backend for CudaPass<'_> {
 
     fn add_rms_norm(
         &mut self,
-        x: &mut CudaSlice<f32>,
-        y: &CudaSlice<f32>,
+        x: &mut DeviceBuffer<f32>,
+        y: &DeviceBuffer<f32>,
         weight: &[f32],
         eps: f32,
-    ) -> Result<CudaSlice<f32>> {
+    ) -> Result<DeviceBuffer<f32>> {
         let m = self.m;
         profile::timed(&m.dev, "add_rms_norm", || {
             let w = m.vec(weight)?;
@@ -231,8 +244,8 @@ impl Backend for CudaPass<'_> {
         layer: usize,
         cfg: &ModelConfig,
         w: &AttentionWeights,
-        xn: &CudaSlice<f32>,
-    ) -> Result<AttentionInputs<CudaSlice<f32>>> {
+        xn: &DeviceBuffer<f32>,
+    ) -> Result<AttentionInputs<DeviceBuffer<f32>>> {
         let m = self.m;
         let Some(stacked) = m.qkv.get(&tensor_key(&w.q_proj.weight)) else {
             return crate::forward::attention_inputs(self, cfg, w, xn);
@@ -276,7 +289,7 @@ impl Backend for CudaPass<'_> {
                     &mut q,
                     &mut k,
                     &mut v,
-                    gate.as_mut(),
+                    gate.as_deref_mut(),
                     Some((pool, &at)),
                 )
                 .map_err(dev_err)?;
@@ -285,14 +298,14 @@ impl Backend for CudaPass<'_> {
         })
     }
 
-    fn add_assign(&mut self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>) -> Result<()> {
+    fn add_assign(&mut self, x: &mut DeviceBuffer<f32>, y: &DeviceBuffer<f32>) -> Result<()> {
         let m = self.m;
         profile::timed(&m.dev, "add_assign", || {
             self.m.dev.add_assign(x, y).map_err(dev_err)
         })
     }
 
-    fn linear(&mut self, x: &CudaSlice<f32>, l: &Linear) -> Result<CudaSlice<f32>> {
+    fn linear(&mut self, x: &DeviceBuffer<f32>, l: &Linear) -> Result<DeviceBuffer<f32>> {
         let m = self.m;
         profile::timed(&m.dev, "linear", || {
             let mut out = self.product(x, &l.weight)?;
@@ -304,17 +317,17 @@ impl Backend for CudaPass<'_> {
         })
     }
 
-    fn matmul(&mut self, x: &CudaSlice<f32>, w: &Tensor) -> Result<CudaSlice<f32>> {
+    fn matmul(&mut self, x: &DeviceBuffer<f32>, w: &Tensor) -> Result<DeviceBuffer<f32>> {
         let m = self.m;
         profile::timed(&m.dev, "matmul", || self.product(x, w))
     }
 
-    fn clamp(&mut self, x: &mut CudaSlice<f32>, c: f32) -> Result<()> {
+    fn clamp(&mut self, x: &mut DeviceBuffer<f32>, c: f32) -> Result<()> {
         let m = self.m;
         profile::timed(&m.dev, "clamp", || self.m.dev.clamp(x, c).map_err(dev_err))
     }
 
-    fn rope(&mut self, x: &mut CudaSlice<f32>, heads: usize, head_dim: usize) -> Result<()> {
+    fn rope(&mut self, x: &mut DeviceBuffer<f32>, heads: usize, head_dim: usize) -> Result<()> {
         let m = self.m;
         profile::timed(&m.dev, "rope", || {
             self.m
@@ -326,9 +339,9 @@ impl Backend for CudaPass<'_> {
 
     fn split_query_gate(
         &mut self,
-        q_and_gate: &CudaSlice<f32>,
+        q_and_gate: &DeviceBuffer<f32>,
         head_dim: usize,
-    ) -> Result<(CudaSlice<f32>, CudaSlice<f32>)> {
+    ) -> Result<(DeviceBuffer<f32>, DeviceBuffer<f32>)> {
         let m = self.m;
         profile::timed(&m.dev, "split_query_gate", || {
             let half = q_and_gate.len() / 2;
@@ -341,7 +354,7 @@ impl Backend for CudaPass<'_> {
         })
     }
 
-    fn sigmoid_gate(&mut self, x: &mut CudaSlice<f32>, gate: &CudaSlice<f32>) -> Result<()> {
+    fn sigmoid_gate(&mut self, x: &mut DeviceBuffer<f32>, gate: &DeviceBuffer<f32>) -> Result<()> {
         let m = self.m;
         profile::timed(&m.dev, "sigmoid_gate", || {
             m.dev.sigmoid_gate(x, gate).map_err(dev_err)
@@ -351,14 +364,16 @@ impl Backend for CudaPass<'_> {
     fn attention(
         &mut self,
         layer: usize,
-        q: &CudaSlice<f32>,
-        k: &CudaSlice<f32>,
-        v: &CudaSlice<f32>,
+        q: &DeviceBuffer<f32>,
+        k: &DeviceBuffer<f32>,
+        v: &DeviceBuffer<f32>,
         spec: &AttentionSpec,
-    ) -> Result<CudaSlice<f32>> {
+    ) -> Result<DeviceBuffer<f32>> {
         let m = self.m;
         profile::timed(&m.dev, "attention", || {
             let dev = &self.m.dev;
+            let rows = q.len() / (spec.num_heads * spec.head_dim);
+            let mut out = self.alloc(rows * spec.num_heads * spec.head_dim)?;
             let written = self.kv_written.take() == Some(layer);
             let at = placement(self.at, spec.sliding_window.is_some());
             let pool = self.pools[layer]
@@ -374,10 +389,6 @@ impl Backend for CudaPass<'_> {
                 scale: spec.scale,
                 sliding_window: spec.sliding_window,
             };
-            let rows = q.len() / (spec.num_heads * spec.head_dim);
-            let mut out = dev
-                .alloc_f32(rows * spec.num_heads * spec.head_dim)
-                .map_err(dev_err)?;
             dev.paged_attention_with(
                 self.m.prefill_attention,
                 q,
@@ -392,7 +403,7 @@ impl Backend for CudaPass<'_> {
         })
     }
 
-    fn mlp(&mut self, x: &CudaSlice<f32>, w: &MlpWeights) -> Result<CudaSlice<f32>> {
+    fn mlp(&mut self, x: &DeviceBuffer<f32>, w: &MlpWeights) -> Result<DeviceBuffer<f32>> {
         let m = self.m;
         profile::timed(&m.dev, "mlp", || {
             let mut g = self.linear(x, &w.gate_proj)?;
@@ -404,10 +415,10 @@ impl Backend for CudaPass<'_> {
 
     fn moe(
         &mut self,
-        x: &CudaSlice<f32>,
+        x: &DeviceBuffer<f32>,
         cfg: &MoeConfig,
         w: &MoeWeights,
-    ) -> Result<CudaSlice<f32>> {
+    ) -> Result<DeviceBuffer<f32>> {
         let m = self.m;
         profile::timed(&m.dev, "moe", || {
             let dev = &self.m.dev;
@@ -416,7 +427,7 @@ impl Backend for CudaPass<'_> {
             let k = cfg.top_k;
             let logits = self.product(x, &w.router)?;
             // route_topk writes every choice: no memset (a launch per layer in a decode step).
-            let mut ids = dev.alloc_u32(rows * k).map_err(dev_err)?;
+            let mut ids = self.alloc_of::<u32>(rows * k)?;
             let mut weights = self.alloc(rows * k)?;
             let shape = RouterShape {
                 experts: cfg.num_experts,
@@ -440,7 +451,7 @@ impl Backend for CudaPass<'_> {
                 };
                 self.m
                     .dev
-                    .add_sigmoid_scaled(&mut out, &s, gate.as_ref(), hidden)
+                    .add_sigmoid_scaled(&mut out, &s, gate.as_deref(), hidden)
                     .map_err(dev_err)?;
             }
             Ok(out)
@@ -451,8 +462,8 @@ impl Backend for CudaPass<'_> {
         &mut self,
         layer: usize,
         w: &GatedDeltaNetWeights,
-        xn: &CudaSlice<f32>,
-    ) -> Result<CudaSlice<f32>> {
+        xn: &DeviceBuffer<f32>,
+    ) -> Result<DeviceBuffer<f32>> {
         let Some(lp) = self.linear else {
             return Err(Error::Unsupported(
                 "Gated DeltaNet layers keep per-sequence state: run the model with \
@@ -468,20 +479,19 @@ impl Backend for CudaPass<'_> {
 
     fn select_rows(
         &mut self,
-        x: &CudaSlice<f32>,
+        x: &DeviceBuffer<f32>,
         width: usize,
         rows: &[usize],
-    ) -> Result<CudaSlice<f32>> {
+    ) -> Result<DeviceBuffer<f32>> {
         let m = self.m;
         profile::timed(&m.dev, "select_rows", || {
             let dev = &self.m.dev;
             if rows.iter().copied().eq(0..x.len() / width.max(1)) {
                 // Every row in order (decode): a copy, and no host upload (which a graph could not
                 // capture).
-                return dev
-                    .stream()
-                    .clone_dtod(x)
-                    .map_err(|e| Error::Device(e.to_string()));
+                let mut out = self.alloc(x.len())?;
+                dev.copy_within(x, &mut out).map_err(dev_err)?;
+                return Ok(out);
             }
             let idx: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
             if idx.is_empty() {
@@ -494,11 +504,12 @@ impl Backend for CudaPass<'_> {
         })
     }
 
-    fn upload(&mut self, x: &[f32]) -> Result<CudaSlice<f32>> {
-        self.m.dev.upload(x).map_err(dev_err)
+    fn upload(&mut self, x: &[f32]) -> Result<DeviceBuffer<f32>> {
+        let x = self.m.dev.upload(x).map_err(dev_err)?;
+        Ok(DeviceBuffer::owned(x))
     }
 
-    fn to_host(&mut self, x: CudaSlice<f32>) -> Result<Vec<f32>> {
+    fn to_host(&mut self, x: DeviceBuffer<f32>) -> Result<Vec<f32>> {
         if x.is_empty() {
             return Ok(Vec::new());
         }
