@@ -230,11 +230,11 @@ struct Scatter {
 
 // Rows of the U keys group `grp` takes at step jb (zeros past k1 or out of range; ok[u] says
 // which are real).
-template <int L, int VPL, int U>
+template <int W, int L, int VPL, int U>
 __device__ __forceinline__ void fetch_keys(const AttnArgs& a, int ts, int kh, int jb, int k1,
                                            int grp, int sub, int d4, float4 (&kr)[U][VPL],
                                            float4 (&vr)[U][VPL], bool (&ok)[U]) {
-    constexpr int GROUPS = SPLIT_THREADS / L;
+    constexpr int GROUPS = 32 * W / L;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
         const int j = jb + grp + GROUPS * u;
@@ -314,43 +314,20 @@ __device__ __forceinline__ void merge_splits(const AttnArgs& a, int i, int h0, i
     }
 }
 
-// L lanes per key, VPL float4 of the head per lane (L * VPL * 4 >= head_dim), up to GM query
-// heads per block.
-template <int L, int VPL, int GM>
-__device__ __forceinline__ void attn_split(const AttnArgs& a) {
-    extern __shared__ float4 split_smem4[];
+// One block's pass over keys k0 .. k1 - 1 of token i for query heads h0 .. h0 + gh (of kv head
+// kh): W warps of L-lane groups, each group one key at a time (U per step, the next step's rows
+// loading meanwhile), then the groups of each warp merged by shuffles. Leaves each warp's state
+// in shared memory: unnormalised acc in s_acc [W][GM][d], (max, sum) in s_ml [W][GM][2], for
+// h < gh; ends in a barrier. An empty range leaves (-inf, 0) and zeros.
+template <int W, int L, int VPL, int GM>
+__device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, int h0, int gh, int ts,
+                                            int k0, int k1, float* s_acc, float* s_ml) {
     constexpr int U = SPLIT_KEYS / VPL;
-    constexpr int GROUPS = SPLIT_THREADS / L;
+    constexpr int GROUPS = 32 * W / L;
     using S = Scatter<L, GM>;
     constexpr int OWN = S::OWN;
-    const int i = blockIdx.x;
-    const int s = blockIdx.y;
-    const int kh = blockIdx.z / a.head_chunks;
-    const int hc = blockIdx.z - kh * a.head_chunks;
-    if (tile_owned(a, i)) return;
     const int d = a.head_dim;
     const int d4 = d >> 2;
-    const int h0 = kh * a.group + hc * GM;
-    const int gh = min(GM, a.group - hc * GM);
-    const int pos = a.positions[i];
-    const int ts = a.table_start[i];
-    const int lo = window_lo(a, pos);
-    const int len = pos + 1 - lo;
-    const bool direct = a.nsplit == 1;
-    const int active = len <= 0 ? 0 : min(a.nsplit, (len + a.chunk - 1) / a.chunk);
-    if (s >= active) {
-        // Only a token with no visible key at all gets here with s == 0: its output is zero
-        // (written by split 0 alone; no partials, so no merge either).
-        if (s == 0) {
-            float* o = a.out + ((u64)i * a.num_heads + h0) * d;
-            for (int e = threadIdx.x; e < gh * d; e += SPLIT_THREADS) o[e] = 0.0f;
-        }
-        return;
-    }
-    const int k0 = lo + s * a.chunk;
-    // The last split runs to the token itself, whatever the host's bound on the context said.
-    const int k1 = (s == a.nsplit - 1) ? pos + 1 : min(k0 + a.chunk, pos + 1);
-
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int sub = lane & (L - 1);
@@ -382,7 +359,7 @@ __device__ __forceinline__ void attn_split(const AttnArgs& a) {
 
     float4 kr[U][VPL], vr[U][VPL];
     bool ok[U];
-    fetch_keys<L, VPL, U>(a, ts, kh, k0, k1, grp, sub, d4, kr, vr, ok);
+    fetch_keys<W, L, VPL, U>(a, ts, kh, k0, k1, grp, sub, d4, kr, vr, ok);
     // The loop bound is block-uniform so that every lane takes part in the shuffles; a group past
     // k1 sees its keys as masked.
     for (int jb = k0; jb < k1; jb += GROUPS * U) {
@@ -398,7 +375,7 @@ __device__ __forceinline__ void attn_split(const AttnArgs& a) {
             }
         }
         // The next step's rows load while this one computes.
-        fetch_keys<L, VPL, U>(a, ts, kh, jb + GROUPS * U, k1, grp, sub, d4, kr, vr, ok);
+        fetch_keys<W, L, VPL, U>(a, ts, kh, jb + GROUPS * U, k1, grp, sub, d4, kr, vr, ok);
 
         float x[U][GM];
 #pragma unroll
@@ -477,8 +454,6 @@ __device__ __forceinline__ void attn_split(const AttnArgs& a) {
     }
 
     // Then the warps, through shared memory: acc [warp][GM][d], then (max, sum) [warp][GM][2].
-    float* s_acc = reinterpret_cast<float*>(split_smem4);
-    float* s_ml = s_acc + SPLIT_WARPS * GM * d;
     if (lane < L) {
 #pragma unroll
         for (int h = 0; h < GM; ++h) {
@@ -496,20 +471,68 @@ __device__ __forceinline__ void attn_split(const AttnArgs& a) {
         }
     }
     __syncthreads();
+}
+
+// Element e of head h merged over the W warps' states attend_keys left: returns the unnormalised
+// sum, sets the max and the softmax sum.
+template <int W, int GM>
+__device__ __forceinline__ float combine_warps(const float* s_acc, const float* s_ml, int d, int h,
+                                               int e, float& mx, float& sum) {
+    mx = NEG_INF;
+#pragma unroll
+    for (int w = 0; w < W; ++w) mx = fmaxf(mx, s_ml[(w * GM + h) * 2]);
+    const float ref = softmax_ref(mx);
+    float num = 0.0f;
+    sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+        const float c = exp2f(s_ml[(w * GM + h) * 2] - ref);
+        sum += c * s_ml[(w * GM + h) * 2 + 1];
+        num += c * s_acc[(w * GM + h) * d + e];
+    }
+    return num;
+}
+
+// L lanes per key, VPL float4 of the head per lane (L * VPL * 4 >= head_dim), up to GM query
+// heads per block.
+template <int L, int VPL, int GM>
+__device__ __forceinline__ void attn_split(const AttnArgs& a) {
+    extern __shared__ float4 split_smem4[];
+    const int i = blockIdx.x;
+    const int s = blockIdx.y;
+    const int kh = blockIdx.z / a.head_chunks;
+    const int hc = blockIdx.z - kh * a.head_chunks;
+    if (tile_owned(a, i)) return;
+    const int d = a.head_dim;
+    const int h0 = kh * a.group + hc * GM;
+    const int gh = min(GM, a.group - hc * GM);
+    const int pos = a.positions[i];
+    const int ts = a.table_start[i];
+    const int lo = window_lo(a, pos);
+    const int len = pos + 1 - lo;
+    const bool direct = a.nsplit == 1;
+    const int active = len <= 0 ? 0 : min(a.nsplit, (len + a.chunk - 1) / a.chunk);
+    if (s >= active) {
+        // Only a token with no visible key at all gets here with s == 0: its output is zero
+        // (written by split 0 alone; no partials, so no merge either).
+        if (s == 0) {
+            float* o = a.out + ((u64)i * a.num_heads + h0) * d;
+            for (int e = threadIdx.x; e < gh * d; e += SPLIT_THREADS) o[e] = 0.0f;
+        }
+        return;
+    }
+    const int k0 = lo + s * a.chunk;
+    // The last split runs to the token itself, whatever the host's bound on the context said.
+    const int k1 = (s == a.nsplit - 1) ? pos + 1 : min(k0 + a.chunk, pos + 1);
+
+    float* s_acc = reinterpret_cast<float*>(split_smem4);
+    float* s_ml = s_acc + SPLIT_WARPS * GM * d;
+    attend_keys<SPLIT_WARPS, L, VPL, GM>(a, i, kh, h0, gh, ts, k0, k1, s_acc, s_ml);
     for (int idx = threadIdx.x; idx < gh * d; idx += SPLIT_THREADS) {
         const int h = idx / d;
         const int e = idx - h * d;
-        float mx = NEG_INF;
-#pragma unroll
-        for (int w = 0; w < SPLIT_WARPS; ++w) mx = fmaxf(mx, s_ml[(w * GM + h) * 2]);
-        const float ref = softmax_ref(mx);
-        float sum = 0.0f, num = 0.0f;
-#pragma unroll
-        for (int w = 0; w < SPLIT_WARPS; ++w) {
-            const float c = exp2f(s_ml[(w * GM + h) * 2] - ref);
-            sum += c * s_ml[(w * GM + h) * 2 + 1];
-            num += c * s_acc[(w * GM + h) * d + e];
-        }
+        float mx, sum;
+        const float num = combine_warps<SPLIT_WARPS, GM>(s_acc, s_ml, d, h, e, mx, sum);
         const u64 row = (u64)i * a.num_heads + h0 + h;
         if (direct) {
             a.out[row * d + e] = sum > 0.0f ? num / sum : 0.0f;
@@ -570,6 +593,293 @@ ATTN_SPLIT(attn_split_d256_g8, 32, 2, 8)
 // groups run in head chunks of 2.
 ATTN_SPLIT(attn_split_d512_g1, 32, 4, 1)
 ATTN_SPLIT(attn_split_d512_g2, 32, 4, 2)
+
+// ---- split-K decode in thread-block clusters (Hopper, sm_90+) ----
+//
+// attn_cluster_d<D>_g<G>: the same per-block work as attn_split (attend_keys), 8 warps per block,
+// but the splits of one (token, kv head, head chunk) form clusters of CL_SIZE blocks that merge
+// through distributed shared memory: no partials in global memory, no fence, no atomic for a
+// context one cluster covers. Grid (n, CL_SIZE * clusters, kv_heads * head_chunks), cluster
+// (1, CL_SIZE, 1), block CL_THREADS. A token's visible keys are shared evenly by the blocks of
+// its first `act` clusters, act = min(clusters, ceil(len / (CL_SIZE * chunk))) (a.chunk: the
+// fewest keys a block should take), so a token beyond the host's context bound is still covered
+// exactly. Each block leaves its state (unnormalised acc, max, sum per head) in its shared
+// memory; after a cluster barrier, block r of the cluster merges slice r of the (head, element)
+// items over the CL_SIZE blocks (weights per head from their (max, sum), a float4 per lane, the
+// ranks summed by shuffles in a fixed tree order). With one active cluster that is the output.
+// With several, each block writes its slice of the cluster's partial (acc, max, sum; part_acc
+// row * clusters + cluster) and the last of the token's clusters to count slice r (an atomic in
+// `arrivals`, per (token, kv head x head chunk, rank), reset by that block) merges slice r of
+// their partials. A second cluster barrier keeps every block's shared memory alive until the
+// others have read it. Dynamic shared memory: (CL_WARPS + 1) * G * (head_dim + 2) floats.
+
+#define CL_SIZE 8
+#define CL_WARPS 8
+#define CL_THREADS (32 * CL_WARPS)
+
+// Arrive (release: this block's shared-memory writes become visible to the cluster) and wait
+// (acquire) on the cluster barrier; every thread of every block of the cluster must take part.
+__device__ __forceinline__ void cluster_arrive() {
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// The shared::cluster address of `p` (in this block's shared memory) in block `rank`.
+__device__ __forceinline__ u32 cluster_addr(const float* p, u32 rank) {
+    const u32 local = (u32)__cvta_generic_to_shared(p);
+    u32 r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(local), "r"(rank));
+    return r;
+}
+__device__ __forceinline__ float ld_cluster(u32 addr) {
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
+    return v;
+}
+__device__ __forceinline__ float4 ld_cluster4(u32 addr) {
+    float4 v;
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(addr)
+                 : "memory");
+    return v;
+}
+
+// Slice `rank` of the `act` cluster partials of token i's heads h0 .. h0 + gh: items beg .. end
+// (float4 of the [gh][d] output). Run by the last cluster to count this slice; `w` holds
+// [heads of the slice][act] floats, `sums` one per head of the slice.
+__device__ __forceinline__ void merge_cluster_partials(const AttnArgs& a, int i, int h0, int beg,
+                                                       int end, int act, int nclust, float* w,
+                                                       float* sums) {
+    const int d = a.head_dim;
+    const int d4 = d >> 2;
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int ha = beg / d4;
+    const int hb = (end - 1) / d4;
+    for (int hh = warp; hh <= hb - ha; hh += CL_WARPS) {
+        const float* ml = a.part_ml + ((u64)i * a.num_heads + h0 + ha + hh) * nclust * 2;
+        float mx = NEG_INF;
+        for (int c = lane; c < act; c += 32) mx = fmaxf(mx, load_cg(ml + 2 * c));
+        const float ref = softmax_ref(warp_max(mx));
+        float sum = 0.0f;
+        for (int c = lane; c < act; c += 32) {
+            const float wc = exp2f(load_cg(ml + 2 * c) - ref);
+            w[hh * act + c] = wc;
+            sum += wc * load_cg(ml + 2 * c + 1);
+        }
+        sum = warp_sum(sum);
+        if (lane == 0) sums[hh] = sum;
+    }
+    __syncthreads();
+    for (int item = beg + threadIdx.x; item < end; item += CL_THREADS) {
+        const int h = item / d4;
+        const int c = item - h * d4;
+        const u64 row = (u64)i * a.num_heads + h0 + h;
+        const float* acc = a.part_acc + row * nclust * d + 4 * c;
+        const float* wh = w + (h - ha) * act;
+        float4 num = zero4();
+        int s = 0;
+        for (; s + 8 <= act; s += 8) {
+            float4 v[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) v[u] = ld_cg4(acc + (u64)(s + u) * d);
+#pragma unroll
+            for (int u = 0; u < 8; ++u) num = axpy4(wh[s + u], v[u], num);
+        }
+        for (; s < act; ++s) num = axpy4(wh[s], ld_cg4(acc + (u64)s * d), num);
+        const float sum = sums[h - ha];
+        const float4 o = sum > 0.0f ? make_float4(num.x / sum, num.y / sum, num.z / sum, num.w / sum)
+                                    : zero4();
+        st4(a.out + row * d + 4 * c, o);
+    }
+}
+
+template <int L, int VPL, int GM>
+__device__ __forceinline__ void attn_cluster(const AttnArgs& a) {
+    extern __shared__ float4 cl_smem4[];
+    __shared__ int s_last;
+    const int i = blockIdx.x;
+    const int kh = blockIdx.z / a.head_chunks;
+    const int hc = blockIdx.z - kh * a.head_chunks;
+    // Token-uniform, so a whole cluster leaves together (no block waits on a departed one).
+    if (tile_owned(a, i)) return;
+    const int d = a.head_dim;
+    const int d4 = d >> 2;
+    const int h0 = kh * a.group + hc * GM;
+    const int gh = min(GM, a.group - hc * GM);
+    const int pos = a.positions[i];
+    const int ts = a.table_start[i];
+    const int lo = window_lo(a, pos);
+    const int len = pos + 1 - lo;
+    const int nclust = a.nsplit / CL_SIZE;
+    const int cl = blockIdx.y / CL_SIZE;
+    // This block's share of the keys and of the merge. (It is %cluster_ctarank for clusters of
+    // (1, CL_SIZE, 1), though nothing relies on that: the merge reads every rank.)
+    const int rank = blockIdx.y - cl * CL_SIZE;
+    const int per_cluster = CL_SIZE * a.chunk;
+    const int act = len <= 0 ? 0 : min(nclust, (len + per_cluster - 1) / per_cluster);
+    // This block's slice of the [gh][d] output, in float4 items.
+    const int items = gh * d4;
+    const int per = (items + CL_SIZE - 1) / CL_SIZE;
+    const int beg = min(items, rank * per);
+    const int end = min(items, beg + per);
+    if (act == 0) {
+        // No visible key: zeros, from the first cluster (no merge, no barrier).
+        if (cl == 0) {
+            float* o = a.out + ((u64)i * a.num_heads + h0) * d;
+            for (int it = beg + threadIdx.x; it < end; it += CL_THREADS) st4(o + 4 * it, zero4());
+        }
+        return;
+    }
+    if (cl >= act) return;  // cluster-uniform
+    const int kb = (len + act * CL_SIZE - 1) / (act * CL_SIZE);
+    const int k0 = lo + (cl * CL_SIZE + rank) * kb;
+    const int k1 = min(k0 + kb, pos + 1);
+
+    float* s_acc = reinterpret_cast<float*>(cl_smem4);  // [CL_WARPS][GM][d]
+    float* s_ml = s_acc + CL_WARPS * GM * d;            // [CL_WARPS][GM][2]
+    float* b_acc = s_ml + CL_WARPS * GM * 2;            // [GM][d]: the block's state, for the cluster
+    float* b_ml = b_acc + GM * d;                       // [GM][2]
+    attend_keys<CL_WARPS, L, VPL, GM>(a, i, kh, h0, gh, ts, k0, k1, s_acc, s_ml);
+    for (int idx = threadIdx.x; idx < gh * d; idx += CL_THREADS) {
+        const int h = idx / d;
+        const int e = idx - h * d;
+        float mx, sum;
+        b_acc[idx] = combine_warps<CL_WARPS, GM>(s_acc, s_ml, d, h, e, mx, sum);
+        if (e == 0) {
+            b_ml[2 * h] = mx;
+            b_ml[2 * h + 1] = sum;
+        }
+    }
+    cluster_arrive();
+    cluster_wait();
+
+    // Weights of the cluster's blocks per head (s_acc is free again: the barrier ordered this
+    // block's reads of it): w [GM][CL_SIZE], then max and sum [GM] each.
+    float* cw = s_acc;
+    float* cmax = cw + GM * CL_SIZE;
+    float* csum = cmax + GM;
+    const int t = threadIdx.x;
+    const int src = t & (CL_SIZE - 1);  // the rank this thread reads
+    if ((t >> 5) < (GM * CL_SIZE + 31) / 32) {
+        const int h = t / CL_SIZE;
+        float m = NEG_INF, l = 0.0f;
+        if (h < gh) {
+            const u32 r = cluster_addr(b_ml + 2 * h, src);
+            m = ld_cluster(r);
+            l = ld_cluster(r + 4);
+        }
+        float mx = m;
+#pragma unroll
+        for (int o = CL_SIZE / 2; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        const float wr = exp2f(m - softmax_ref(mx));
+        float sum = wr * l;
+#pragma unroll
+        for (int o = CL_SIZE / 2; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        if (h < GM) {
+            cw[h * CL_SIZE + src] = wr;
+            if (src == 0) {
+                cmax[h] = mx;
+                csum[h] = sum;
+            }
+        }
+    }
+    __syncthreads();
+
+    // Slice items merged over the ranks: CL_SIZE adjacent lanes per item, one rank each.
+    const u32 src_acc = cluster_addr(b_acc, src);
+    const bool direct = act == 1;
+    for (int base = beg; base < beg + per; base += CL_THREADS / CL_SIZE) {
+        const int item = base + t / CL_SIZE;
+        const bool ok = item < end;
+        int h = 0, c = 0;
+        float4 v = zero4();
+        if (ok) {
+            h = item / d4;
+            c = item - h * d4;
+            v = scale4(ld_cluster4(src_acc + (u32)(h * d + 4 * c) * 4), cw[h * CL_SIZE + src]);
+        }
+#pragma unroll
+        for (int o = CL_SIZE / 2; o > 0; o >>= 1) {
+            const float4 other = shfl_xor4(v, o);
+            v = make_float4(v.x + other.x, v.y + other.y, v.z + other.z, v.w + other.w);
+        }
+        if (ok && src == 0) {
+            const u64 row = (u64)i * a.num_heads + h0 + h;
+            if (direct) {
+                const float sum = csum[h];
+                st4(a.out + row * d + 4 * c,
+                    sum > 0.0f ? make_float4(v.x / sum, v.y / sum, v.z / sum, v.w / sum) : zero4());
+            } else {
+                st4(a.part_acc + (row * nclust + cl) * d + 4 * c, v);
+            }
+        }
+    }
+    // Done reading the cluster's shared memory; the wait below keeps ours until all are done.
+    cluster_arrive();
+    if (!direct) {
+        // The (max, sum) of every head this slice touches, then count the slice in.
+        if (t < gh && beg < end && t * d4 < end && (t + 1) * d4 > beg) {
+            const u64 row = (u64)i * a.num_heads + h0 + t;
+            a.part_ml[(row * nclust + cl) * 2] = cmax[t];
+            a.part_ml[(row * nclust + cl) * 2 + 1] = csum[t];
+        }
+        __threadfence();
+        __syncthreads();
+        if (t == 0) {
+            u32* count = a.arrivals + ((u64)i * gridDim.z + blockIdx.z) * CL_SIZE + rank;
+            const u32 before = atomicAdd(count, 1u);
+            s_last = before == (u32)(act - 1);
+            if (s_last) *count = 0u;  // ready for the next launch
+        }
+        __syncthreads();
+        if (s_last && beg < end) {
+            __threadfence();
+            // Past the cluster weights (GM * (CL_SIZE + 2) floats): [GM][act], then [GM].
+            float* w = csum + GM;
+            merge_cluster_partials(a, i, h0, beg, end, act, nclust, w, w + GM * act);
+        }
+    }
+    cluster_wait();
+}
+
+// Sm_90 only: elsewhere the entry points exist (the host loads every name) but stay empty and are
+// never launched (ops/attention.rs checks the compute capability).
+#if __CUDA_ARCH__ >= 900
+#define ATTN_CLUSTER(NAME, L, VPL, GM)                                                           \
+    extern "C" __global__ void __launch_bounds__(CL_THREADS) __cluster_dims__(1, CL_SIZE, 1)    \
+        NAME(const AttnArgs a) {                                                                 \
+        attn_cluster<L, VPL, GM>(a);                                                             \
+    }
+#else
+#define ATTN_CLUSTER(NAME, L, VPL, GM)                                                           \
+    extern "C" __global__ void __launch_bounds__(CL_THREADS) NAME(const AttnArgs a) {}
+#endif
+
+ATTN_CLUSTER(attn_cluster_d16_g1, 4, 1, 1)
+ATTN_CLUSTER(attn_cluster_d16_g2, 4, 1, 2)
+ATTN_CLUSTER(attn_cluster_d16_g4, 4, 1, 4)
+ATTN_CLUSTER(attn_cluster_d16_g8, 4, 1, 8)
+ATTN_CLUSTER(attn_cluster_d32_g1, 8, 1, 1)
+ATTN_CLUSTER(attn_cluster_d32_g2, 8, 1, 2)
+ATTN_CLUSTER(attn_cluster_d32_g4, 8, 1, 4)
+ATTN_CLUSTER(attn_cluster_d32_g8, 8, 1, 8)
+ATTN_CLUSTER(attn_cluster_d64_g1, 16, 1, 1)
+ATTN_CLUSTER(attn_cluster_d64_g2, 16, 1, 2)
+ATTN_CLUSTER(attn_cluster_d64_g4, 16, 1, 4)
+ATTN_CLUSTER(attn_cluster_d64_g8, 16, 1, 8)
+ATTN_CLUSTER(attn_cluster_d128_g1, 32, 1, 1)
+ATTN_CLUSTER(attn_cluster_d128_g2, 32, 1, 2)
+ATTN_CLUSTER(attn_cluster_d128_g4, 32, 1, 4)
+ATTN_CLUSTER(attn_cluster_d128_g8, 32, 1, 8)
+ATTN_CLUSTER(attn_cluster_d256_g1, 32, 2, 1)
+ATTN_CLUSTER(attn_cluster_d256_g2, 32, 2, 2)
+ATTN_CLUSTER(attn_cluster_d256_g4, 32, 2, 4)
+ATTN_CLUSTER(attn_cluster_d256_g8, 32, 2, 8)
+ATTN_CLUSTER(attn_cluster_d512_g1, 32, 4, 1)
+ATTN_CLUSTER(attn_cluster_d512_g2, 32, 4, 2)
 
 // ---- tiled prefill, exact f32 on CUDA cores ----
 
