@@ -35,9 +35,9 @@
 //   4 rows x C float4 columns of O.
 // - attn_tile_bf16_d<D>: tensor cores (mma.sync m16n8k16, bf16 operands, f32 accumulation),
 //   tiles of 128 tokens. Grid (n / 128, num_heads), block 256 (one warp per 16 query rows),
-//   dynamic shared: 2 stages x 64 keys x (D + 8 + D + 4) f32 (cp.async, double-buffered: the next
-//   K/V tile loads while this one computes), then the tile rounded once to bf16, K row-major
-//   [64][D + 8] and V transposed [D][72], which the fragments read.
+//   dynamic shared: 2 stages x 64 keys x (D + 8 + D + 4) f32 (cp.async: tile j + 2 loads while
+//   tile j computes), then 2 buffers of the tiles rounded once to bf16, K and V row-major
+//   [64][D + 8] each (tile j + 1 is rounded while tile j computes), which ldmatrix(.trans) reads.
 //
 // Which kernel owns a token (the tile rule, `tile_owned`): when the host launches a tiled kernel
 // (n >= tile_m, AttnArgs.tiled), a tile of tile_m consecutive tokens that lies wholly inside the
@@ -1079,10 +1079,17 @@ ATTN_TILE_F32(attn_tile_f32_c4, 4)
 // mma.sync.m16n8k16 fragments (g = lane / 4, t = lane % 4): A (16x16, row-major) a0 = (g, 2t..2t+1),
 // a1 = (g + 8, 2t..), a2 = (g, 2t + 8..), a3 = (g + 8, 2t + 8..); B (16x8) b0 = (k 2t..2t+1, n g),
 // b1 = (k 2t + 8.., n g); C (16x8) c0, c1 = (g, 2t..2t+1), c2, c3 = (g + 8, 2t..). S = Q K^T takes
-// B from bf16 K rows (two adjacent dims of one key: one 4-byte load); P V takes A from S's
+// A from q (registers, rounded once) and B from the bf16 K rows by ldmatrix (an 8x8 block of 8 keys
+// x 8 dims gives each lane (key g, dims 2t, 2t + 1): b0 or b1 of one n-tile); P V takes A from S's
 // accumulators (the C layout of two 8-key tiles is the A layout of one 16-key step) and B from the
-// transposed bf16 V (two adjacent keys of one dim). Row strides of D + 8 and 72 bf16 put the 8
-// rows a fragment load touches 4 banks apart: conflict-free.
+// bf16 V rows by ldmatrix.trans (an 8x8 block of 8 keys x 8 dims, transposed: (keys 2t, 2t + 1,
+// dim g)). Both bf16 tiles are row-major with a row stride of D + 8 (272 bytes for D = 128): the 8
+// rows one 8x8 load touches start 4 banks apart, so it is conflict-free.
+//
+// Pipeline, one barrier per key tile j: [wait for tile j + 1's f32 rows; barrier; start tile
+// j + 2's cp.async into the f32 stage tile j left; round tile j + 1 to bf16 into the other bf16
+// buffer; S, softmax and P V of tile j]. Warps that finish rounding go on to their mma while the
+// others still round, and the loads have a whole tile's compute to land.
 
 #define TC_WARPS 8
 #define TC_THREADS (32 * TC_WARPS)
@@ -1103,19 +1110,31 @@ __device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Four 8x8 bf16 blocks; lanes 8m .. 8m + 7 give the row addresses of block m, which lands in r[m].
+__device__ __forceinline__ void ldmatrix4(u32 (&r)[4], const u16* p) {
+    const u32 s = (u32)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+}
+__device__ __forceinline__ void ldmatrix4_trans(u32 (&r)[4], const u16* p) {
+    const u32 s = (u32)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+}
+
 template <int D>
 __device__ __forceinline__ void attn_tile_bf16(const AttnArgs& a) {
     constexpr int KS = D + 8;       // f32 K row stride
     constexpr int VS = D + 4;       // f32 V row stride
     constexpr int STAGE = TILE_N * (KS + VS);
-    constexpr int CH = D / 4;       // 16-byte chunks of a row
-    constexpr int G8 = D / 8;       // 8-dim groups of a row
-    constexpr int KBS = D + 8;      // bf16 K row stride
-    constexpr int VTS = TILE_N + 8;  // bf16 transposed-V row stride
+    constexpr int CH = D / 4;       // 16-byte chunks of an f32 row
+    constexpr int BS = D + 8;       // bf16 row stride of K and V
+    constexpr int BTILE = 2 * TILE_N * BS;  // one bf16 buffer: K rows, then V rows
     extern __shared__ float4 tc_smem4[];
     float* smem = reinterpret_cast<float*>(tc_smem4);
-    u16* Kb = reinterpret_cast<u16*>(smem + 2 * STAGE);
-    u16* Vt = Kb + TILE_N * KBS;
+    u16* bf = reinterpret_cast<u16*>(smem + 2 * STAGE);
     __shared__ int s_kmin, s_kend;
     // Later tiles see more keys: launch them first so the grid does not end on a long one.
     const int t0 = (gridDim.x - 1 - blockIdx.x) * TC_M;
@@ -1131,6 +1150,7 @@ __device__ __forceinline__ void attn_tile_bf16(const AttnArgs& a) {
     const int t = lane & 3;
     tile_key_range(a, t0, &s_kmin, &s_kend);
     const int kmin = s_kmin, kend = s_kend;
+    const int ntiles = kmin < kend ? (kend - kmin + TILE_N - 1) / TILE_N : 0;
 
     // Stage `st` <- keys kt .. kt + 63 (rows past kend or out of range are zeros).
     auto load_tile = [&](int st, int kt) {
@@ -1149,12 +1169,41 @@ __device__ __forceinline__ void attn_tile_bf16(const AttnArgs& a) {
         }
         cp_async_commit();
     };
-    if (kmin < kend) load_tile(0, kmin);
+    // bf16 buffer `b` <- f32 stage `st`, K and V row-major (a float4 per thread and step: warps
+    // read whole f32 rows and write whole bf16 rows, conflict-free).
+    auto round_tile = [&](int st, int b) {
+        const float* ks = smem + st * STAGE;
+        const float* vs = ks + TILE_N * KS;
+        u16* kb = bf + b * BTILE;
+        u16* vb = kb + TILE_N * BS;
+#pragma unroll
+        for (int it = 0; it < TILE_N * CH / TC_THREADS; ++it) {
+            const int idx = tid + it * TC_THREADS;
+            const int r = idx / CH;
+            const int c = idx - r * CH;
+            const float4 x = ld4(ks + r * KS + 4 * c);
+            const float4 y = ld4(vs + r * VS + 4 * c);
+            *reinterpret_cast<uint2*>(kb + r * BS + 4 * c) =
+                make_uint2(pack_bf16(x.x, x.y), pack_bf16(x.z, x.w));
+            *reinterpret_cast<uint2*>(vb + r * BS + 4 * c) =
+                make_uint2(pack_bf16(y.x, y.y), pack_bf16(y.z, y.w));
+        }
+    };
+    if (ntiles > 0) load_tile(0, kmin);
+    if (ntiles > 1) load_tile(1, kmin + TILE_N);
 
     const int ra = warp * 16 + g;  // this thread's two rows of the tile
     const int rb = ra + 8;
     const int pa = a.positions[t0 + ra], pb = a.positions[t0 + rb];
     const int loa = window_lo(a, pa), lob = window_lo(a, pb);
+    // A key tile every row of this warp sees whole needs no mask (all but the diagonal tiles
+    // and, under a window, its lower edge).
+    int wmin_p = min(pa, pb), wmax_lo = max(loa, lob);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        wmin_p = min(wmin_p, __shfl_xor_sync(0xffffffffu, wmin_p, o));
+        wmax_lo = max(wmax_lo, __shfl_xor_sync(0xffffffffu, wmax_lo, o));
+    }
 
     u32 qf[D / 16][4];
     {
@@ -1175,75 +1224,58 @@ __device__ __forceinline__ void attn_tile_bf16(const AttnArgs& a) {
     for (int dt = 0; dt < D / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.0f;
     float ma = NEG_INF, mb = NEG_INF, la = 0.0f, lb = 0.0f;
 
-    int st = 0;
-    for (int kt = kmin; kt < kend; kt += TILE_N) {
-        // Start the next tile into the other stage (read last step, before the closing barrier),
-        // then wait for this one. An empty group keeps the wait count uniform at the end.
-        if (kt + TILE_N < kend) {
-            load_tile(st ^ 1, kt + TILE_N);
-        } else {
-            cp_async_commit();
-        }
+    // This lane's row of the 8x8 blocks it addresses for ldmatrix: block lane / 8, row lane % 8.
+    const int lm = lane >> 3;
+    const int lr = lane & 7;
+    if (ntiles > 1) {
         cp_async_wait<1>();
-        __syncthreads();
-        {
-            // Round the stage to bf16 once: K row-major, V transposed.
-            const float* ks = smem + st * STAGE;
-            const float* vs = ks + TILE_N * KS;
-#pragma unroll
-            for (int it = 0; it < TILE_N * G8 / TC_THREADS; ++it) {
-                const int idx = tid + it * TC_THREADS;
-                const int r = idx / G8;
-                const int c8 = idx - r * G8;
-                const float4 x0 = ld4(ks + r * KS + 8 * c8);
-                const float4 x1 = ld4(ks + r * KS + 8 * c8 + 4);
-                *reinterpret_cast<uint4*>(Kb + r * KBS + 8 * c8) =
-                    make_uint4(pack_bf16(x0.x, x0.y), pack_bf16(x0.z, x0.w),
-                               pack_bf16(x1.x, x1.y), pack_bf16(x1.z, x1.w));
-            }
-#pragma unroll
-            for (int it = 0; it < TILE_N * G8 / TC_THREADS; ++it) {
-                const int idx = tid + it * TC_THREADS;
-                const int r = idx % TILE_N;  // consecutive threads: consecutive keys
-                const int c8 = idx / TILE_N;
-                const float4 x0 = ld4(vs + r * VS + 8 * c8);
-                const float4 x1 = ld4(vs + r * VS + 8 * c8 + 4);
-                u16* col = Vt + (8 * c8) * VTS + r;
-                col[0 * VTS] = f32_to_bf16(x0.x);
-                col[1 * VTS] = f32_to_bf16(x0.y);
-                col[2 * VTS] = f32_to_bf16(x0.z);
-                col[3 * VTS] = f32_to_bf16(x0.w);
-                col[4 * VTS] = f32_to_bf16(x1.x);
-                col[5 * VTS] = f32_to_bf16(x1.y);
-                col[6 * VTS] = f32_to_bf16(x1.z);
-                col[7 * VTS] = f32_to_bf16(x1.w);
-            }
-        }
-        __syncthreads();
+    } else {
+        cp_async_wait<0>();
+    }
+    __syncthreads();
+    if (ntiles > 0) round_tile(0, 0);
 
+    for (int j = 0; j < ntiles; ++j) {
+        const int kt = kmin + j * TILE_N;
+        // Tile j + 1's rows have landed (each thread waits for its own copies, the barrier for
+        // everyone's); tile j is rounded, tile j - 1's buffer and tile j's stage are free.
+        cp_async_wait<0>();
+        __syncthreads();
+        if (j + 2 < ntiles) load_tile(j & 1, kt + 2 * TILE_N);
+        if (j + 1 < ntiles) round_tile((j + 1) & 1, (j + 1) & 1);
+
+        const u16* kb = bf + (j & 1) * BTILE;
+        const u16* vb = kb + TILE_N * BS;
         float s[TILE_N / 8][4];
 #pragma unroll
         for (int nt = 0; nt < TILE_N / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk)
 #pragma unroll
-            for (int nt = 0; nt < TILE_N / 8; ++nt) {
-                const u16* kb = Kb + (nt * 8 + g) * KBS + kk * 16 + 2 * t;
-                mma_bf16(s[nt], qf[kk], *reinterpret_cast<const u32*>(kb),
-                         *reinterpret_cast<const u32*>(kb + 8));
+            for (int np = 0; np < TILE_N / 16; ++np) {
+                // Blocks: (keys +0, dims +0), (keys +0, dims +8), (keys +8, dims +0), (+8, +8).
+                u32 b[4];
+                ldmatrix4(b, kb + (np * 16 + (lm >> 1) * 8 + lr) * BS + kk * 16 + (lm & 1) * 8);
+                mma_bf16(s[2 * np], qf[kk], b[0], b[1]);
+                mma_bf16(s[2 * np + 1], qf[kk], b[2], b[3]);
             }
 
+        if (!(kt + TILE_N - 1 <= wmin_p && kt >= wmax_lo)) {
+#pragma unroll
+            for (int nt = 0; nt < TILE_N / 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int kp = kt + nt * 8 + 2 * t + e;
+                    if (kp < loa || kp > pa) s[nt][e] = NEG_INF;
+                    if (kp < lob || kp > pb) s[nt][2 + e] = NEG_INF;
+                }
+        }
         float mxa = ma, mxb = mb;
 #pragma unroll
-        for (int nt = 0; nt < TILE_N / 8; ++nt)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int kp = kt + nt * 8 + 2 * t + e;
-                if (kp < loa || kp > pa) s[nt][e] = NEG_INF;
-                if (kp < lob || kp > pb) s[nt][2 + e] = NEG_INF;
-                mxa = fmaxf(mxa, s[nt][e]);
-                mxb = fmaxf(mxb, s[nt][2 + e]);
-            }
+        for (int nt = 0; nt < TILE_N / 8; ++nt) {
+            mxa = fmaxf(mxa, fmaxf(s[nt][0], s[nt][1]));
+            mxb = fmaxf(mxb, fmaxf(s[nt][2], s[nt][3]));
+        }
         // A row's 64 keys are spread over the 4 lanes of its quad.
         mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 1));
         mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 2));
@@ -1279,15 +1311,14 @@ __device__ __forceinline__ void attn_tile_bf16(const AttnArgs& a) {
                                pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
                                pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
 #pragma unroll
-            for (int dt = 0; dt < D / 8; ++dt) {
-                const u16* vb = Vt + (dt * 8 + g) * VTS + kk * 16 + 2 * t;
-                mma_bf16(o[dt], pf, *reinterpret_cast<const u32*>(vb),
-                         *reinterpret_cast<const u32*>(vb + 8));
+            for (int dp = 0; dp < D / 16; ++dp) {
+                // Blocks: (keys +0, dims +0), (keys +8, dims +0), (keys +0, dims +8), (+8, +8).
+                u32 b[4];
+                ldmatrix4_trans(b, vb + (kk * 16 + (lm & 1) * 8 + lr) * BS + (2 * dp + (lm >> 1)) * 8);
+                mma_bf16(o[2 * dp], pf, b[0], b[1]);
+                mma_bf16(o[2 * dp + 1], pf, b[2], b[3]);
             }
         }
-        // Everyone is done with this stage and the bf16 tile before the next step refills them.
-        __syncthreads();
-        st ^= 1;
     }
 
     la += __shfl_xor_sync(0xffffffffu, la, 1);

@@ -493,8 +493,11 @@ fn tensor_core_prefill_is_within_bf16_rounding_of_cpu() {
     let mut r = rng("attention bf16");
     let one = [(0, 600)];
     let mixed = [(300, 200), (10, 1), (0, 130), (2000, 1)];
+    let cached = [(1500, 400)];
     for (shape, seqs, window) in [
         ((8, 2, 128), &one[..], None),
+        ((8, 2, 128), &cached[..], Some(700)),
+        ((4, 1, 64), &cached[..], None),
         ((32, 4, 128), &mixed[..], None),
         ((16, 2, 64), &mixed[..], Some(100)),
         ((4, 4, 64), &one[..], Some(250)),

@@ -12,8 +12,9 @@
 //!   (n / tile_m, num_heads), block 256: K/V tiles of 64 positions staged in shared memory by
 //!   `cp.async`, online softmax, causal tiles skipped, the tiles with the most keys launched first.
 //!   [`AttentionPrefill::ExactF32`] (the default) runs it on CUDA cores in f32, tile_m 64;
-//!   [`AttentionPrefill::TensorCoreBf16`] on tensor cores (`mma.sync` m16n8k16, bf16 operands,
-//!   f32 accumulation, tile_m 128, double-buffered K/V; head_dim 64 or 128).
+//!   [`AttentionPrefill::TensorCoreBf16`] on tensor cores (`mma.sync` m16n8k16, bf16 operands
+//!   read by `ldmatrix`, f32 accumulation, tile_m 128; the f32 K/V of tile j + 2 load and tile
+//!   j + 1 is rounded to bf16 while tile j computes; head_dim 64 or 128).
 //! - every other token (decode, short chunks, the tails of prefills, tiles mixing sequences) goes
 //!   to split-K flash-decoding in exact f32: grid (n, splits, kv_heads * head_chunks), block 128;
 //!   a block reads each K/V row of its split once for all (up to 8) query heads of its kv head.
@@ -205,10 +206,10 @@ fn tile_f32_smem(head_dim: usize) -> usize {
 }
 
 /// Dynamic shared memory of the tensor-core kernel: two stages of 64 f32 K rows (stride
-/// head_dim + 8) and V rows (stride head_dim + 4), then the bf16 tile: K [64][head_dim + 8] and
-/// transposed V [head_dim][72].
+/// head_dim + 8) and V rows (stride head_dim + 4), then two buffers of the bf16 tile: K and V
+/// [64][head_dim + 8] each.
 fn tile_bf16_smem(head_dim: usize) -> usize {
-    2 * 64 * (2 * head_dim + 12) * 4 + 64 * (head_dim + 8) * 2 + head_dim * 72 * 2
+    2 * 64 * (2 * head_dim + 12) * 4 + 2 * 2 * 64 * (head_dim + 8) * 2
 }
 
 /// Dynamic shared memory of the cluster kernel for `group` (class) query heads of `head_dim`: the
@@ -912,5 +913,6 @@ mod tests {
         assert_eq!(class_of(&GROUP_CLASSES, 3), 2);
         assert_eq!(class_of(&GROUP_CLASSES, 16), 3);
         assert!(tile_f32_smem(256) <= 227 << 10, "fits an H100/H200 block");
+        assert!(tile_bf16_smem(128) <= 227 << 10, "fits an H100/H200 block");
     }
 }
