@@ -315,11 +315,11 @@ __device__ __forceinline__ void merge_splits(const AttnArgs& a, int i, int h0, i
 }
 
 // One block's pass over keys k0 .. k1 - 1 of token i for query heads h0 .. h0 + gh (of kv head
-// kh): W warps of L-lane groups, each group one key at a time (U per step, the next P steps' rows
+// kh): W warps of L-lane groups, each group one key at a time (U per step, the next step's rows
 // loading meanwhile), then the groups of each warp merged by shuffles. Leaves each warp's state
 // in shared memory: unnormalised acc in s_acc [W][GM][d], (max, sum) in s_ml [W][GM][2], for
 // h < gh; ends in a barrier. An empty range leaves (-inf, 0) and zeros.
-template <int W, int P, int L, int VPL, int GM>
+template <int W, int L, int VPL, int GM>
 __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, int h0, int gh, int ts,
                                             int k0, int k1, float* s_acc, float* s_ml) {
     constexpr int U = SPLIT_KEYS / VPL;
@@ -357,9 +357,26 @@ __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, in
 #pragma unroll
         for (int v = 0; v < VPL; ++v) acc[h][v] = zero4();
 
-    // One step: the U keys of this lane's group in kk / vv (okk: real, else masked).
-    auto consume = [&](const float4 (&kk)[U][VPL], const float4 (&vv)[U][VPL],
-                       const bool (&okk)[U]) {
+    float4 kr[U][VPL], vr[U][VPL];
+    bool ok[U];
+    fetch_keys<W, L, VPL, U>(a, ts, kh, k0, k1, grp, sub, d4, kr, vr, ok);
+    // The loop bound is block-uniform so that every lane takes part in the shuffles; a group past
+    // k1 sees its keys as masked.
+    for (int jb = k0; jb < k1; jb += GROUPS * U) {
+        float4 kc[U][VPL], vc[U][VPL];
+        bool okc[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            okc[u] = ok[u];
+#pragma unroll
+            for (int v = 0; v < VPL; ++v) {
+                kc[u][v] = kr[u][v];
+                vc[u][v] = vr[u][v];
+            }
+        }
+        // The next step's rows load while this one computes.
+        fetch_keys<W, L, VPL, U>(a, ts, kh, jb + GROUPS * U, k1, grp, sub, d4, kr, vr, ok);
+
         float x[U][GM];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -367,7 +384,7 @@ __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, in
             for (int h = 0; h < GM; ++h) {
                 float t = 0.0f;
 #pragma unroll
-                for (int v = 0; v < VPL; ++v) t += dot4(qr[h][v], kk[u][v]);
+                for (int v = 0; v < VPL; ++v) t += dot4(qr[h][v], kc[u][v]);
                 x[u][h] = t;
             }
             S::reduce(x[u], lane);
@@ -378,7 +395,7 @@ __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, in
             float mx = mo[j];
 #pragma unroll
             for (int u = 0; u < U; ++u) {
-                if (!okk[u]) x[u][j] = NEG_INF;
+                if (!okc[u]) x[u][j] = NEG_INF;
                 mx = fmaxf(mx, x[u][j]);
             }
             const float ref = softmax_ref(mx);
@@ -400,52 +417,8 @@ __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, in
             for (int u = 0; u < U; ++u) {
                 const float ph = S::from_owner(p[u], lane, h);
 #pragma unroll
-                for (int v = 0; v < VPL; ++v) acc[h][v] = axpy4(ph, vv[u][v], acc[h][v]);
+                for (int v = 0; v < VPL; ++v) acc[h][v] = axpy4(ph, vc[u][v], acc[h][v]);
             }
-        }
-    };
-    auto fetch = [&](int jb, float4 (&kk)[U][VPL], float4 (&vv)[U][VPL], bool (&okk)[U]) {
-        fetch_keys<W, L, VPL, U>(a, ts, kh, jb, k1, grp, sub, d4, kk, vv, okk);
-    };
-    constexpr int STEP = GROUPS * U;
-    // The loop bounds are block-uniform so that every lane takes part in the shuffles; a group
-    // past k1 sees its keys as masked.
-    if constexpr (P == 1) {
-        float4 kr[U][VPL], vr[U][VPL];
-        bool ok[U];
-        fetch(k0, kr, vr, ok);
-        for (int jb = k0; jb < k1; jb += STEP) {
-            float4 kc[U][VPL], vc[U][VPL];
-            bool okc[U];
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                okc[u] = ok[u];
-#pragma unroll
-                for (int v = 0; v < VPL; ++v) {
-                    kc[u][v] = kr[u][v];
-                    vc[u][v] = vr[u][v];
-                }
-            }
-            // The next step's rows load while this one computes.
-            fetch(jb + STEP, kr, vr, ok);
-            consume(kc, vc, okc);
-        }
-    } else {
-        // Two steps ahead, in three buffers that take turns (no register copies, which would
-        // wait for loads in flight): the first two steps' rows load at once.
-        float4 ka[U][VPL], va[U][VPL], kb[U][VPL], vb[U][VPL], kc[U][VPL], vc[U][VPL];
-        bool oa[U], ob[U], oc[U];
-        fetch(k0, ka, va, oa);
-        fetch(k0 + STEP, kb, vb, ob);
-        for (int jb = k0; jb < k1; jb += 3 * STEP) {
-            fetch(jb + 2 * STEP, kc, vc, oc);
-            consume(ka, va, oa);
-            if (jb + STEP >= k1) break;
-            fetch(jb + 3 * STEP, ka, va, oa);
-            consume(kb, vb, ob);
-            if (jb + 2 * STEP >= k1) break;
-            fetch(jb + 4 * STEP, kb, vb, ob);
-            consume(kc, vc, oc);
         }
     }
 
@@ -554,7 +527,7 @@ __device__ __forceinline__ void attn_split(const AttnArgs& a) {
 
     float* s_acc = reinterpret_cast<float*>(split_smem4);
     float* s_ml = s_acc + SPLIT_WARPS * GM * d;
-    attend_keys<SPLIT_WARPS, 1, L, VPL, GM>(a, i, kh, h0, gh, ts, k0, k1, s_acc, s_ml);
+    attend_keys<SPLIT_WARPS, L, VPL, GM>(a, i, kh, h0, gh, ts, k0, k1, s_acc, s_ml);
     for (int idx = threadIdx.x; idx < gh * d; idx += SPLIT_THREADS) {
         const int h = idx / d;
         const int e = idx - h * d;
@@ -643,9 +616,6 @@ ATTN_SPLIT(attn_split_d512_g2, 32, 4, 2)
 #define CL_SIZE 8
 #define CL_WARPS 8
 #define CL_THREADS (32 * CL_WARPS)
-// Steps of keys loading ahead: two where the registers allow (a third buffer of rows next to q
-// and the accumulators of G heads: G * VPL <= 8, so all but head_dim 256 with 8 heads), else one.
-#define CL_PREFETCH(VPL, GM) ((GM) * (VPL) <= 8 ? 2 : 1)
 
 // Arrive (release: this block's shared-memory writes become visible to the cluster) and wait
 // (acquire) on the cluster barrier; every thread of every block of the cluster must take part.
@@ -772,7 +742,7 @@ __device__ __forceinline__ void attn_cluster(const AttnArgs& a) {
     float* s_ml = s_acc + CL_WARPS * GM * d;            // [CL_WARPS][GM][2]
     float* b_acc = s_ml + CL_WARPS * GM * 2;            // [GM][d]: the block's state, for the cluster
     float* b_ml = b_acc + GM * d;                       // [GM][2]
-    attend_keys<CL_WARPS, CL_PREFETCH(VPL, GM), L, VPL, GM>(a, i, kh, h0, gh, ts, k0, k1, s_acc, s_ml);
+    attend_keys<CL_WARPS, L, VPL, GM>(a, i, kh, h0, gh, ts, k0, k1, s_acc, s_ml);
     for (int idx = threadIdx.x; idx < gh * d; idx += CL_THREADS) {
         const int h = idx / d;
         const int e = idx - h * d;

@@ -30,7 +30,7 @@
 //!   distributed shared memory after a cluster barrier, each block writing an eighth of the
 //!   output: no partials, fence or atomic when one cluster covers the context (the latency of a
 //!   batch-1 decode step). Longer contexts take up to 16 clusters per group, merged as the split
-//!   kernel merges its splits (`cluster_plan`); contexts needing more than 16 steps of keys per
+//!   kernel merges its splits (`cluster_plan`); contexts needing more than 8 steps of keys per
 //!   block stay on the split kernel, which keeps more loads in flight per SM.
 //!
 //! The exact f32 paths agree with the CPU within f32 rounding (~1e-6 relative); results are not
@@ -73,7 +73,7 @@ const CLUSTER_THREADS: usize = 256;
 const MAX_CLUSTERS: usize = 16;
 /// Most steps of keys a block of the cluster kernel takes; longer contexts (for the batch) go to
 /// the split kernel.
-const MAX_CLUSTER_STEPS: usize = 16;
+const MAX_CLUSTER_STEPS: usize = 8;
 const LOG2_E: f32 = std::f32::consts::LOG2_E;
 
 /// One layer's paged KV on the device: K and V, each `[blocks][block_size][kv_heads][head_dim]`
@@ -869,8 +869,7 @@ mod tests {
         assert_eq!(plan(512), Some(1), "one cluster: no global merge");
         assert_eq!(plan(2048), Some(4));
         assert_eq!(plan(8192), Some(4), "256 keys, 8 steps per block");
-        assert_eq!(plan(16384), Some(4), "16 steps");
-        assert_eq!(plan(16385), None);
+        assert_eq!(plan(8193), None);
         assert_eq!(
             cluster_plan(4, 512, 16, usize::MAX, 32).unwrap().min_keys,
             64
@@ -882,7 +881,7 @@ mod tests {
             cluster_plan(4, 2048, 16, 1, 32).map(|p| p.clusters),
             Some(1)
         );
-        assert_eq!(cluster_plan(4, 8192, 16, 1, 32), None);
+        assert_eq!(cluster_plan(4, 4096, 16, 1, 32), None);
         for work in 1..=16 {
             for context in [1usize, 100, 1000, 5000, 100_000] {
                 if let Some(p) = cluster_plan(work, context, 16, usize::MAX, 32) {
