@@ -35,9 +35,9 @@
 //   4 rows x C float4 columns of O.
 // - attn_tile_bf16_d<D>: tensor cores (mma.sync m16n8k16, bf16 operands, f32 accumulation),
 //   tiles of 128 tokens. Grid (n / 128, num_heads), block 256 (one warp per 16 query rows),
-//   dynamic shared: 2 stages x 64 keys x (D + 8 + D + 4) f32 (cp.async, double-buffered: the next
-//   K/V tile loads while this one computes), then the tile rounded once to bf16, K row-major
-//   [64][D + 8] and V transposed [D][72], which the fragments read.
+//   dynamic shared: 2 stages x 64 keys x (D + 8 + D + 4) f32 (cp.async: tile j + 2 loads while
+//   tile j computes), then 2 buffers of the tiles rounded once to bf16, K and V row-major
+//   [64][D + 8] each (tile j + 1 is rounded while tile j computes), which ldmatrix(.trans) reads.
 //
 // Which kernel owns a token (the tile rule, `tile_owned`): when the host launches a tiled kernel
 // (n >= tile_m, AttnArgs.tiled), a tile of tile_m consecutive tokens that lies wholly inside the
@@ -230,11 +230,11 @@ struct Scatter {
 
 // Rows of the U keys group `grp` takes at step jb (zeros past k1 or out of range; ok[u] says
 // which are real).
-template <int L, int VPL, int U>
+template <int W, int L, int VPL, int U>
 __device__ __forceinline__ void fetch_keys(const AttnArgs& a, int ts, int kh, int jb, int k1,
                                            int grp, int sub, int d4, float4 (&kr)[U][VPL],
                                            float4 (&vr)[U][VPL], bool (&ok)[U]) {
-    constexpr int GROUPS = SPLIT_THREADS / L;
+    constexpr int GROUPS = 32 * W / L;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
         const int j = jb + grp + GROUPS * u;
@@ -314,43 +314,20 @@ __device__ __forceinline__ void merge_splits(const AttnArgs& a, int i, int h0, i
     }
 }
 
-// L lanes per key, VPL float4 of the head per lane (L * VPL * 4 >= head_dim), up to GM query
-// heads per block.
-template <int L, int VPL, int GM>
-__device__ __forceinline__ void attn_split(const AttnArgs& a) {
-    extern __shared__ float4 split_smem4[];
+// One block's pass over keys k0 .. k1 - 1 of token i for query heads h0 .. h0 + gh (of kv head
+// kh): W warps of L-lane groups, each group one key at a time (U per step, the next step's rows
+// loading meanwhile), then the groups of each warp merged by shuffles. Leaves each warp's state
+// in shared memory: unnormalised acc in s_acc [W][GM][d], (max, sum) in s_ml [W][GM][2], for
+// h < gh; ends in a barrier. An empty range leaves (-inf, 0) and zeros.
+template <int W, int L, int VPL, int GM>
+__device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, int h0, int gh, int ts,
+                                            int k0, int k1, float* s_acc, float* s_ml) {
     constexpr int U = SPLIT_KEYS / VPL;
-    constexpr int GROUPS = SPLIT_THREADS / L;
+    constexpr int GROUPS = 32 * W / L;
     using S = Scatter<L, GM>;
     constexpr int OWN = S::OWN;
-    const int i = blockIdx.x;
-    const int s = blockIdx.y;
-    const int kh = blockIdx.z / a.head_chunks;
-    const int hc = blockIdx.z - kh * a.head_chunks;
-    if (tile_owned(a, i)) return;
     const int d = a.head_dim;
     const int d4 = d >> 2;
-    const int h0 = kh * a.group + hc * GM;
-    const int gh = min(GM, a.group - hc * GM);
-    const int pos = a.positions[i];
-    const int ts = a.table_start[i];
-    const int lo = window_lo(a, pos);
-    const int len = pos + 1 - lo;
-    const bool direct = a.nsplit == 1;
-    const int active = len <= 0 ? 0 : min(a.nsplit, (len + a.chunk - 1) / a.chunk);
-    if (s >= active) {
-        // Only a token with no visible key at all gets here with s == 0: its output is zero
-        // (written by split 0 alone; no partials, so no merge either).
-        if (s == 0) {
-            float* o = a.out + ((u64)i * a.num_heads + h0) * d;
-            for (int e = threadIdx.x; e < gh * d; e += SPLIT_THREADS) o[e] = 0.0f;
-        }
-        return;
-    }
-    const int k0 = lo + s * a.chunk;
-    // The last split runs to the token itself, whatever the host's bound on the context said.
-    const int k1 = (s == a.nsplit - 1) ? pos + 1 : min(k0 + a.chunk, pos + 1);
-
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int sub = lane & (L - 1);
@@ -382,7 +359,7 @@ __device__ __forceinline__ void attn_split(const AttnArgs& a) {
 
     float4 kr[U][VPL], vr[U][VPL];
     bool ok[U];
-    fetch_keys<L, VPL, U>(a, ts, kh, k0, k1, grp, sub, d4, kr, vr, ok);
+    fetch_keys<W, L, VPL, U>(a, ts, kh, k0, k1, grp, sub, d4, kr, vr, ok);
     // The loop bound is block-uniform so that every lane takes part in the shuffles; a group past
     // k1 sees its keys as masked.
     for (int jb = k0; jb < k1; jb += GROUPS * U) {
@@ -398,7 +375,7 @@ __device__ __forceinline__ void attn_split(const AttnArgs& a) {
             }
         }
         // The next step's rows load while this one computes.
-        fetch_keys<L, VPL, U>(a, ts, kh, jb + GROUPS * U, k1, grp, sub, d4, kr, vr, ok);
+        fetch_keys<W, L, VPL, U>(a, ts, kh, jb + GROUPS * U, k1, grp, sub, d4, kr, vr, ok);
 
         float x[U][GM];
 #pragma unroll
@@ -477,8 +454,6 @@ __device__ __forceinline__ void attn_split(const AttnArgs& a) {
     }
 
     // Then the warps, through shared memory: acc [warp][GM][d], then (max, sum) [warp][GM][2].
-    float* s_acc = reinterpret_cast<float*>(split_smem4);
-    float* s_ml = s_acc + SPLIT_WARPS * GM * d;
     if (lane < L) {
 #pragma unroll
         for (int h = 0; h < GM; ++h) {
@@ -496,20 +471,68 @@ __device__ __forceinline__ void attn_split(const AttnArgs& a) {
         }
     }
     __syncthreads();
+}
+
+// Element e of head h merged over the W warps' states attend_keys left: returns the unnormalised
+// sum, sets the max and the softmax sum.
+template <int W, int GM>
+__device__ __forceinline__ float combine_warps(const float* s_acc, const float* s_ml, int d, int h,
+                                               int e, float& mx, float& sum) {
+    mx = NEG_INF;
+#pragma unroll
+    for (int w = 0; w < W; ++w) mx = fmaxf(mx, s_ml[(w * GM + h) * 2]);
+    const float ref = softmax_ref(mx);
+    float num = 0.0f;
+    sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+        const float c = exp2f(s_ml[(w * GM + h) * 2] - ref);
+        sum += c * s_ml[(w * GM + h) * 2 + 1];
+        num += c * s_acc[(w * GM + h) * d + e];
+    }
+    return num;
+}
+
+// L lanes per key, VPL float4 of the head per lane (L * VPL * 4 >= head_dim), up to GM query
+// heads per block.
+template <int L, int VPL, int GM>
+__device__ __forceinline__ void attn_split(const AttnArgs& a) {
+    extern __shared__ float4 split_smem4[];
+    const int i = blockIdx.x;
+    const int s = blockIdx.y;
+    const int kh = blockIdx.z / a.head_chunks;
+    const int hc = blockIdx.z - kh * a.head_chunks;
+    if (tile_owned(a, i)) return;
+    const int d = a.head_dim;
+    const int h0 = kh * a.group + hc * GM;
+    const int gh = min(GM, a.group - hc * GM);
+    const int pos = a.positions[i];
+    const int ts = a.table_start[i];
+    const int lo = window_lo(a, pos);
+    const int len = pos + 1 - lo;
+    const bool direct = a.nsplit == 1;
+    const int active = len <= 0 ? 0 : min(a.nsplit, (len + a.chunk - 1) / a.chunk);
+    if (s >= active) {
+        // Only a token with no visible key at all gets here with s == 0: its output is zero
+        // (written by split 0 alone; no partials, so no merge either).
+        if (s == 0) {
+            float* o = a.out + ((u64)i * a.num_heads + h0) * d;
+            for (int e = threadIdx.x; e < gh * d; e += SPLIT_THREADS) o[e] = 0.0f;
+        }
+        return;
+    }
+    const int k0 = lo + s * a.chunk;
+    // The last split runs to the token itself, whatever the host's bound on the context said.
+    const int k1 = (s == a.nsplit - 1) ? pos + 1 : min(k0 + a.chunk, pos + 1);
+
+    float* s_acc = reinterpret_cast<float*>(split_smem4);
+    float* s_ml = s_acc + SPLIT_WARPS * GM * d;
+    attend_keys<SPLIT_WARPS, L, VPL, GM>(a, i, kh, h0, gh, ts, k0, k1, s_acc, s_ml);
     for (int idx = threadIdx.x; idx < gh * d; idx += SPLIT_THREADS) {
         const int h = idx / d;
         const int e = idx - h * d;
-        float mx = NEG_INF;
-#pragma unroll
-        for (int w = 0; w < SPLIT_WARPS; ++w) mx = fmaxf(mx, s_ml[(w * GM + h) * 2]);
-        const float ref = softmax_ref(mx);
-        float sum = 0.0f, num = 0.0f;
-#pragma unroll
-        for (int w = 0; w < SPLIT_WARPS; ++w) {
-            const float c = exp2f(s_ml[(w * GM + h) * 2] - ref);
-            sum += c * s_ml[(w * GM + h) * 2 + 1];
-            num += c * s_acc[(w * GM + h) * d + e];
-        }
+        float mx, sum;
+        const float num = combine_warps<SPLIT_WARPS, GM>(s_acc, s_ml, d, h, e, mx, sum);
         const u64 row = (u64)i * a.num_heads + h0 + h;
         if (direct) {
             a.out[row * d + e] = sum > 0.0f ? num / sum : 0.0f;
@@ -570,6 +593,293 @@ ATTN_SPLIT(attn_split_d256_g8, 32, 2, 8)
 // groups run in head chunks of 2.
 ATTN_SPLIT(attn_split_d512_g1, 32, 4, 1)
 ATTN_SPLIT(attn_split_d512_g2, 32, 4, 2)
+
+// ---- split-K decode in thread-block clusters (Hopper, sm_90+) ----
+//
+// attn_cluster_d<D>_g<G>: the same per-block work as attn_split (attend_keys), 8 warps per block,
+// but the splits of one (token, kv head, head chunk) form clusters of CL_SIZE blocks that merge
+// through distributed shared memory: no partials in global memory, no fence, no atomic for a
+// context one cluster covers. Grid (n, CL_SIZE * clusters, kv_heads * head_chunks), cluster
+// (1, CL_SIZE, 1), block CL_THREADS. A token's visible keys are shared evenly by the blocks of
+// its first `act` clusters, act = min(clusters, ceil(len / (CL_SIZE * chunk))) (a.chunk: the
+// fewest keys a block should take), so a token beyond the host's context bound is still covered
+// exactly. Each block leaves its state (unnormalised acc, max, sum per head) in its shared
+// memory; after a cluster barrier, block r of the cluster merges slice r of the (head, element)
+// items over the CL_SIZE blocks (weights per head from their (max, sum), a float4 per lane, the
+// ranks summed by shuffles in a fixed tree order). With one active cluster that is the output.
+// With several, each block writes its slice of the cluster's partial (acc, max, sum; part_acc
+// row * clusters + cluster) and the last of the token's clusters to count slice r (an atomic in
+// `arrivals`, per (token, kv head x head chunk, rank), reset by that block) merges slice r of
+// their partials. A second cluster barrier keeps every block's shared memory alive until the
+// others have read it. Dynamic shared memory: (CL_WARPS + 1) * G * (head_dim + 2) floats.
+
+#define CL_SIZE 8
+#define CL_WARPS 8
+#define CL_THREADS (32 * CL_WARPS)
+
+// Arrive (release: this block's shared-memory writes become visible to the cluster) and wait
+// (acquire) on the cluster barrier; every thread of every block of the cluster must take part.
+__device__ __forceinline__ void cluster_arrive() {
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// The shared::cluster address of `p` (in this block's shared memory) in block `rank`.
+__device__ __forceinline__ u32 cluster_addr(const float* p, u32 rank) {
+    const u32 local = (u32)__cvta_generic_to_shared(p);
+    u32 r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(local), "r"(rank));
+    return r;
+}
+__device__ __forceinline__ float ld_cluster(u32 addr) {
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
+    return v;
+}
+__device__ __forceinline__ float4 ld_cluster4(u32 addr) {
+    float4 v;
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(addr)
+                 : "memory");
+    return v;
+}
+
+// Slice `rank` of the `act` cluster partials of token i's heads h0 .. h0 + gh: items beg .. end
+// (float4 of the [gh][d] output). Run by the last cluster to count this slice; `w` holds
+// [heads of the slice][act] floats, `sums` one per head of the slice.
+__device__ __forceinline__ void merge_cluster_partials(const AttnArgs& a, int i, int h0, int beg,
+                                                       int end, int act, int nclust, float* w,
+                                                       float* sums) {
+    const int d = a.head_dim;
+    const int d4 = d >> 2;
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int ha = beg / d4;
+    const int hb = (end - 1) / d4;
+    for (int hh = warp; hh <= hb - ha; hh += CL_WARPS) {
+        const float* ml = a.part_ml + ((u64)i * a.num_heads + h0 + ha + hh) * nclust * 2;
+        float mx = NEG_INF;
+        for (int c = lane; c < act; c += 32) mx = fmaxf(mx, load_cg(ml + 2 * c));
+        const float ref = softmax_ref(warp_max(mx));
+        float sum = 0.0f;
+        for (int c = lane; c < act; c += 32) {
+            const float wc = exp2f(load_cg(ml + 2 * c) - ref);
+            w[hh * act + c] = wc;
+            sum += wc * load_cg(ml + 2 * c + 1);
+        }
+        sum = warp_sum(sum);
+        if (lane == 0) sums[hh] = sum;
+    }
+    __syncthreads();
+    for (int item = beg + threadIdx.x; item < end; item += CL_THREADS) {
+        const int h = item / d4;
+        const int c = item - h * d4;
+        const u64 row = (u64)i * a.num_heads + h0 + h;
+        const float* acc = a.part_acc + row * nclust * d + 4 * c;
+        const float* wh = w + (h - ha) * act;
+        float4 num = zero4();
+        int s = 0;
+        for (; s + 8 <= act; s += 8) {
+            float4 v[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) v[u] = ld_cg4(acc + (u64)(s + u) * d);
+#pragma unroll
+            for (int u = 0; u < 8; ++u) num = axpy4(wh[s + u], v[u], num);
+        }
+        for (; s < act; ++s) num = axpy4(wh[s], ld_cg4(acc + (u64)s * d), num);
+        const float sum = sums[h - ha];
+        const float4 o = sum > 0.0f ? make_float4(num.x / sum, num.y / sum, num.z / sum, num.w / sum)
+                                    : zero4();
+        st4(a.out + row * d + 4 * c, o);
+    }
+}
+
+template <int L, int VPL, int GM>
+__device__ __forceinline__ void attn_cluster(const AttnArgs& a) {
+    extern __shared__ float4 cl_smem4[];
+    __shared__ int s_last;
+    const int i = blockIdx.x;
+    const int kh = blockIdx.z / a.head_chunks;
+    const int hc = blockIdx.z - kh * a.head_chunks;
+    // Token-uniform, so a whole cluster leaves together (no block waits on a departed one).
+    if (tile_owned(a, i)) return;
+    const int d = a.head_dim;
+    const int d4 = d >> 2;
+    const int h0 = kh * a.group + hc * GM;
+    const int gh = min(GM, a.group - hc * GM);
+    const int pos = a.positions[i];
+    const int ts = a.table_start[i];
+    const int lo = window_lo(a, pos);
+    const int len = pos + 1 - lo;
+    const int nclust = a.nsplit / CL_SIZE;
+    const int cl = blockIdx.y / CL_SIZE;
+    // This block's share of the keys and of the merge. (It is %cluster_ctarank for clusters of
+    // (1, CL_SIZE, 1), though nothing relies on that: the merge reads every rank.)
+    const int rank = blockIdx.y - cl * CL_SIZE;
+    const int per_cluster = CL_SIZE * a.chunk;
+    const int act = len <= 0 ? 0 : min(nclust, (len + per_cluster - 1) / per_cluster);
+    // This block's slice of the [gh][d] output, in float4 items.
+    const int items = gh * d4;
+    const int per = (items + CL_SIZE - 1) / CL_SIZE;
+    const int beg = min(items, rank * per);
+    const int end = min(items, beg + per);
+    if (act == 0) {
+        // No visible key: zeros, from the first cluster (no merge, no barrier).
+        if (cl == 0) {
+            float* o = a.out + ((u64)i * a.num_heads + h0) * d;
+            for (int it = beg + threadIdx.x; it < end; it += CL_THREADS) st4(o + 4 * it, zero4());
+        }
+        return;
+    }
+    if (cl >= act) return;  // cluster-uniform
+    const int kb = (len + act * CL_SIZE - 1) / (act * CL_SIZE);
+    const int k0 = lo + (cl * CL_SIZE + rank) * kb;
+    const int k1 = min(k0 + kb, pos + 1);
+
+    float* s_acc = reinterpret_cast<float*>(cl_smem4);  // [CL_WARPS][GM][d]
+    float* s_ml = s_acc + CL_WARPS * GM * d;            // [CL_WARPS][GM][2]
+    float* b_acc = s_ml + CL_WARPS * GM * 2;            // [GM][d]: the block's state, for the cluster
+    float* b_ml = b_acc + GM * d;                       // [GM][2]
+    attend_keys<CL_WARPS, L, VPL, GM>(a, i, kh, h0, gh, ts, k0, k1, s_acc, s_ml);
+    for (int idx = threadIdx.x; idx < gh * d; idx += CL_THREADS) {
+        const int h = idx / d;
+        const int e = idx - h * d;
+        float mx, sum;
+        b_acc[idx] = combine_warps<CL_WARPS, GM>(s_acc, s_ml, d, h, e, mx, sum);
+        if (e == 0) {
+            b_ml[2 * h] = mx;
+            b_ml[2 * h + 1] = sum;
+        }
+    }
+    cluster_arrive();
+    cluster_wait();
+
+    // Weights of the cluster's blocks per head (s_acc is free again: the barrier ordered this
+    // block's reads of it): w [GM][CL_SIZE], then max and sum [GM] each.
+    float* cw = s_acc;
+    float* cmax = cw + GM * CL_SIZE;
+    float* csum = cmax + GM;
+    const int t = threadIdx.x;
+    const int src = t & (CL_SIZE - 1);  // the rank this thread reads
+    if ((t >> 5) < (GM * CL_SIZE + 31) / 32) {
+        const int h = t / CL_SIZE;
+        float m = NEG_INF, l = 0.0f;
+        if (h < gh) {
+            const u32 r = cluster_addr(b_ml + 2 * h, src);
+            m = ld_cluster(r);
+            l = ld_cluster(r + 4);
+        }
+        float mx = m;
+#pragma unroll
+        for (int o = CL_SIZE / 2; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        const float wr = exp2f(m - softmax_ref(mx));
+        float sum = wr * l;
+#pragma unroll
+        for (int o = CL_SIZE / 2; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        if (h < GM) {
+            cw[h * CL_SIZE + src] = wr;
+            if (src == 0) {
+                cmax[h] = mx;
+                csum[h] = sum;
+            }
+        }
+    }
+    __syncthreads();
+
+    // Slice items merged over the ranks: CL_SIZE adjacent lanes per item, one rank each.
+    const u32 src_acc = cluster_addr(b_acc, src);
+    const bool direct = act == 1;
+    for (int base = beg; base < beg + per; base += CL_THREADS / CL_SIZE) {
+        const int item = base + t / CL_SIZE;
+        const bool ok = item < end;
+        int h = 0, c = 0;
+        float4 v = zero4();
+        if (ok) {
+            h = item / d4;
+            c = item - h * d4;
+            v = scale4(ld_cluster4(src_acc + (u32)(h * d + 4 * c) * 4), cw[h * CL_SIZE + src]);
+        }
+#pragma unroll
+        for (int o = CL_SIZE / 2; o > 0; o >>= 1) {
+            const float4 other = shfl_xor4(v, o);
+            v = make_float4(v.x + other.x, v.y + other.y, v.z + other.z, v.w + other.w);
+        }
+        if (ok && src == 0) {
+            const u64 row = (u64)i * a.num_heads + h0 + h;
+            if (direct) {
+                const float sum = csum[h];
+                st4(a.out + row * d + 4 * c,
+                    sum > 0.0f ? make_float4(v.x / sum, v.y / sum, v.z / sum, v.w / sum) : zero4());
+            } else {
+                st4(a.part_acc + (row * nclust + cl) * d + 4 * c, v);
+            }
+        }
+    }
+    // Done reading the cluster's shared memory; the wait below keeps ours until all are done.
+    cluster_arrive();
+    if (!direct) {
+        // The (max, sum) of every head this slice touches, then count the slice in.
+        if (t < gh && beg < end && t * d4 < end && (t + 1) * d4 > beg) {
+            const u64 row = (u64)i * a.num_heads + h0 + t;
+            a.part_ml[(row * nclust + cl) * 2] = cmax[t];
+            a.part_ml[(row * nclust + cl) * 2 + 1] = csum[t];
+        }
+        __threadfence();
+        __syncthreads();
+        if (t == 0) {
+            u32* count = a.arrivals + ((u64)i * gridDim.z + blockIdx.z) * CL_SIZE + rank;
+            const u32 before = atomicAdd(count, 1u);
+            s_last = before == (u32)(act - 1);
+            if (s_last) *count = 0u;  // ready for the next launch
+        }
+        __syncthreads();
+        if (s_last && beg < end) {
+            __threadfence();
+            // Past the cluster weights (GM * (CL_SIZE + 2) floats): [GM][act], then [GM].
+            float* w = csum + GM;
+            merge_cluster_partials(a, i, h0, beg, end, act, nclust, w, w + GM * act);
+        }
+    }
+    cluster_wait();
+}
+
+// Sm_90 only: elsewhere the entry points exist (the host loads every name) but stay empty and are
+// never launched (ops/attention.rs checks the compute capability).
+#if __CUDA_ARCH__ >= 900
+#define ATTN_CLUSTER(NAME, L, VPL, GM)                                                           \
+    extern "C" __global__ void __launch_bounds__(CL_THREADS) __cluster_dims__(1, CL_SIZE, 1)    \
+        NAME(const AttnArgs a) {                                                                 \
+        attn_cluster<L, VPL, GM>(a);                                                             \
+    }
+#else
+#define ATTN_CLUSTER(NAME, L, VPL, GM)                                                           \
+    extern "C" __global__ void __launch_bounds__(CL_THREADS) NAME(const AttnArgs a) {}
+#endif
+
+ATTN_CLUSTER(attn_cluster_d16_g1, 4, 1, 1)
+ATTN_CLUSTER(attn_cluster_d16_g2, 4, 1, 2)
+ATTN_CLUSTER(attn_cluster_d16_g4, 4, 1, 4)
+ATTN_CLUSTER(attn_cluster_d16_g8, 4, 1, 8)
+ATTN_CLUSTER(attn_cluster_d32_g1, 8, 1, 1)
+ATTN_CLUSTER(attn_cluster_d32_g2, 8, 1, 2)
+ATTN_CLUSTER(attn_cluster_d32_g4, 8, 1, 4)
+ATTN_CLUSTER(attn_cluster_d32_g8, 8, 1, 8)
+ATTN_CLUSTER(attn_cluster_d64_g1, 16, 1, 1)
+ATTN_CLUSTER(attn_cluster_d64_g2, 16, 1, 2)
+ATTN_CLUSTER(attn_cluster_d64_g4, 16, 1, 4)
+ATTN_CLUSTER(attn_cluster_d64_g8, 16, 1, 8)
+ATTN_CLUSTER(attn_cluster_d128_g1, 32, 1, 1)
+ATTN_CLUSTER(attn_cluster_d128_g2, 32, 1, 2)
+ATTN_CLUSTER(attn_cluster_d128_g4, 32, 1, 4)
+ATTN_CLUSTER(attn_cluster_d128_g8, 32, 1, 8)
+ATTN_CLUSTER(attn_cluster_d256_g1, 32, 2, 1)
+ATTN_CLUSTER(attn_cluster_d256_g2, 32, 2, 2)
+ATTN_CLUSTER(attn_cluster_d256_g4, 32, 2, 4)
+ATTN_CLUSTER(attn_cluster_d256_g8, 32, 2, 8)
+ATTN_CLUSTER(attn_cluster_d512_g1, 32, 4, 1)
+ATTN_CLUSTER(attn_cluster_d512_g2, 32, 4, 2)
 
 // ---- tiled prefill, exact f32 on CUDA cores ----
 
@@ -739,10 +1049,17 @@ ATTN_TILE_F32(attn_tile_f32_c4, 4)
 // mma.sync.m16n8k16 fragments (g = lane / 4, t = lane % 4): A (16x16, row-major) a0 = (g, 2t..2t+1),
 // a1 = (g + 8, 2t..), a2 = (g, 2t + 8..), a3 = (g + 8, 2t + 8..); B (16x8) b0 = (k 2t..2t+1, n g),
 // b1 = (k 2t + 8.., n g); C (16x8) c0, c1 = (g, 2t..2t+1), c2, c3 = (g + 8, 2t..). S = Q K^T takes
-// B from bf16 K rows (two adjacent dims of one key: one 4-byte load); P V takes A from S's
+// A from q (registers, rounded once) and B from the bf16 K rows by ldmatrix (an 8x8 block of 8 keys
+// x 8 dims gives each lane (key g, dims 2t, 2t + 1): b0 or b1 of one n-tile); P V takes A from S's
 // accumulators (the C layout of two 8-key tiles is the A layout of one 16-key step) and B from the
-// transposed bf16 V (two adjacent keys of one dim). Row strides of D + 8 and 72 bf16 put the 8
-// rows a fragment load touches 4 banks apart: conflict-free.
+// bf16 V rows by ldmatrix.trans (an 8x8 block of 8 keys x 8 dims, transposed: (keys 2t, 2t + 1,
+// dim g)). Both bf16 tiles are row-major with a row stride of D + 8 (272 bytes for D = 128): the 8
+// rows one 8x8 load touches start 4 banks apart, so it is conflict-free.
+//
+// Pipeline, one barrier per key tile j: [wait for tile j + 1's f32 rows; barrier; start tile
+// j + 2's cp.async into the f32 stage tile j left; round tile j + 1 to bf16 into the other bf16
+// buffer; S, softmax and P V of tile j]. Warps that finish rounding go on to their mma while the
+// others still round, and the loads have a whole tile's compute to land.
 
 #define TC_WARPS 8
 #define TC_THREADS (32 * TC_WARPS)
@@ -763,19 +1080,31 @@ __device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Four 8x8 bf16 blocks; lanes 8m .. 8m + 7 give the row addresses of block m, which lands in r[m].
+__device__ __forceinline__ void ldmatrix4(u32 (&r)[4], const u16* p) {
+    const u32 s = (u32)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+}
+__device__ __forceinline__ void ldmatrix4_trans(u32 (&r)[4], const u16* p) {
+    const u32 s = (u32)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+}
+
 template <int D>
 __device__ __forceinline__ void attn_tile_bf16(const AttnArgs& a) {
     constexpr int KS = D + 8;       // f32 K row stride
     constexpr int VS = D + 4;       // f32 V row stride
     constexpr int STAGE = TILE_N * (KS + VS);
-    constexpr int CH = D / 4;       // 16-byte chunks of a row
-    constexpr int G8 = D / 8;       // 8-dim groups of a row
-    constexpr int KBS = D + 8;      // bf16 K row stride
-    constexpr int VTS = TILE_N + 8;  // bf16 transposed-V row stride
+    constexpr int CH = D / 4;       // 16-byte chunks of an f32 row
+    constexpr int BS = D + 8;       // bf16 row stride of K and V
+    constexpr int BTILE = 2 * TILE_N * BS;  // one bf16 buffer: K rows, then V rows
     extern __shared__ float4 tc_smem4[];
     float* smem = reinterpret_cast<float*>(tc_smem4);
-    u16* Kb = reinterpret_cast<u16*>(smem + 2 * STAGE);
-    u16* Vt = Kb + TILE_N * KBS;
+    u16* bf = reinterpret_cast<u16*>(smem + 2 * STAGE);
     __shared__ int s_kmin, s_kend;
     // Later tiles see more keys: launch them first so the grid does not end on a long one.
     const int t0 = (gridDim.x - 1 - blockIdx.x) * TC_M;
@@ -791,6 +1120,7 @@ __device__ __forceinline__ void attn_tile_bf16(const AttnArgs& a) {
     const int t = lane & 3;
     tile_key_range(a, t0, &s_kmin, &s_kend);
     const int kmin = s_kmin, kend = s_kend;
+    const int ntiles = kmin < kend ? (kend - kmin + TILE_N - 1) / TILE_N : 0;
 
     // Stage `st` <- keys kt .. kt + 63 (rows past kend or out of range are zeros).
     auto load_tile = [&](int st, int kt) {
@@ -809,12 +1139,41 @@ __device__ __forceinline__ void attn_tile_bf16(const AttnArgs& a) {
         }
         cp_async_commit();
     };
-    if (kmin < kend) load_tile(0, kmin);
+    // bf16 buffer `b` <- f32 stage `st`, K and V row-major (a float4 per thread and step: warps
+    // read whole f32 rows and write whole bf16 rows, conflict-free).
+    auto round_tile = [&](int st, int b) {
+        const float* ks = smem + st * STAGE;
+        const float* vs = ks + TILE_N * KS;
+        u16* kb = bf + b * BTILE;
+        u16* vb = kb + TILE_N * BS;
+#pragma unroll
+        for (int it = 0; it < TILE_N * CH / TC_THREADS; ++it) {
+            const int idx = tid + it * TC_THREADS;
+            const int r = idx / CH;
+            const int c = idx - r * CH;
+            const float4 x = ld4(ks + r * KS + 4 * c);
+            const float4 y = ld4(vs + r * VS + 4 * c);
+            *reinterpret_cast<uint2*>(kb + r * BS + 4 * c) =
+                make_uint2(pack_bf16(x.x, x.y), pack_bf16(x.z, x.w));
+            *reinterpret_cast<uint2*>(vb + r * BS + 4 * c) =
+                make_uint2(pack_bf16(y.x, y.y), pack_bf16(y.z, y.w));
+        }
+    };
+    if (ntiles > 0) load_tile(0, kmin);
+    if (ntiles > 1) load_tile(1, kmin + TILE_N);
 
     const int ra = warp * 16 + g;  // this thread's two rows of the tile
     const int rb = ra + 8;
     const int pa = a.positions[t0 + ra], pb = a.positions[t0 + rb];
     const int loa = window_lo(a, pa), lob = window_lo(a, pb);
+    // A key tile every row of this warp sees whole needs no mask (all but the diagonal tiles
+    // and, under a window, its lower edge).
+    int wmin_p = min(pa, pb), wmax_lo = max(loa, lob);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        wmin_p = min(wmin_p, __shfl_xor_sync(0xffffffffu, wmin_p, o));
+        wmax_lo = max(wmax_lo, __shfl_xor_sync(0xffffffffu, wmax_lo, o));
+    }
 
     u32 qf[D / 16][4];
     {
@@ -835,75 +1194,58 @@ __device__ __forceinline__ void attn_tile_bf16(const AttnArgs& a) {
     for (int dt = 0; dt < D / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.0f;
     float ma = NEG_INF, mb = NEG_INF, la = 0.0f, lb = 0.0f;
 
-    int st = 0;
-    for (int kt = kmin; kt < kend; kt += TILE_N) {
-        // Start the next tile into the other stage (read last step, before the closing barrier),
-        // then wait for this one. An empty group keeps the wait count uniform at the end.
-        if (kt + TILE_N < kend) {
-            load_tile(st ^ 1, kt + TILE_N);
-        } else {
-            cp_async_commit();
-        }
+    // This lane's row of the 8x8 blocks it addresses for ldmatrix: block lane / 8, row lane % 8.
+    const int lm = lane >> 3;
+    const int lr = lane & 7;
+    if (ntiles > 1) {
         cp_async_wait<1>();
-        __syncthreads();
-        {
-            // Round the stage to bf16 once: K row-major, V transposed.
-            const float* ks = smem + st * STAGE;
-            const float* vs = ks + TILE_N * KS;
-#pragma unroll
-            for (int it = 0; it < TILE_N * G8 / TC_THREADS; ++it) {
-                const int idx = tid + it * TC_THREADS;
-                const int r = idx / G8;
-                const int c8 = idx - r * G8;
-                const float4 x0 = ld4(ks + r * KS + 8 * c8);
-                const float4 x1 = ld4(ks + r * KS + 8 * c8 + 4);
-                *reinterpret_cast<uint4*>(Kb + r * KBS + 8 * c8) =
-                    make_uint4(pack_bf16(x0.x, x0.y), pack_bf16(x0.z, x0.w),
-                               pack_bf16(x1.x, x1.y), pack_bf16(x1.z, x1.w));
-            }
-#pragma unroll
-            for (int it = 0; it < TILE_N * G8 / TC_THREADS; ++it) {
-                const int idx = tid + it * TC_THREADS;
-                const int r = idx % TILE_N;  // consecutive threads: consecutive keys
-                const int c8 = idx / TILE_N;
-                const float4 x0 = ld4(vs + r * VS + 8 * c8);
-                const float4 x1 = ld4(vs + r * VS + 8 * c8 + 4);
-                u16* col = Vt + (8 * c8) * VTS + r;
-                col[0 * VTS] = f32_to_bf16(x0.x);
-                col[1 * VTS] = f32_to_bf16(x0.y);
-                col[2 * VTS] = f32_to_bf16(x0.z);
-                col[3 * VTS] = f32_to_bf16(x0.w);
-                col[4 * VTS] = f32_to_bf16(x1.x);
-                col[5 * VTS] = f32_to_bf16(x1.y);
-                col[6 * VTS] = f32_to_bf16(x1.z);
-                col[7 * VTS] = f32_to_bf16(x1.w);
-            }
-        }
-        __syncthreads();
+    } else {
+        cp_async_wait<0>();
+    }
+    __syncthreads();
+    if (ntiles > 0) round_tile(0, 0);
 
+    for (int j = 0; j < ntiles; ++j) {
+        const int kt = kmin + j * TILE_N;
+        // Tile j + 1's rows have landed (each thread waits for its own copies, the barrier for
+        // everyone's); tile j is rounded, tile j - 1's buffer and tile j's stage are free.
+        cp_async_wait<0>();
+        __syncthreads();
+        if (j + 2 < ntiles) load_tile(j & 1, kt + 2 * TILE_N);
+        if (j + 1 < ntiles) round_tile((j + 1) & 1, (j + 1) & 1);
+
+        const u16* kb = bf + (j & 1) * BTILE;
+        const u16* vb = kb + TILE_N * BS;
         float s[TILE_N / 8][4];
 #pragma unroll
         for (int nt = 0; nt < TILE_N / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk)
 #pragma unroll
-            for (int nt = 0; nt < TILE_N / 8; ++nt) {
-                const u16* kb = Kb + (nt * 8 + g) * KBS + kk * 16 + 2 * t;
-                mma_bf16(s[nt], qf[kk], *reinterpret_cast<const u32*>(kb),
-                         *reinterpret_cast<const u32*>(kb + 8));
+            for (int np = 0; np < TILE_N / 16; ++np) {
+                // Blocks: (keys +0, dims +0), (keys +0, dims +8), (keys +8, dims +0), (+8, +8).
+                u32 b[4];
+                ldmatrix4(b, kb + (np * 16 + (lm >> 1) * 8 + lr) * BS + kk * 16 + (lm & 1) * 8);
+                mma_bf16(s[2 * np], qf[kk], b[0], b[1]);
+                mma_bf16(s[2 * np + 1], qf[kk], b[2], b[3]);
             }
 
+        if (!(kt + TILE_N - 1 <= wmin_p && kt >= wmax_lo)) {
+#pragma unroll
+            for (int nt = 0; nt < TILE_N / 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int kp = kt + nt * 8 + 2 * t + e;
+                    if (kp < loa || kp > pa) s[nt][e] = NEG_INF;
+                    if (kp < lob || kp > pb) s[nt][2 + e] = NEG_INF;
+                }
+        }
         float mxa = ma, mxb = mb;
 #pragma unroll
-        for (int nt = 0; nt < TILE_N / 8; ++nt)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int kp = kt + nt * 8 + 2 * t + e;
-                if (kp < loa || kp > pa) s[nt][e] = NEG_INF;
-                if (kp < lob || kp > pb) s[nt][2 + e] = NEG_INF;
-                mxa = fmaxf(mxa, s[nt][e]);
-                mxb = fmaxf(mxb, s[nt][2 + e]);
-            }
+        for (int nt = 0; nt < TILE_N / 8; ++nt) {
+            mxa = fmaxf(mxa, fmaxf(s[nt][0], s[nt][1]));
+            mxb = fmaxf(mxb, fmaxf(s[nt][2], s[nt][3]));
+        }
         // A row's 64 keys are spread over the 4 lanes of its quad.
         mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 1));
         mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 2));
@@ -939,15 +1281,14 @@ __device__ __forceinline__ void attn_tile_bf16(const AttnArgs& a) {
                                pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
                                pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
 #pragma unroll
-            for (int dt = 0; dt < D / 8; ++dt) {
-                const u16* vb = Vt + (dt * 8 + g) * VTS + kk * 16 + 2 * t;
-                mma_bf16(o[dt], pf, *reinterpret_cast<const u32*>(vb),
-                         *reinterpret_cast<const u32*>(vb + 8));
+            for (int dp = 0; dp < D / 16; ++dp) {
+                // Blocks: (keys +0, dims +0), (keys +8, dims +0), (keys +0, dims +8), (+8, +8).
+                u32 b[4];
+                ldmatrix4_trans(b, vb + (kk * 16 + (lm & 1) * 8 + lr) * BS + (2 * dp + (lm >> 1)) * 8);
+                mma_bf16(o[2 * dp], pf, b[0], b[1]);
+                mma_bf16(o[2 * dp + 1], pf, b[2], b[3]);
             }
         }
-        // Everyone is done with this stage and the bf16 tile before the next step refills them.
-        __syncthreads();
-        st ^= 1;
     }
 
     la += __shfl_xor_sync(0xffffffffu, la, 1);

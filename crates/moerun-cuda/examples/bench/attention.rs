@@ -5,6 +5,11 @@
 //!   (separate blocks) adding up to >= 512 MiB, as for the GEMV rows;
 //! - prefill of one 4096-token sequence from position 0: TFLOP/s with causal FLOPs
 //!   4 · n²/2 · heads · head_dim, exact f32 tiles and bf16 tensor-core tiles.
+//!
+//! `MOERUN_ATTN_BENCH=decode` (or `prefill`) runs only those rows; `MOERUN_ATTN_BENCH_NCU=1`
+//! times each decode row on one pool copy, for Nsight Compute: it flushes the caches before every
+//! profiled kernel anyway, and 64 copies would mean over a thousand profiled launches per row.
+//! Decode rows then launch 3 warm-ups + 15 timed calls each, in the order of [`rows`].
 
 use moerun_cuda::{
     AttentionPrefill, AttentionShape, CudaDevice, CudaError, CudaSlice, DeviceKvPool, Result,
@@ -64,7 +69,11 @@ fn permutation(rng: &mut XorShift, n: usize) -> Vec<i32> {
 fn decode_row(dev: &CudaDevice, rng: &mut XorShift, batch: usize, context: usize) -> Result<Row> {
     let per_seq = context.div_ceil(BLOCK);
     let bytes = batch * context * KV_HEADS * HEAD_DIM * 4 * 2;
-    let copies = ROTATE_BYTES.div_ceil(bytes).clamp(1, 64);
+    let copies = if std::env::var_os("MOERUN_ATTN_BENCH_NCU").is_some() {
+        1
+    } else {
+        ROTATE_BYTES.div_ceil(bytes).clamp(1, 64)
+    };
     let pool = random_pool(dev, rng, copies * batch * per_seq)?;
     let tables = dev.upload(&permutation(rng, copies * batch * per_seq))?;
     let positions = dev.upload(&vec![context as i32 - 1; batch])?;
@@ -132,22 +141,35 @@ fn prefill_row(
     })
 }
 
+/// (batch, context) of the decode rows: batch 1 across contexts (the latency-bound decode step of
+/// one sequence), then batches 8 to 128.
+const DECODE_ROWS: [(usize, usize); 11] = [
+    (1, 512),
+    (1, 2048),
+    (1, 4096),
+    (1, 8192),
+    (8, 512),
+    (8, 4096),
+    (32, 512),
+    (32, 4096),
+    (128, 512),
+    (128, 4096),
+    (8, 8192),
+];
+
 /// Every attention row.
 pub fn rows(dev: &CudaDevice, rng: &mut XorShift) -> Result<Vec<Row>> {
+    let only = std::env::var("MOERUN_ATTN_BENCH").unwrap_or_default();
     let mut rows = Vec::new();
-    for (batch, context) in [
-        (1, 512),
-        (1, 4096),
-        (8, 512),
-        (8, 4096),
-        (32, 4096),
-        (128, 512),
-        (128, 4096),
-    ] {
-        rows.push(decode_row(dev, rng, batch, context)?);
+    if only.is_empty() || only == "decode" {
+        for (batch, context) in DECODE_ROWS {
+            rows.push(decode_row(dev, rng, batch, context)?);
+        }
     }
-    for prefill in [AttentionPrefill::ExactF32, AttentionPrefill::TensorCoreBf16] {
-        rows.push(prefill_row(dev, rng, 4096, prefill)?);
+    if only.is_empty() || only == "prefill" {
+        for prefill in [AttentionPrefill::ExactF32, AttentionPrefill::TensorCoreBf16] {
+            rows.push(prefill_row(dev, rng, 4096, prefill)?);
+        }
     }
     Ok(rows)
 }

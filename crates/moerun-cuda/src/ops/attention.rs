@@ -12,19 +12,31 @@
 //!   (n / tile_m, num_heads), block 256: K/V tiles of 64 positions staged in shared memory by
 //!   `cp.async`, online softmax, causal tiles skipped, the tiles with the most keys launched first.
 //!   [`AttentionPrefill::ExactF32`] (the default) runs it on CUDA cores in f32, tile_m 64;
-//!   [`AttentionPrefill::TensorCoreBf16`] on tensor cores (`mma.sync` m16n8k16, bf16 operands,
-//!   f32 accumulation, tile_m 128, double-buffered K/V; head_dim 64 or 128).
+//!   [`AttentionPrefill::TensorCoreBf16`] on tensor cores (`mma.sync` m16n8k16, bf16 operands
+//!   read by `ldmatrix`, f32 accumulation, tile_m 128; the f32 K/V of tile j + 2 load and tile
+//!   j + 1 is rounded to bf16 while tile j computes; head_dim 64 or 128).
 //! - every other token (decode, short chunks, the tails of prefills, tiles mixing sequences) goes
 //!   to split-K flash-decoding in exact f32: grid (n, splits, kv_heads * head_chunks), block 128;
 //!   a block reads each K/V row of its split once for all (up to 8) query heads of its kv head.
-//!   With more than one split, a second kernel (grid (n, num_heads), block 128) merges the splits'
-//!   partials, kept in an [`AttentionScratch`] the caller creates beforehand.
+//!   With more than one split, the last split block of a group to finish (an arrival count)
+//!   merges the splits' partials, kept in an [`AttentionScratch`] the caller creates beforehand.
+//!   Splits are chosen so the decode grid has about 4 blocks per SM: `splits = ceil(4 * SMs /
+//!   (n * kv_heads * head_chunks))`, at least 16 keys per split, capped by the context bound
+//!   (`max_context`, or the window) and by the scratch.
+//! - on Hopper (compute capability 9+), a small decode batch (its (token, kv head x head chunk)
+//!   groups fit the device's active clusters at once) instead runs the *cluster* kernel: grid
+//!   (n, 8 x clusters, kv_heads * head_chunks) in thread-block clusters of 8 blocks of 256
+//!   threads. The 8 blocks of a cluster split a token's keys evenly and merge through
+//!   distributed shared memory after a cluster barrier, each block writing an eighth of the
+//!   output: no partials, fence or atomic when one cluster covers the context (the latency of a
+//!   batch-1 decode step). Longer contexts take up to 16 clusters per group, merged as the split
+//!   kernel merges its splits (`cluster_plan`); contexts needing more than 8 steps of keys per
+//!   block stay on the split kernel, which keeps more loads in flight per SM.
 //!
-//! Splits are chosen so the decode grid has about 4 blocks per SM: `splits = ceil(4 * SMs /
-//! (n * kv_heads * head_chunks))`, at least 64 keys per split, capped by the context bound
-//! (`max_context`, or the window) and by the scratch. The exact f32 paths agree with the CPU within
-//! f32 rounding (~1e-6 relative); results are not bitwise batch invariant (which path a token
-//! takes and its splits depend on the batch).
+//! The exact f32 paths agree with the CPU within f32 rounding (~1e-6 relative); results are not
+//! bitwise batch invariant (which path a token takes and its splits depend on the batch).
+
+use std::sync::OnceLock;
 
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{
@@ -51,6 +63,17 @@ pub const MAX_HEAD_DIM: usize = 512;
 const MAX_TILED_HEAD_DIM: usize = 256;
 /// Query heads per block of the split-K kernel for head_dim 512 (register budget).
 const MAX_GROUP_D512: usize = 2;
+/// Blocks per thread-block cluster of the cluster decode kernel (`CL_SIZE`; 8 is the portable
+/// maximum).
+const CLUSTER_SIZE: usize = 8;
+/// Threads per block of the cluster decode kernel (`CL_THREADS`: 8 warps).
+const CLUSTER_THREADS: usize = 256;
+/// Most clusters per (token, kv head x head chunk): bounds the final merge (and the kernel's
+/// shared memory for its weights).
+const MAX_CLUSTERS: usize = 16;
+/// Most steps of keys a block of the cluster kernel takes; longer contexts (for the batch) go to
+/// the split kernel.
+const MAX_CLUSTER_STEPS: usize = 8;
 const LOG2_E: f32 = std::f32::consts::LOG2_E;
 
 /// One layer's paged KV on the device: K and V, each `[blocks][block_size][kv_heads][head_dim]`
@@ -156,6 +179,12 @@ pub(crate) struct AttentionKernels {
     /// `[dim class][group class]`: head_dim <= 16, 32, 64, 128, 256, 512 x query heads per block
     /// 1, 2, 4, 8 (head_dim 512: 1 and 2 only; its row repeats the 2-head kernel).
     split: [[CudaFunction; 4]; 6],
+    /// The cluster decode kernels, indexed as `split` (sm_90+ only; empty elsewhere).
+    cluster: [[CudaFunction; 4]; 6],
+    /// Whether each cluster kernel got the dynamic shared memory of its widest head.
+    cluster_smem_ok: [[bool; 4]; 6],
+    /// Clusters of each cluster kernel the device runs at once (queried on first use).
+    cluster_slots: [[OnceLock<usize>; 4]; 6],
     /// head_dim <= 64, 128, 256.
     tile_f32: [CudaFunction; 3],
     /// The dynamic shared memory each `tile_f32` kernel was allowed (0: the device refused).
@@ -177,10 +206,25 @@ fn tile_f32_smem(head_dim: usize) -> usize {
 }
 
 /// Dynamic shared memory of the tensor-core kernel: two stages of 64 f32 K rows (stride
-/// head_dim + 8) and V rows (stride head_dim + 4), then the bf16 tile: K [64][head_dim + 8] and
-/// transposed V [head_dim][72].
+/// head_dim + 8) and V rows (stride head_dim + 4), then two buffers of the bf16 tile: K and V
+/// [64][head_dim + 8] each.
 fn tile_bf16_smem(head_dim: usize) -> usize {
-    2 * 64 * (2 * head_dim + 12) * 4 + 64 * (head_dim + 8) * 2 + head_dim * 72 * 2
+    2 * 64 * (2 * head_dim + 12) * 4 + 2 * 2 * 64 * (head_dim + 8) * 2
+}
+
+/// Dynamic shared memory of the cluster kernel for `group` (class) query heads of `head_dim`: the
+/// 8 warps' states and the block's own, each `group * (head_dim + 2)` floats.
+fn cluster_smem(head_dim: usize, group: usize) -> usize {
+    (CLUSTER_THREADS / 32 + 1) * group * (head_dim + 2) * 4
+}
+
+/// Keys one step of a cluster-kernel block covers: its lane groups (a key each, head_dim / 4
+/// lanes, at most 32) times the keys per group per step (4 for head_dim <= 128, 2 for 256, 1 for
+/// 512), as in `attend_keys`.
+fn cluster_keys_per_step(dim_class: usize) -> usize {
+    let lanes = (dim_class / 4).min(32);
+    let vpl = (dim_class / 128).max(1);
+    CLUSTER_THREADS / lanes * (4 / vpl)
 }
 
 /// Opt `func` in to `want` bytes of dynamic shared memory; returns what it may use (48 KiB, the
@@ -205,6 +249,33 @@ impl AttentionKernels {
                 f(&format!("attn_split_d{d}_g8"))?,
             ])
         };
+        let cluster_row = |d: usize| -> Result<[CudaFunction; 4]> {
+            if d == 512 {
+                // As for the split kernels: the 2-head kernel serves the larger group classes.
+                let g2 = f("attn_cluster_d512_g2")?;
+                return Ok([f("attn_cluster_d512_g1")?, g2.clone(), g2.clone(), g2]);
+            }
+            Ok([
+                f(&format!("attn_cluster_d{d}_g1"))?,
+                f(&format!("attn_cluster_d{d}_g2"))?,
+                f(&format!("attn_cluster_d{d}_g4"))?,
+                f(&format!("attn_cluster_d{d}_g8"))?,
+            ])
+        };
+        let cluster = [
+            cluster_row(16)?,
+            cluster_row(32)?,
+            cluster_row(64)?,
+            cluster_row(128)?,
+            cluster_row(256)?,
+            cluster_row(512)?,
+        ];
+        let cluster_smem_ok = std::array::from_fn(|dc| {
+            std::array::from_fn(|gc| {
+                let want = cluster_smem(DIM_CLASSES[dc], GROUP_CLASSES[gc]);
+                allow_smem(&cluster[dc][gc], want) >= want
+            })
+        });
         let tile_f32 = [
             f("attn_tile_f32_c1")?,
             f("attn_tile_f32_c2")?,
@@ -229,6 +300,9 @@ impl AttentionKernels {
                     f("attn_split_d512_g2")?,
                 ],
             ],
+            cluster,
+            cluster_smem_ok,
+            cluster_slots: Default::default(),
             tile_f32,
             tile_f32_smem: f32_smem,
             tile_bf16,
@@ -300,6 +374,43 @@ fn split_plan(work: usize, context: usize, sms: usize, capacity: usize) -> Split
     }
 }
 
+/// How the cluster kernel covers a decode batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct ClusterPlan {
+    /// Clusters per (token, kv head x head chunk) group.
+    clusters: usize,
+    /// The fewest keys a block takes (a token's keys spread over fewer clusters when short).
+    min_keys: usize,
+}
+
+/// `work` = (token, kv head x head chunk) groups; `context` = the most keys a token sees;
+/// `slots` = clusters the device runs at once; `capacity` = the most partials per row the
+/// scratch holds; `step` = keys per block step. None: the split kernel suits this batch better
+/// (the groups do not all run at once, or the blocks would take too many steps).
+fn cluster_plan(
+    work: usize,
+    context: usize,
+    slots: usize,
+    capacity: usize,
+    step: usize,
+) -> Option<ClusterPlan> {
+    if work == 0 || work > slots {
+        return None;
+    }
+    // Two steps per block at least: one step's latency is mostly its loads, which the second
+    // step's overlap.
+    let min_keys = 2 * step;
+    let clusters = (slots / work)
+        .min(context.max(1).div_ceil(CLUSTER_SIZE * min_keys))
+        .min(MAX_CLUSTERS)
+        .min(capacity)
+        .max(1);
+    if context.div_ceil(clusters * CLUSTER_SIZE) > MAX_CLUSTER_STEPS * step {
+        return None;
+    }
+    Some(ClusterPlan { clusters, min_keys })
+}
+
 /// Index of the smallest class that holds `v`.
 fn class_of(classes: &[usize], v: usize) -> usize {
     classes
@@ -309,6 +420,32 @@ fn class_of(classes: &[usize], v: usize) -> usize {
 }
 
 impl CudaDevice {
+    /// Clusters of the cluster decode kernel for (`dim_class`, `group_class`) that run at once, if
+    /// this device has the kernel (compute capability 9+, its shared memory granted) and `work`
+    /// groups might use it (one cluster each fits the device's SMs). Queried once per kernel.
+    fn cluster_slots(&self, dim_class: usize, group_class: usize, work: usize) -> Option<usize> {
+        let k = &self.kernels.attention;
+        if self.info().compute_capability.0 < 9
+            || !k.cluster_smem_ok[dim_class][group_class]
+            || work * CLUSTER_SIZE > self.info().multiprocessors as usize
+        {
+            return None;
+        }
+        let slots = *k.cluster_slots[dim_class][group_class].get_or_init(|| {
+            let cfg = LaunchConfig {
+                grid_dim: (1, CLUSTER_SIZE as u32, 1),
+                block_dim: (CLUSTER_THREADS as u32, 1, 1),
+                shared_mem_bytes: cluster_smem(DIM_CLASSES[dim_class], GROUP_CLASSES[group_class])
+                    as u32,
+            };
+            // A refused query means the kernel cannot be planned for: no clusters, split kernel.
+            k.cluster[dim_class][group_class]
+                .occupancy_max_active_clusters(cfg, &self.stream)
+                .map_or(0, |c| c as usize)
+        });
+        (slots > 0).then_some(slots)
+    }
+
     /// A zeroed pool of `blocks` blocks of `block_size` positions, `kv_heads * head_dim` values
     /// each for K and for V. head_dim must be a multiple of 4 (16-byte rows), at most 512.
     pub fn kv_pool(
@@ -426,6 +563,11 @@ impl CudaDevice {
         // n * splits <= n * ceil(4 * SMs / n) < 4 * SMs + n <= 8 * SMs.
         let target = BLOCKS_PER_SM * self.info().multiprocessors as usize;
         let max_splits = max_context.max(1).div_ceil(MIN_SPLIT_KEYS);
+        // Ask the driver now, outside any graph capture, how many clusters of this head size's
+        // cluster kernels run at once (what the calls plan with).
+        for group_class in 0..GROUP_CLASSES.len() {
+            self.cluster_slots(class_of(&DIM_CLASSES, head_dim.max(1)), group_class, 1);
+        }
         let rows = num_heads.max(1) * (2 * target).min(max_tokens.max(1) * max_splits);
         Ok(AttentionScratch {
             acc: self.zeros(rows * head_dim.max(1))?,
@@ -546,8 +688,27 @@ impl CudaDevice {
         let capacity =
             (scratch.acc.len() / (per_split * d)).min(scratch.ml.len() / (per_split * 2));
         let sms = self.info().multiprocessors as usize;
-        let plan = split_plan(n * num_kv_heads * head_chunks, context, sms, capacity);
+        let work = n * num_kv_heads * head_chunks;
+        let plan = split_plan(work, context, sms, capacity);
         let tiled = d <= MAX_TILED_HEAD_DIM && n >= tile_m;
+        let dim_class = class_of(&DIM_CLASSES, d);
+        let g = GROUP_CLASSES[group_class];
+        let cluster = self
+            .cluster_slots(dim_class, group_class, work)
+            .and_then(|slots| {
+                // More than one cluster per group needs an arrival count per group and rank.
+                let capacity = if work * CLUSTER_SIZE <= scratch.arrivals.len() {
+                    capacity
+                } else {
+                    1
+                };
+                let step = cluster_keys_per_step(DIM_CLASSES[dim_class]);
+                cluster_plan(work, context, slots, capacity, step)
+            });
+        let (nsplit, chunk) = match cluster {
+            Some(c) => (c.clusters * CLUSTER_SIZE, c.min_keys),
+            None => (plan.splits, plan.chunk),
+        };
 
         let qp = self.ptr(q, "paged_attention q")?;
         let op = self.ptr_mut(out, "paged_attention out")?;
@@ -580,8 +741,8 @@ impl CudaDevice {
                 -1
             },
             window: to_i32(sliding_window.unwrap_or(0), "sliding_window")?,
-            chunk: to_i32(plan.chunk, "split chunk")?,
-            nsplit: to_i32(plan.splits, "splits")?,
+            chunk: to_i32(chunk, "split chunk")?,
+            nsplit: to_i32(nsplit, "splits")?,
             tiled: tiled as i32,
             tile_m: tile_m as i32,
             scale_log2: scale * LOG2_E,
@@ -610,14 +771,37 @@ impl CudaDevice {
             unsafe { b.launch(cfg) }.ctx("attention prefill tiles")?;
         }
 
-        let groups = n * num_kv_heads * head_chunks;
+        if let Some(c) = cluster {
+            let cfg = LaunchConfig {
+                grid_dim: (
+                    args.n as u32,
+                    grid_yz(nsplit, "cluster splits")?,
+                    grid_yz(num_kv_heads * head_chunks, "kv heads x head chunks")?,
+                ),
+                block_dim: (CLUSTER_THREADS as u32, 1, 1),
+                shared_mem_bytes: cluster_smem(d, g) as u32,
+            };
+            let mut b = self
+                .stream
+                .launch_builder(&kernels.cluster[dim_class][group_class]);
+            b.arg(&args);
+            // SAFETY: as for the split kernel below; the grid's y extent is a whole number of
+            // clusters (the kernel's compile-time cluster shape, 1 x 8 x 1); with more than one
+            // cluster per group the partials of n x num_heads x clusters rows fit the scratch
+            // (cluster_plan is bounded by `capacity`) and the work x 8 arrival counts exist
+            // (checked when planning); the dynamic shared memory is what this head_dim needs,
+            // within the limit set at load (`cluster_smem_ok`).
+            unsafe { b.launch(cfg) }.ctx("attention cluster decode")?;
+            debug_assert!(c.clusters == 1 || work * CLUSTER_SIZE <= scratch.arrivals.len());
+            return Ok(());
+        }
+        let groups = work;
         ensure(plan.splits == 1 || groups <= scratch.arrivals.len(), || {
             format!(
                 "paged_attention: {groups} split groups but {} arrival counts",
                 scratch.arrivals.len()
             )
         })?;
-        let g = GROUP_CLASSES[group_class];
         // The block's own merge of its 4 warps, or (the last split block of a group) the
         // splits' weights of its heads, whichever is larger.
         let smem = (4 * g * (d + 2)).max(g * plan.splits) * 4;
@@ -630,7 +814,7 @@ impl CudaDevice {
             block_dim: (128, 1, 1),
             shared_mem_bytes: smem as u32,
         };
-        let func = &kernels.split[class_of(&DIM_CLASSES, d)][group_class];
+        let func = &kernels.split[dim_class][group_class];
         let mut b = self.stream.launch_builder(func);
         b.arg(&args);
         // SAFETY: as above; with more than one split the partials of n x num_heads x splits rows
@@ -674,6 +858,42 @@ mod tests {
     }
 
     #[test]
+    fn cluster_plan_covers_small_batches_and_leaves_long_contexts_to_the_split_kernel() {
+        assert_eq!(cluster_keys_per_step(16), 256);
+        assert_eq!(cluster_keys_per_step(128), 32);
+        assert_eq!(cluster_keys_per_step(256), 16);
+        assert_eq!(cluster_keys_per_step(512), 8);
+        // Batch 1 of Qwen3-30B-A3B (4 kv heads, head_dim 128), 16 clusters at once.
+        let plan = |context| cluster_plan(4, context, 16, usize::MAX, 32).map(|p| p.clusters);
+        assert_eq!(plan(1), Some(1));
+        assert_eq!(plan(512), Some(1), "one cluster: no global merge");
+        assert_eq!(plan(2048), Some(4));
+        assert_eq!(plan(8192), Some(4), "256 keys, 8 steps per block");
+        assert_eq!(plan(8193), None);
+        assert_eq!(
+            cluster_plan(4, 512, 16, usize::MAX, 32).unwrap().min_keys,
+            64
+        );
+        // Groups that do not all run at once, or a scratch for one cluster only.
+        assert_eq!(cluster_plan(17, 512, 16, usize::MAX, 32), None);
+        assert_eq!(cluster_plan(0, 512, 16, usize::MAX, 32), None);
+        assert_eq!(
+            cluster_plan(4, 2048, 16, 1, 32).map(|p| p.clusters),
+            Some(1)
+        );
+        assert_eq!(cluster_plan(4, 4096, 16, 1, 32), None);
+        for work in 1..=16 {
+            for context in [1usize, 100, 1000, 5000, 100_000] {
+                if let Some(p) = cluster_plan(work, context, 16, usize::MAX, 32) {
+                    assert!(p.clusters >= 1 && p.clusters <= MAX_CLUSTERS, "{p:?}");
+                    assert!(work * p.clusters <= 16, "one wave: {work} {context} {p:?}");
+                }
+            }
+        }
+        assert!(cluster_smem(256, 8) <= 227 << 10 && cluster_smem(128, 8) <= 48 << 10);
+    }
+
+    #[test]
     fn split_plan_never_exceeds_the_scratch() {
         for capacity in [0usize, 1, 3, 7] {
             let plan = split_plan(1, 4096, 132, capacity);
@@ -692,5 +912,6 @@ mod tests {
         assert_eq!(class_of(&GROUP_CLASSES, 3), 2);
         assert_eq!(class_of(&GROUP_CLASSES, 16), 3);
         assert!(tile_f32_smem(256) <= 227 << 10, "fits an H100/H200 block");
+        assert!(tile_bf16_smem(128) <= 227 << 10, "fits an H100/H200 block");
     }
 }
