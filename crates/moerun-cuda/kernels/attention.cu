@@ -319,9 +319,13 @@ __device__ __forceinline__ void merge_splits(const AttnArgs& a, int i, int h0, i
 // loading meanwhile), then the groups of each warp merged by shuffles. Leaves each warp's state
 // in shared memory: unnormalised acc in s_acc [W][GM][d], (max, sum) in s_ml [W][GM][2], for
 // h < gh; ends in a barrier. An empty range leaves (-inf, 0) and zeros.
-template <int W, int L, int VPL, int GM>
+// EARLY (programmatic dependent launch, common.cuh): the kernel has not waited for the one before
+// it yet. Keys before `fresh` were written by earlier passes, so the first step's rows of those
+// load first; then the wait, and q and the fresh rows (the previous kernel writes them) after.
+template <int W, int L, int VPL, int GM, bool EARLY = false>
 __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, int h0, int gh, int ts,
-                                            int k0, int k1, float* s_acc, float* s_ml) {
+                                            int k0, int k1, float* s_acc, float* s_ml,
+                                            int fresh = 0) {
     constexpr int U = SPLIT_KEYS / VPL;
     constexpr int GROUPS = 32 * W / L;
     using S = Scatter<L, GM>;
@@ -333,6 +337,14 @@ __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, in
     const int sub = lane & (L - 1);
     const int grp = threadIdx.x / L;
 
+    float4 kr[U][VPL], vr[U][VPL];
+    bool ok[U];
+    if constexpr (EARLY) {
+        fetch_keys<W, L, VPL, U>(a, ts, kh, k0, min(k1, fresh), grp, sub, d4, kr, vr, ok);
+        pdl_entry();
+        if (fresh < k1 && fresh < k0 + GROUPS * U)  // block-uniform
+            fetch_keys<W, L, VPL, U>(a, ts, kh, k0, k1, grp, sub, d4, kr, vr, ok);
+    }
     float4 qr[GM][VPL];
 #pragma unroll
     for (int h = 0; h < GM; ++h)
@@ -357,9 +369,7 @@ __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, in
 #pragma unroll
         for (int v = 0; v < VPL; ++v) acc[h][v] = zero4();
 
-    float4 kr[U][VPL], vr[U][VPL];
-    bool ok[U];
-    fetch_keys<W, L, VPL, U>(a, ts, kh, k0, k1, grp, sub, d4, kr, vr, ok);
+    if constexpr (!EARLY) fetch_keys<W, L, VPL, U>(a, ts, kh, k0, k1, grp, sub, d4, kr, vr, ok);
     // The loop bound is block-uniform so that every lane takes part in the shuffles; a group past
     // k1 sees its keys as masked.
     for (int jb = k0; jb < k1; jb += GROUPS * U) {
@@ -565,6 +575,7 @@ __device__ __forceinline__ void attn_split(const AttnArgs& a) {
 
 #define ATTN_SPLIT(NAME, L, VPL, GM)                                                             \
     extern "C" __global__ void __launch_bounds__(SPLIT_THREADS) NAME(const AttnArgs a) {        \
+        pdl_entry();                                                                             \
         attn_split<L, VPL, GM>(a);                                                               \
     }
 
@@ -727,6 +738,7 @@ __device__ __forceinline__ void attn_cluster(const AttnArgs& a) {
     const int end = min(items, beg + per);
     if (act == 0) {
         // No visible key: zeros, from the first cluster (no merge, no barrier).
+        pdl_entry();
         if (cl == 0) {
             float* o = a.out + ((u64)i * a.num_heads + h0) * d;
             for (int it = beg + threadIdx.x; it < end; it += CL_THREADS) st4(o + 4 * it, zero4());
@@ -742,7 +754,12 @@ __device__ __forceinline__ void attn_cluster(const AttnArgs& a) {
     float* s_ml = s_acc + CL_WARPS * GM * d;            // [CL_WARPS][GM][2]
     float* b_acc = s_ml + CL_WARPS * GM * 2;            // [GM][d]: the block's state, for the cluster
     float* b_ml = b_acc + GM * d;                       // [GM][2]
-    attend_keys<CL_WARPS, L, VPL, GM>(a, i, kh, h0, gh, ts, k0, k1, s_acc, s_ml);
+    // The first position of this token's sequence in the batch: keys from there on are written
+    // by the kernel before (the attention prologue), older ones by earlier passes.
+    int first = i;
+    while (first > 0 && a.table_start[first - 1] == ts) --first;
+    attend_keys<CL_WARPS, L, VPL, GM, true>(a, i, kh, h0, gh, ts, k0, k1, s_acc, s_ml,
+                                            a.positions[first]);
     for (int idx = threadIdx.x; idx < gh * d; idx += CL_THREADS) {
         const int h = idx / d;
         const int e = idx - h * d;

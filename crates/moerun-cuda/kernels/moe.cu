@@ -106,7 +106,9 @@ extern "C" __global__ void __launch_bounds__(1024)
 // chunks l, l + 32, ..., U of them in flight per row, each widened once and applied to all M rows
 // of x. Every output is one fmaf chain in a fixed order, then a butterfly; all lanes end with the
 // totals.
-template <typename C, int M, int R, int U>
+// WAIT: the first step's weights are issued before the kernel waits for the one before it
+// (programmatic dependent launch, common.cuh); x is only read after. Same steps, same order.
+template <typename C, int M, int R, int U, bool WAIT = false>
 __device__ __forceinline__ void moe_warp_rows(const uint4* const (&w)[R], const float* const (&x)[M],
                                               int chunks, float (&acc)[M][R]) {
     const int lane = threadIdx.x & 31;
@@ -114,8 +116,8 @@ __device__ __forceinline__ void moe_warp_rows(const uint4* const (&w)[R], const 
     for (int m = 0; m < M; ++m)
 #pragma unroll
         for (int r = 0; r < R; ++r) acc[m][r] = 0.0f;
-    for (int c0 = lane; c0 < chunks; c0 += 32 * U) {
-        uint4 q[U][R];
+    uint4 q[U][R];
+    auto load = [&](int c0) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int c = c0 + 32 * u;
@@ -123,6 +125,8 @@ __device__ __forceinline__ void moe_warp_rows(const uint4* const (&w)[R], const 
             for (int r = 0; r < R; ++r)
                 q[u][r] = c < chunks ? load_stream(w[r] + c) : make_uint4(0u, 0u, 0u, 0u);
         }
+    };
+    auto step = [&](int c0) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int c = c0 + 32 * u;
@@ -148,6 +152,21 @@ __device__ __forceinline__ void moe_warp_rows(const uint4* const (&w)[R], const 
                         for (int i = 0; i < C::N; ++i) acc[m][r] = fmaf(f[r][i], xv[i], acc[m][r]);
                 }
             }
+        }
+    };
+    if constexpr (WAIT) {
+        int c0 = lane;
+        load(c0);
+        pdl_entry();
+        while (c0 < chunks) {
+            step(c0);
+            c0 += 32 * U;
+            if (c0 < chunks) load(c0);
+        }
+    } else {
+        for (int c0 = lane; c0 < chunks; c0 += 32 * U) {
+            load(c0);
+            step(c0);
         }
     }
 #pragma unroll
@@ -270,11 +289,12 @@ MOE_GATE_UP_KERNEL(moe_gate_up_f32_m8, ChunkF32, 8, 1)
 
 // acc[m][r] = row row0 + r of the expert's down matrix at wexp . h[p[m]], for rows_here >= 1
 // rows; NaN for the out-of-range group (wexp null), so its tokens' sums become NaN too.
-template <typename C, int M>
+template <typename C, int M, bool WAIT = false>
 __device__ __forceinline__ void moe_down_rows(const uint4* wexp, const float* __restrict__ h,
                                               const u32 (&p)[M], int inter, int row0,
                                               int rows_here, float (&acc)[M][MOE_DOWN_ROWS]) {
     if (wexp == nullptr) {
+        if (WAIT) pdl_entry();
 #pragma unroll
         for (int m = 0; m < M; ++m)
 #pragma unroll
@@ -288,7 +308,7 @@ __device__ __forceinline__ void moe_down_rows(const uint4* wexp, const float* __
 #pragma unroll
         for (int r = 0; r < MOE_DOWN_ROWS; ++r)
             w[r] = wexp + (u64)(row0 + min(r, rows_here - 1)) * chunks;  // in bounds; unused rows
-        moe_warp_rows<C, M, MOE_DOWN_ROWS, MOE_DOWN_UNROLL>(w, xr, chunks, acc);
+        moe_warp_rows<C, M, MOE_DOWN_ROWS, MOE_DOWN_UNROLL, WAIT>(w, xr, chunks, acc);
     }
 }
 
@@ -460,25 +480,36 @@ __device__ __forceinline__ void moe_tiny_down(const void* __restrict__ down,
                                               float* __restrict__ out, int experts, int hidden,
                                               int inter, int top_k) {
     __shared__ float ys[MOE_TINY_MAX_K][MOE_DOWN_ROWS];
-    pdl_entry();
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
     const u64 t = blockIdx.y;
     const int row0 = blockIdx.x * MOE_DOWN_ROWS;
     const int rows_here = min(MOE_DOWN_ROWS, hidden - row0);  // >= 1: grid.x = ceil(H / 4)
+    // Under programmatic dependent launch (common.cuh) this kernel starts while gate_up runs:
+    // a warp's first rank reads its expert id and starts that expert's weights before waiting
+    // for gate_up. The ids come from route_topk, two kernels back, which had finished before
+    // gate_up let this kernel launch (gate_up waits for it first); they are read through L2.
+    // Every thread waits exactly once, before it reads h or writes anything.
+    bool waited = false;
     for (int r = warp; r < top_k; r += MOE_WARPS) {
         const u32 p[1] = {(u32)(t * top_k + r)};
-        const u32 e = ids[p[0]];
+        const u32 e = __float_as_uint(load_cg(reinterpret_cast<const float*>(ids + p[0])));
         const uint4* wexp = e < (u32)experts
                                 ? reinterpret_cast<const uint4*>(down) + (u64)e * hidden * (inter / C::N)
                                 : nullptr;
         float acc[1][MOE_DOWN_ROWS];
-        moe_down_rows<C, 1>(wexp, h, p, inter, row0, rows_here, acc);
+        if (waited) {
+            moe_down_rows<C, 1>(wexp, h, p, inter, row0, rows_here, acc);
+        } else {
+            moe_down_rows<C, 1, true>(wexp, h, p, inter, row0, rows_here, acc);
+            waited = true;
+        }
         if (lane == 0) {
 #pragma unroll
             for (int i = 0; i < MOE_DOWN_ROWS; ++i) ys[r][i] = acc[0][i];
         }
     }
+    if (!waited) pdl_entry();
     __syncthreads();
     if ((int)threadIdx.x < rows_here) {
         const u64 p0 = t * (u64)top_k;

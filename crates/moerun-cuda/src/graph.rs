@@ -24,6 +24,8 @@ pub const PDL_KERNELS: &[&str] = &[
     "add_f32",
     "add_rms_norm_f32",
     "add_sigmoid_scaled_f32",
+    "attn_cluster_d*",
+    "attn_split_d*",
     "clamp_f32",
     "embed_bf16",
     "embed_f16",
