@@ -91,27 +91,43 @@ pub fn paged_attention(
     assert_eq!(out.len(), q.len());
     assert_eq!(pool.head_dim, shape.head_dim);
     assert_eq!(pool.kv_heads, shape.num_kv_heads);
-    out.par_chunks_mut(width)
-        .zip(q.par_chunks(width))
-        .zip(tokens.par_iter())
-        .for_each(|((out_row, q_row), slot)| attend_token(q_row, slot, pool, shape, out_row));
+    // One task per (token, KV head): the query heads of a KV head are contiguous in a row, so a
+    // task's q and out are one slice each. A decode step (one token) still has a task per KV
+    // head for every thread; a head's arithmetic does not depend on the split.
+    let piece = width / shape.num_kv_heads;
+    out.par_chunks_mut(piece)
+        .zip(q.par_chunks(piece))
+        .enumerate()
+        .for_each(|(j, (out_heads, q_heads))| {
+            let slot = &tokens[j / shape.num_kv_heads];
+            let kvh = j % shape.num_kv_heads;
+            attend_kv_head(q_heads, slot, kvh, pool, shape, out_heads)
+        });
 }
 
-fn attend_token(q: &[f32], slot: &TokenSlot, pool: &KvPool, s: &AttentionShape, out: &mut [f32]) {
+/// One token's attention for the query heads of KV head `kvh` (`q` and `out` hold just those).
+fn attend_kv_head(
+    q: &[f32],
+    slot: &TokenSlot,
+    kvh: usize,
+    pool: &KvPool,
+    s: &AttentionShape,
+    out: &mut [f32],
+) {
     #[cfg(target_arch = "x86_64")]
     {
         if std::arch::is_x86_feature_detected!("avx512f") {
             // SAFETY: the CPU supports AVX-512F, checked just above.
-            unsafe { attend_token_avx512(q, slot, pool, s, out) };
+            unsafe { attend_token_avx512(q, slot, kvh, pool, s, out) };
             return;
         }
         if std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: the CPU supports AVX2, checked just above.
-            unsafe { attend_token_avx2(q, slot, pool, s, out) };
+            unsafe { attend_token_avx2(q, slot, kvh, pool, s, out) };
             return;
         }
     }
-    attend_token_generic(q, slot, pool, s, out)
+    attend_token_generic(q, slot, kvh, pool, s, out)
 }
 
 /// The same code as [`attend_token_generic`], compiled with AVX2 so the lane loops vectorise
@@ -121,11 +137,12 @@ fn attend_token(q: &[f32], slot: &TokenSlot, pool: &KvPool, s: &AttentionShape, 
 unsafe fn attend_token_avx2(
     q: &[f32],
     slot: &TokenSlot,
+    kvh: usize,
     pool: &KvPool,
     s: &AttentionShape,
     out: &mut [f32],
 ) {
-    attend_token_generic(q, slot, pool, s, out)
+    attend_token_generic(q, slot, kvh, pool, s, out)
 }
 
 /// The same again with AVX-512: a lane array of 16 f32 is one register, so a block of 8 heads'
@@ -135,19 +152,20 @@ unsafe fn attend_token_avx2(
 unsafe fn attend_token_avx512(
     q: &[f32],
     slot: &TokenSlot,
+    kvh: usize,
     pool: &KvPool,
     s: &AttentionShape,
     out: &mut [f32],
 ) {
-    attend_token_generic(q, slot, pool, s, out)
+    attend_token_generic(q, slot, kvh, pool, s, out)
 }
 
 /// Output columns per pass of the P·V accumulation (one lane array).
 const PV_COLS: usize = LANES;
 
-/// One token's attention. The query heads that share a KV head are taken together: each K and V
-/// row of the token's visible positions is read once for the whole group (GQA groups are 4-8
-/// heads in the supported families), and each position's row offset is found once per token.
+/// One token's attention for the query heads of one KV head, taken together: each K and V row of
+/// the token's visible positions is read once for the whole group (GQA groups are 4-8 heads in
+/// the supported families).
 /// Heads go in blocks of up to 8 (the largest power of two dividing the group) whose per-head
 /// accumulators stay in registers across the positions: a score is [`dot`]'s lane sums and tree,
 /// an output element the sum over positions in order of `weight * v` (as [`axpy`] adds it), so
@@ -156,16 +174,17 @@ const PV_COLS: usize = LANES;
 fn attend_token_generic(
     q: &[f32],
     slot: &TokenSlot,
+    kvh: usize,
     pool: &KvPool,
     s: &AttentionShape,
     out: &mut [f32],
 ) {
     let group = s.num_heads / s.num_kv_heads;
     match group {
-        g if g % 8 == 0 => attend_token_blocks::<8>(q, slot, pool, s, out),
-        g if g % 4 == 0 => attend_token_blocks::<4>(q, slot, pool, s, out),
-        g if g % 2 == 0 => attend_token_blocks::<2>(q, slot, pool, s, out),
-        _ => attend_token_blocks::<1>(q, slot, pool, s, out),
+        g if g % 8 == 0 => attend_token_blocks::<8>(q, slot, kvh, pool, s, out),
+        g if g % 4 == 0 => attend_token_blocks::<4>(q, slot, kvh, pool, s, out),
+        g if g % 2 == 0 => attend_token_blocks::<2>(q, slot, kvh, pool, s, out),
+        _ => attend_token_blocks::<1>(q, slot, kvh, pool, s, out),
     }
 }
 
@@ -174,6 +193,7 @@ fn attend_token_generic(
 fn attend_token_blocks<const HB: usize>(
     q: &[f32],
     slot: &TokenSlot,
+    kvh: usize,
     pool: &KvPool,
     s: &AttentionShape,
     out: &mut [f32],
@@ -191,56 +211,53 @@ fn attend_token_blocks<const HB: usize>(
         .collect();
     // scores[g * n + i]: head g of the group, position lo + i; then the softmax weights.
     let mut scores = vec![0.0f32; group * n];
-    for kvh in 0..s.num_kv_heads {
-        let h0 = kvh * group;
-        for b0 in (0..group).step_by(HB) {
-            let qs: [&[f32]; HB] = std::array::from_fn(|g| &q[(h0 + b0 + g) * d..][..d]);
+    for b0 in (0..group).step_by(HB) {
+        let qs: [&[f32]; HB] = std::array::from_fn(|g| &q[(b0 + g) * d..][..d]);
+        for (i, &row) in rows.iter().enumerate() {
+            let dots = dot_heads(&qs, &pool.k[row + kvh * d..][..d]);
+            for (g, dg) in dots.iter().enumerate() {
+                scores[(b0 + g) * n + i] = dg * s.scale;
+            }
+        }
+    }
+    for head_scores in scores.chunks_exact_mut(n) {
+        let max = head_scores.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+        let mut sum = 0.0f32;
+        for score in head_scores.iter_mut() {
+            *score = (*score - max).exp();
+            sum += *score;
+        }
+        let inv = 1.0 / sum;
+        for score in head_scores.iter_mut() {
+            *score *= inv;
+        }
+    }
+    let group_out = &mut out[..group * d];
+    for b0 in (0..group).step_by(HB) {
+        for c0 in (0..d).step_by(PV_COLS) {
+            let cols = PV_COLS.min(d - c0);
+            let mut acc = [[0.0f32; PV_COLS]; HB];
             for (i, &row) in rows.iter().enumerate() {
-                let dots = dot_heads(&qs, &pool.k[row + kvh * d..][..d]);
-                for (g, dg) in dots.iter().enumerate() {
-                    scores[(b0 + g) * n + i] = dg * s.scale;
-                }
-            }
-        }
-        for head_scores in scores.chunks_exact_mut(n) {
-            let max = head_scores.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-            let mut sum = 0.0f32;
-            for score in head_scores.iter_mut() {
-                *score = (*score - max).exp();
-                sum += *score;
-            }
-            let inv = 1.0 / sum;
-            for score in head_scores.iter_mut() {
-                *score *= inv;
-            }
-        }
-        let group_out = &mut out[h0 * d..(h0 + group) * d];
-        for b0 in (0..group).step_by(HB) {
-            for c0 in (0..d).step_by(PV_COLS) {
-                let cols = PV_COLS.min(d - c0);
-                let mut acc = [[0.0f32; PV_COLS]; HB];
-                for (i, &row) in rows.iter().enumerate() {
-                    let src = &pool.v[row + kvh * d + c0..][..cols];
-                    // A whole lane array is read in place (a copy through the stack stalls on
-                    // store forwarding); only a head_dim that is not a multiple of 16 pads.
-                    let mut padded = [0.0f32; PV_COLS];
-                    let v: &[f32; PV_COLS] = match src.try_into() {
-                        Ok(whole) => whole,
-                        Err(_) => {
-                            padded[..cols].copy_from_slice(src);
-                            &padded
-                        }
-                    };
-                    for (g, a) in acc.iter_mut().enumerate() {
-                        let w = scores[(b0 + g) * n + i];
-                        for l in 0..PV_COLS {
-                            a[l] += w * v[l];
-                        }
+                let src = &pool.v[row + kvh * d + c0..][..cols];
+                // A whole lane array is read in place (a copy through the stack stalls on
+                // store forwarding); only a head_dim that is not a multiple of 16 pads.
+                let mut padded = [0.0f32; PV_COLS];
+                let v: &[f32; PV_COLS] = match src.try_into() {
+                    Ok(whole) => whole,
+                    Err(_) => {
+                        padded[..cols].copy_from_slice(src);
+                        &padded
+                    }
+                };
+                for (g, a) in acc.iter_mut().enumerate() {
+                    let w = scores[(b0 + g) * n + i];
+                    for l in 0..PV_COLS {
+                        a[l] += w * v[l];
                     }
                 }
-                for (g, a) in acc.iter().enumerate() {
-                    group_out[(b0 + g) * d + c0..][..cols].copy_from_slice(&a[..cols]);
-                }
+            }
+            for (g, a) in acc.iter().enumerate() {
+                group_out[(b0 + g) * d + c0..][..cols].copy_from_slice(&a[..cols]);
             }
         }
     }
