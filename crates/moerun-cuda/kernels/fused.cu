@@ -38,16 +38,37 @@ __device__ __forceinline__ float block_sum(float v) {
     return v;
 }
 
+// Values of x a thread loads before waiting for the kernel before (programmatic launch): x is
+// the residual stream, which only this kernel (and a final add) writes, never the kernel right
+// before it (forward.rs: a layer's residual adds are separated by its attention or FFN), so
+// its loads may start early; y is that kernel's output and is read after the wait.
+#define ADD_NORM_EARLY 4
+
 extern "C" __global__ void add_rms_norm_f32(float* x, const float* __restrict__ y,
                                             const float* __restrict__ w, float* out, int width,
                                             float eps) {
-    pdl_entry();
     const u64 row = blockIdx.x;
     float* xr = x + row * width;
     const float* yr = y + row * width;
     float* o = out + row * width;
+    float early[ADD_NORM_EARLY];
+#pragma unroll
+    for (int u = 0; u < ADD_NORM_EARLY; ++u) {
+        const int i = threadIdx.x + u * blockDim.x;
+        early[u] = i < width ? xr[i] : 0.0f;
+    }
+    pdl_entry();
     float ss = 0.0f;
-    for (int i = threadIdx.x; i < width; i += blockDim.x) {
+#pragma unroll
+    for (int u = 0; u < ADD_NORM_EARLY; ++u) {
+        const int i = threadIdx.x + u * blockDim.x;
+        if (i < width) {
+            const float v = early[u] + yr[i];
+            xr[i] = v;
+            ss += v * v;
+        }
+    }
+    for (int i = threadIdx.x + ADD_NORM_EARLY * blockDim.x; i < width; i += blockDim.x) {
         const float v = xr[i] + yr[i];
         xr[i] = v;
         ss += v * v;
