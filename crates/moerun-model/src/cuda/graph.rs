@@ -23,7 +23,7 @@
 use std::collections::HashMap;
 
 use moerun_core::{Error, Result};
-use moerun_cuda::{CudaSlice, DeviceBuffer, DeviceGraph, MoePath};
+use moerun_cuda::{CudaSlice, DeviceGraph, MoePath};
 
 use super::deltanet::LinearPlacement;
 use super::pass::{CudaPass, Placement, Tokens};
@@ -280,7 +280,6 @@ fn capture(
         let out = match &w.gemma4 {
             Some(g) => {
                 crate::gemma4::cuda::decode_logits(m, kv, cfg, g, &at, &tokens, &host_tokens, &rows)
-                    .map(DeviceBuffer::owned)
             }
             None => {
                 let mut pass = CudaPass::new(m, kv, &at, Tokens::Device(&tokens));

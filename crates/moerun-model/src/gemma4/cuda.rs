@@ -19,8 +19,8 @@ use std::collections::HashMap;
 
 use moerun_core::{DType, Error, MatRef, Result, Tensor};
 use moerun_cuda::{
-    AttentionPrefill, AttentionShape, CudaDevice, CudaSlice, DeviceMatrix, DeviceRope,
-    ExpertActivation, QkvShape, RouterShape, TokenPlacement,
+    AttentionPrefill, AttentionShape, CudaDevice, CudaSlice, DeviceBuffer, DeviceMatrix,
+    DeviceRepr, DeviceRope, ExpertActivation, QkvShape, RouterShape, TokenPlacement,
 };
 
 use crate::batch::Batch;
@@ -257,7 +257,7 @@ pub(crate) fn decode_logits(
     ids: &CudaSlice<u32>,
     host_tokens: &[u32],
     rows: &[usize],
-) -> Result<CudaSlice<f32>> {
+) -> Result<DeviceBuffer<f32>> {
     run(m, kv, cfg, w, at, Tokens::Device(ids), host_tokens, rows)
 }
 
@@ -271,7 +271,7 @@ fn run(
     tokens: Tokens,
     host_tokens: &[u32],
     rows: &[usize],
-) -> Result<CudaSlice<f32>> {
+) -> Result<DeviceBuffer<f32>> {
     let g = cfg
         .gemma4
         .as_ref()
@@ -318,9 +318,12 @@ pub(crate) fn layer_alone(
         tokens: Tokens::Host,
         rows: batch.num_tokens(),
     };
-    let mut xd = m.dev.upload(x).map_err(dev_err)?;
+    let mut xd = DeviceBuffer::owned(m.dev.upload(x).map_err(dev_err)?);
     let pd = match ple {
-        Some((v, width)) => Some((m.dev.upload(v).map_err(dev_err)?, width)),
+        Some((v, width)) => Some((
+            DeviceBuffer::owned(m.dev.upload(v).map_err(dev_err)?),
+            width,
+        )),
         None => None,
     };
     p.layer(l, &w.layers[l], &mut xd, pd.as_ref())?;
@@ -332,17 +335,33 @@ impl Pass<'_> {
         &self.m.dev
     }
 
-    fn alloc(&self, len: usize) -> Result<CudaSlice<f32>> {
-        self.dev().alloc_f32(len).map_err(dev_err)
+    /// An output buffer: from the cache's arena while a decode step is being captured (see
+    /// `cuda::graph`), else allocated.
+    fn alloc(&self, len: usize) -> Result<DeviceBuffer<f32>> {
+        self.alloc_of(len)
+    }
+
+    /// A copy of `x` in a buffer of its own (from the arena like every output).
+    fn copy(&self, x: &DeviceBuffer<f32>) -> Result<DeviceBuffer<f32>> {
+        let mut out = self.alloc(x.len())?;
+        self.dev().copy_within(x, &mut out).map_err(dev_err)?;
+        Ok(out)
+    }
+
+    fn alloc_of<T: DeviceRepr>(&self, len: usize) -> Result<DeviceBuffer<T>> {
+        self.m
+            .dev
+            .activation(Some(&self.kv.scratch.arena), len)
+            .map_err(dev_err)
     }
 
     /// `x · Wᵀ`: the GEMV up to [`GEMV_MAX_ROWS`] rows, cuBLAS past it (as `CudaPass` does).
-    fn product(&self, x: &CudaSlice<f32>, w: &Tensor) -> Result<CudaSlice<f32>> {
+    fn product(&self, x: &DeviceBuffer<f32>, w: &Tensor) -> Result<DeviceBuffer<f32>> {
         self.product_with(x, self.m.mat(w)?)
     }
 
     /// [`Self::product`] for a device matrix (a stacked q/k/v).
-    fn product_with(&self, x: &CudaSlice<f32>, d: &DeviceMatrix) -> Result<CudaSlice<f32>> {
+    fn product_with(&self, x: &DeviceBuffer<f32>, d: &DeviceMatrix) -> Result<DeviceBuffer<f32>> {
         let rows = x.len() / d.cols();
         let mut out = self.alloc(rows * d.rows())?;
         if rows <= GEMV_MAX_ROWS || d.dtype() == DType::F16 {
@@ -360,7 +379,7 @@ impl Pass<'_> {
         Ok(out)
     }
 
-    fn linear(&self, x: &CudaSlice<f32>, l: &Linear) -> Result<CudaSlice<f32>> {
+    fn linear(&self, x: &DeviceBuffer<f32>, l: &Linear) -> Result<DeviceBuffer<f32>> {
         let mut out = self.product(x, &l.weight)?;
         if let Some(b) = &l.bias {
             self.dev()
@@ -370,7 +389,7 @@ impl Pass<'_> {
         Ok(out)
     }
 
-    fn norm(&self, x: &CudaSlice<f32>, w: &[f32]) -> Result<CudaSlice<f32>> {
+    fn norm(&self, x: &DeviceBuffer<f32>, w: &[f32]) -> Result<DeviceBuffer<f32>> {
         let mut out = self.alloc(x.len())?;
         self.dev()
             .rms_norm(x, self.m.vec(w)?, self.cfg.rms_norm_eps, &mut out)
@@ -378,14 +397,14 @@ impl Pass<'_> {
         Ok(out)
     }
 
-    fn norm_in_place(&self, x: &mut CudaSlice<f32>, w: &[f32]) -> Result<()> {
+    fn norm_in_place(&self, x: &mut DeviceBuffer<f32>, w: &[f32]) -> Result<()> {
         self.dev()
             .rms_norm_in_place(x, self.m.vec(w)?, self.cfg.rms_norm_eps)
             .map_err(dev_err)
     }
 
     /// RMSNorm without a learned scale, over rows of `width`.
-    fn unit_norm(&self, x: &mut CudaSlice<f32>, width: usize) -> Result<()> {
+    fn unit_norm(&self, x: &mut DeviceBuffer<f32>, width: usize) -> Result<()> {
         let ones = self.extra.ones.get(&width).ok_or_else(|| {
             Error::Device(format!("internal: no unit norm weight of width {width}"))
         })?;
@@ -394,15 +413,15 @@ impl Pass<'_> {
             .map_err(dev_err)
     }
 
-    fn add(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>) -> Result<()> {
+    fn add(&self, x: &mut DeviceBuffer<f32>, y: &DeviceBuffer<f32>) -> Result<()> {
         self.dev().add_assign(x, y).map_err(dev_err)
     }
 
-    fn scale(&self, x: &mut CudaSlice<f32>, s: f32) -> Result<()> {
+    fn scale(&self, x: &mut DeviceBuffer<f32>, s: f32) -> Result<()> {
         self.dev().scale(x, s).map_err(dev_err)
     }
 
-    fn embed(&self, table: &Tensor, tokens: &[u32]) -> Result<CudaSlice<f32>> {
+    fn embed(&self, table: &Tensor, tokens: &[u32]) -> Result<DeviceBuffer<f32>> {
         let d = self.m.mat(table)?;
         let mut out = self.alloc(tokens.len() * d.cols())?;
         match self.tokens {
@@ -413,7 +432,12 @@ impl Pass<'_> {
         Ok(out)
     }
 
-    fn run(&mut self, w: &Gemma4Weights, tokens: &[u32], rows: &[usize]) -> Result<CudaSlice<f32>> {
+    fn run(
+        &mut self,
+        w: &Gemma4Weights,
+        tokens: &[u32],
+        rows: &[usize],
+    ) -> Result<DeviceBuffer<f32>> {
         let h = self.cfg.hidden_size;
         let mut x = self.embed(&w.embed_tokens, tokens)?;
         self.scale(&mut x, w.embed_scale)?;
@@ -461,8 +485,8 @@ impl Pass<'_> {
         &mut self,
         l: usize,
         lw: &Gemma4LayerWeights,
-        x: &mut CudaSlice<f32>,
-        ple: Option<&(CudaSlice<f32>, usize)>,
+        x: &mut DeviceBuffer<f32>,
+        ple: Option<&(DeviceBuffer<f32>, usize)>,
     ) -> Result<()> {
         let xn = self.norm(x, &lw.input_layernorm)?;
         let mut attn = self.attention(l, &lw.self_attn, &xn)?;
@@ -494,7 +518,11 @@ impl Pass<'_> {
     }
 
     /// `down(gelu_tanh(gate(x)) * up(x))`.
-    fn mlp(&self, x: &CudaSlice<f32>, w: &crate::weights::MlpWeights) -> Result<CudaSlice<f32>> {
+    fn mlp(
+        &self,
+        x: &DeviceBuffer<f32>,
+        w: &crate::weights::MlpWeights,
+    ) -> Result<DeviceBuffer<f32>> {
         let mut gate = self.linear(x, &w.gate_proj)?;
         let up = self.linear(x, &w.up_proj)?;
         self.dev().gelu_tanh_mul(&mut gate, &up).map_err(dev_err)?;
@@ -507,16 +535,12 @@ impl Pass<'_> {
         &mut self,
         w: &Gemma4MoeWeights,
         top_k: usize,
-        x: &CudaSlice<f32>,
-    ) -> Result<CudaSlice<f32>> {
+        x: &DeviceBuffer<f32>,
+    ) -> Result<DeviceBuffer<f32>> {
         let h = self.cfg.hidden_size;
         let n = self.rows;
         let num_experts = w.per_expert_scale.len();
-        let mut xr = self
-            .dev()
-            .stream()
-            .clone_dtod(x)
-            .map_err(|e| Error::Device(e.to_string()))?;
+        let mut xr = self.copy(x)?;
         self.unit_norm(&mut xr, h)?;
         self.dev()
             .row_scale(
@@ -528,7 +552,7 @@ impl Pass<'_> {
         let logits = self.product(&xr, &w.router_proj)?;
         let m = self.m;
         let dev = &m.dev;
-        let mut ids = dev.alloc_u32(n * top_k).map_err(dev_err)?;
+        let mut ids = self.alloc_of::<u32>(n * top_k)?;
         let mut weights = self.alloc(n * top_k)?;
         let shape = RouterShape {
             experts: num_experts,
@@ -555,8 +579,8 @@ impl Pass<'_> {
         &mut self,
         l: usize,
         w: &Gemma4AttentionWeights,
-        xn: &CudaSlice<f32>,
-    ) -> Result<CudaSlice<f32>> {
+        xn: &DeviceBuffer<f32>,
+    ) -> Result<DeviceBuffer<f32>> {
         let spec = self.g.layers[l];
         let d = spec.head_dim;
         let heads = self.cfg.num_heads;
@@ -617,10 +641,10 @@ impl Pass<'_> {
         &mut self,
         l: usize,
         w: &Gemma4AttentionWeights,
-        xn: &CudaSlice<f32>,
+        xn: &DeviceBuffer<f32>,
         rope: &DeviceRope,
         at: &TokenPlacement,
-    ) -> Result<CudaSlice<f32>> {
+    ) -> Result<DeviceBuffer<f32>> {
         let spec = self.g.layers[l];
         let d = spec.head_dim;
         let heads = self.cfg.num_heads;
@@ -636,10 +660,7 @@ impl Pass<'_> {
             let mut v = match &own.v_proj {
                 Some(v_proj) => self.linear(xn, v_proj)?,
                 // attention_k_eq_v: the values are the keys before k_norm and RoPE.
-                None => dev
-                    .stream()
-                    .clone_dtod(&k)
-                    .map_err(|e| Error::Device(e.to_string()))?,
+                None => self.copy(&k)?,
             };
             self.norm_in_place(&mut k, &own.k_norm)?;
             dev.rope(&mut k, &placement.positions_u32, rope, spec.num_kv_heads, d)
@@ -654,7 +675,12 @@ impl Pass<'_> {
     }
 
     /// Attention of layer `l`'s queries over the K/V it reads, then `o_proj`.
-    fn attend(&mut self, l: usize, q: &CudaSlice<f32>, o_proj: &Linear) -> Result<CudaSlice<f32>> {
+    fn attend(
+        &mut self,
+        l: usize,
+        q: &DeviceBuffer<f32>,
+        o_proj: &Linear,
+    ) -> Result<DeviceBuffer<f32>> {
         let spec = self.g.layers[l];
         let d = spec.head_dim;
         let heads = self.cfg.num_heads;
