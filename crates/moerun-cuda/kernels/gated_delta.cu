@@ -17,6 +17,7 @@
 // n = rows * heads * head_dim. Launch: 1-D grid-stride, block 256.
 extern "C" __global__ void split_query_gate_f32(const float* __restrict__ src, float* q,
                                                 float* gate, u64 n, int head_dim) {
+    pdl_entry();
     const u64 stride = (u64)gridDim.x * blockDim.x;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
         const u64 rh = i / (u64)head_dim;
@@ -29,6 +30,7 @@ extern "C" __global__ void split_query_gate_f32(const float* __restrict__ src, f
 
 // x *= sigmoid(gate), sigmoid as moerun-cpu: 1 / (1 + exp(-g)). Launch: as above.
 extern "C" __global__ void sigmoid_gate_f32(float* x, const float* __restrict__ gate, u64 n) {
+    pdl_entry();
     const u64 stride = (u64)gridDim.x * blockDim.x;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
         x[i] *= 1.0f / (1.0f + expf(-gate[i]));
@@ -46,6 +48,7 @@ extern "C" __global__ void deltanet_conv_silu_f32(float* x, const float* __restr
                                                   const int* __restrict__ seq_start,
                                                   const int* __restrict__ seq_len, u64 conv_offset,
                                                   int channels, int kernel) {
+    pdl_entry();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     const int s = blockIdx.y;
     const int len = seq_len[s];
@@ -88,6 +91,7 @@ extern "C" __global__ void deltanet_gates_f32(float* qkv, const float* __restric
                                               const float* __restrict__ dt_bias, float* beta,
                                               float* g, int conv_dim, int key_heads, int key_dim,
                                               int value_heads) {
+    pdl_entry();
     const int t = blockIdx.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     float* row = qkv + (u64)t * conv_dim;
@@ -193,6 +197,7 @@ __device__ __forceinline__ void gated_delta_recurrent(
             const int* __restrict__ seq_start, const int* __restrict__ seq_len, u64 rec_offset,  \
             int key_heads, int value_heads, int key_dim, int value_dim, int groups, int conv_dim, \
             float* out) {                                                                         \
+        pdl_entry();                                                                              \
         gated_delta_recurrent<ROWS>(qkv, beta, g, states, seq_start, seq_len, rec_offset,        \
                                     key_heads, value_heads, key_dim, value_dim, groups,          \
                                     conv_dim, out);                                               \
@@ -279,6 +284,7 @@ __device__ __forceinline__ void gated_delta_columns(
         const float* __restrict__ g, const u64* __restrict__ states,                             \
         const int* __restrict__ seq_start, const int* __restrict__ seq_len, u64 rec_offset,      \
         int key_heads, int value_heads, int value_dim, int conv_dim, float* out) {                \
+        pdl_entry();                                                                              \
         gated_delta_columns<DK, SPLIT>(qkv, beta, g, states, seq_start, seq_len, rec_offset,     \
                                        key_heads, value_heads, value_dim, conv_dim, out);        \
     }
@@ -293,6 +299,7 @@ DELTA_COLUMNS(128, 4)
 extern "C" __global__ void gated_rms_norm_f32(float* x, const float* __restrict__ z,
                                               const float* __restrict__ w, int rows, int width,
                                               float eps) {
+    pdl_entry();
     const int row = blockIdx.x * blockDim.y + threadIdx.y;
     if (row >= rows) return;
     float* xr = x + (u64)row * width;

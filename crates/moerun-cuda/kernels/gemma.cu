@@ -7,6 +7,7 @@
 // l's slice of each token's packed per-layer inputs (stride layers * width, offset l * width).
 extern "C" __global__ void gelu_tanh_mul_f32(float* gate, const float* __restrict__ up, u64 n,
                                              int width, u64 up_stride, u64 up_offset) {
+    pdl_entry();
     const u64 stride = (u64)gridDim.x * blockDim.x;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
         const u64 r = i / (u64)width;
@@ -17,12 +18,14 @@ extern "C" __global__ void gelu_tanh_mul_f32(float* gate, const float* __restric
 
 // x *= s (embedding scale, layer_scalar, hidden^-0.5, 2^-0.5).
 extern "C" __global__ void scale_f32(float* x, float s, u64 n) {
+    pdl_entry();
     const u64 stride = (u64)gridDim.x * blockDim.x;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) x[i] *= s;
 }
 
 // x = tanh(x / cap) * cap: final logit soft-capping.
 extern "C" __global__ void softcap_f32(float* x, float cap, u64 n) {
+    pdl_entry();
     const u64 stride = (u64)gridDim.x * blockDim.x;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
         x[i] = tanhf(x[i] / cap) * cap;
@@ -31,6 +34,7 @@ extern "C" __global__ void softcap_f32(float* x, float cap, u64 n) {
 // x[r, c] = x[r, c] * s[c] * root, left to right as transformers' router writes it.
 extern "C" __global__ void row_scale_f32(float* x, const float* __restrict__ s, float root, u64 n,
                                          int width) {
+    pdl_entry();
     const u64 stride = (u64)gridDim.x * blockDim.x;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
         x[i] = x[i] * s[i % (u64)width] * root;
@@ -40,6 +44,7 @@ extern "C" __global__ void row_scale_f32(float* x, const float* __restrict__ s, 
 // An id out of range gives NaN (the MoE op then makes that token's output NaN too).
 extern "C" __global__ void expert_scale_f32(float* weights, const u32* __restrict__ ids,
                                             const float* __restrict__ scale, u64 n, int experts) {
+    pdl_entry();
     const u64 stride = (u64)gridDim.x * blockDim.x;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
         const u32 e = ids[i];

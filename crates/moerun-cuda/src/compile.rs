@@ -170,6 +170,26 @@ pub fn compile(file: &KernelFile, arch: &str, verbose: bool) -> Result<Compiled>
     })
 }
 
+/// The PTX of one kernel file for the virtual architecture `arch` (say `compute_90`), as NVRTC
+/// writes it before assembly. Tests read it to check what each kernel entry does (no GPU needed).
+pub fn compile_ptx(file: &KernelFile, arch: &'static str) -> Result<String> {
+    let full = format!("{PRELUDE}\n{}", file.source);
+    let opts = cudarc::nvrtc::CompileOptions {
+        arch: Some(arch),
+        options: vec!["--std=c++17".into()],
+        name: Some(format!("{}.cu", file.name)),
+        ..Default::default()
+    };
+    cudarc::nvrtc::compile_ptx_with_opts(full, opts)
+        .map(|ptx| ptx.to_src())
+        .map_err(|e| CudaError::Compile {
+            file: format!("{}.cu", file.name),
+            arch: arch.to_string(),
+            source: nvrtc::NvrtcError(sys::nvrtcResult::NVRTC_ERROR_COMPILATION),
+            log: format!("{e:?}"),
+        })
+}
+
 /// Read the cubin of a compiled program.
 ///
 /// # Safety

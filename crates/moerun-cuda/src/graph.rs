@@ -27,10 +27,17 @@ pub const PDL_KERNELS: &[&str] = &[
     "attn_cluster_d*",
     "attn_split_d*",
     "clamp_f32",
+    "deltanet_conv_silu_f32",
+    "deltanet_gates_f32",
     "embed_bf16",
     "embed_f16",
     "embed_f32",
+    "expert_scale_f32",
+    "gated_delta_columns_k*",
+    "gated_delta_recurrent_r*",
+    "gated_rms_norm_f32",
     "gather_rows_f32",
+    "gelu_tanh_mul_f32",
     "gemv_bf16_m*",
     "gemv_f16_m*",
     "gemv_f32_m*",
@@ -42,11 +49,16 @@ pub const PDL_KERNELS: &[&str] = &[
     "rms_norm_f32",
     "rope_rotate_half_f32",
     "route_topk_f32",
+    "row_scale_f32",
+    "scale_f32",
+    "sigmoid_gate_f32",
     "silu_mul_f32",
+    "softcap_f32",
+    "split_query_gate_f32",
 ];
 
 /// Whether `name` is in [`PDL_KERNELS`] (an entry ending in `*` names a template's family).
-fn pdl_kernel(name: &str) -> bool {
+pub fn is_pdl_kernel(name: &str) -> bool {
     PDL_KERNELS.iter().any(|k| match k.strip_suffix('*') {
         Some(prefix) => name.starts_with(prefix),
         None => name == *k,
@@ -261,7 +273,7 @@ unsafe fn make_edges_programmatic(graph: sys::CUgraph) -> std::result::Result<us
         if !plain || kernel_name(from[i]).is_none() {
             continue;
         }
-        if !kernel_name(to[i]).is_some_and(|n| pdl_kernel(&n)) {
+        if !kernel_name(to[i]).is_some_and(|n| is_pdl_kernel(&n)) {
             continue;
         }
         sys::cuGraphRemoveDependencies_v2(graph, &from[i], &to[i], &data[i], 1).result()?;
@@ -280,12 +292,12 @@ unsafe fn make_edges_programmatic(graph: sys::CUgraph) -> std::result::Result<us
 
 #[cfg(test)]
 mod tests {
-    use super::pdl_kernel;
+    use super::is_pdl_kernel;
 
     #[test]
     fn kernel_families_are_matched_by_prefix_and_others_exactly() {
         for name in ["gemv_rows_bf16_m1", "moe_tiny_down_bf16", "add_f32"] {
-            assert!(pdl_kernel(name), "{name}");
+            assert!(is_pdl_kernel(name), "{name}");
         }
         for name in [
             "add_f32_extra",
@@ -293,7 +305,7 @@ mod tests {
             "attn_tile_f32_c1",
             "fill_random_f32",
         ] {
-            assert!(!pdl_kernel(name), "{name}");
+            assert!(!is_pdl_kernel(name), "{name}");
         }
     }
 }

@@ -2,7 +2,8 @@
 //! only the NVRTC library, no GPU: it runs wherever `libnvrtc.so.13` can be loaded and skips
 //! elsewhere.
 
-use moerun_cuda::compile::{compile, KERNEL_FILES};
+use moerun_cuda::compile::{compile, compile_ptx, KERNEL_FILES};
+use moerun_cuda::graph::{is_pdl_kernel, PDL_KERNELS};
 use moerun_cuda::probe::nvrtc_available;
 
 #[test]
@@ -27,5 +28,43 @@ fn every_kernel_file_compiles_for_sm90_without_spills() {
                 file.name
             );
         }
+    }
+}
+
+/// Every kernel that graph capture may launch early (`graph::PDL_KERNELS`) waits for the kernel
+/// before it (`griddepcontrol.wait`, from `pdl_entry()`): one that did not could read its inputs
+/// before they are written. Read from each entry's PTX, so templates and macros count as they
+/// are instantiated. Every name in the list matches some kernel (no stale entries).
+#[test]
+fn every_early_launched_kernel_waits_for_the_one_before() {
+    if !nvrtc_available() {
+        println!("skipped: CUDA is unavailable: libnvrtc.so.13 not found");
+        return;
+    }
+    let mut matched = vec![false; PDL_KERNELS.len()];
+    for file in KERNEL_FILES {
+        let ptx = compile_ptx(file, "compute_90").unwrap_or_else(|e| panic!("{e}"));
+        let mut entries = ptx.split(".entry ").skip(1);
+        for body in &mut entries {
+            let name = body.split('(').next().unwrap_or("").trim();
+            if !is_pdl_kernel(name) {
+                continue;
+            }
+            for (i, k) in PDL_KERNELS.iter().enumerate() {
+                let hit = match k.strip_suffix('*') {
+                    Some(prefix) => name.starts_with(prefix),
+                    None => name == *k,
+                };
+                matched[i] |= hit;
+            }
+            assert!(
+                body.contains("griddepcontrol.wait"),
+                "{}.cu: {name} is launched early in graphs but never waits for the kernel before",
+                file.name
+            );
+        }
+    }
+    for (k, hit) in PDL_KERNELS.iter().zip(matched) {
+        assert!(hit, "PDL_KERNELS names {k}, which is no kernel");
     }
 }
