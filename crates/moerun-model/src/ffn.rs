@@ -90,23 +90,23 @@ pub(crate) fn routed_sum(
             (e, run(e, &gathered, group.len()))
         })
         .collect();
-    // Each (token, rank) gets its weighted expert output here, summed in rank order below.
-    let mut per_rank = vec![0.0f32; m * k * h];
-    for (e, y) in outputs {
-        for (row, &(t, rank)) in y.chunks_exact(h).zip(&groups[e]) {
-            let weight = routes[t].weights[rank];
-            let dst = &mut per_rank[(t * k + rank) * h..][..h];
-            for (d, v) in dst.iter_mut().zip(row) {
-                *d = v * weight;
-            }
+    // Where each (token, rank)'s expert output row is: the expert's output and the row in it.
+    let mut at = vec![(0usize, 0usize); m * k];
+    for (o, (e, _)) in outputs.iter().enumerate() {
+        for (row, &(t, rank)) in groups[*e].iter().enumerate() {
+            at[t * k + rank] = (o, row);
         }
     }
+    // Each token's weighted expert outputs summed in rank order, straight into its row (no
+    // `m * k * h` staging buffer: at prefill sizes that was tens of MB of fresh pages per layer).
     let mut out = vec![0.0f32; m * h];
     for (t, o) in out.chunks_exact_mut(h).enumerate() {
         for rank in 0..k {
-            let src = &per_rank[(t * k + rank) * h..][..h];
+            let (which, row) = at[t * k + rank];
+            let src = &outputs[which].1[row * h..][..h];
+            let weight = routes[t].weights[rank];
             for (d, v) in o.iter_mut().zip(src) {
-                *d += v;
+                *d += v * weight;
             }
         }
     }
