@@ -13,9 +13,9 @@
 //! the layer before freed, as the graph's own allocator would (the step's activations stay
 //! within a few hot megabytes). Reuse is safe under programmatic launch too: a kernel writes its
 //! output only after `griddepcontrol.wait`, when every kernel before it has finished. Slices of
-//! two passes overlap, so a pass's buffers must not outlive it: the decode graphs copy their logits into a buffer of their own before the capture
-//! ends, and a graph's replay only ever follows the previous replay on the same stream. When the
-//! region is too small the allocation falls back to an ordinary one (correct, just not
+//! two passes overlap, so a pass's buffers must not outlive it: the decode graphs copy their
+//! logits into a buffer of their own before the capture ends, and a graph's replay only ever
+//! follows the previous replay on the same stream. When the region is too small the allocation falls back to an ordinary one (correct, just not
 //! allocation-free) and the arena remembers how much the pass wanted, so the owner can grow it
 //! between captures ([`ActivationArena::grow`]; growing moves the region, so graphs captured over
 //! the old one must be dropped).
@@ -38,10 +38,10 @@ use crate::CudaDevice;
 const ALIGN: usize = 256;
 
 /// A device buffer that is either its own allocation (freed on drop) or a slice of an
-/// [`ActivationArena`] (left alone on drop). Everything else about it is its [`CudaSlice`].
+/// [`ActivationArena`] (its range given back to the arena on drop). Everything else about it is
+/// its [`CudaSlice`].
 pub struct DeviceBuffer<T> {
     slice: ManuallyDrop<CudaSlice<T>>,
-    owned: bool,
     /// For an arena slice: the arena's free list and the slice's (offset, bytes) in the region.
     home: Option<(Arc<Mutex<FreeList>>, usize, usize)>,
 }
@@ -51,14 +51,13 @@ impl<T> DeviceBuffer<T> {
     pub fn owned(slice: CudaSlice<T>) -> DeviceBuffer<T> {
         DeviceBuffer {
             slice: ManuallyDrop::new(slice),
-            owned: true,
             home: None,
         }
     }
 
     /// Whether this buffer lives in an arena.
     pub fn in_arena(&self) -> bool {
-        !self.owned
+        self.home.is_some()
     }
 }
 
@@ -66,13 +65,12 @@ impl<T> Drop for DeviceBuffer<T> {
     fn drop(&mut self) {
         // SAFETY: `slice` is taken exactly once, here, and not used afterwards.
         let slice = unsafe { ManuallyDrop::take(&mut self.slice) };
-        if self.owned {
-            drop(slice);
-        } else {
-            // The arena owns the memory: release the handle's bookkeeping, not the memory, and
-            // give the range back for the pass's next buffers.
-            let _ = slice.leak();
-            if let Some((free, offset, bytes)) = self.home.take() {
+        match self.home.take() {
+            None => drop(slice),
+            Some((free, offset, bytes)) => {
+                // The arena owns the memory: release the handle's bookkeeping, not the memory,
+                // and give the range back for the pass's next buffers.
+                let _ = slice.leak();
                 if let Ok(mut f) = free.lock() {
                     f.give_back(offset, bytes);
                 }
@@ -125,7 +123,7 @@ impl<T> DevicePtrMut<T> for DeviceBuffer<T> {
 /// The free ranges of an arena's region, `(offset, bytes)` sorted by offset and coalesced, and
 /// the highest end offset handed out since the pass began.
 #[derive(Default)]
-pub struct FreeList {
+struct FreeList {
     ranges: Vec<(usize, usize)>,
     high: usize,
     /// Bytes asked for that no free range could hold (the pass then allocated them itself).
@@ -244,7 +242,6 @@ impl ActivationArena {
         let slice = unsafe { stream.upgrade_device_ptr::<T>(self.base + at as u64, len) };
         Some(DeviceBuffer {
             slice: ManuallyDrop::new(slice),
-            owned: false,
             home: Some((self.free.clone(), at, bytes)),
         })
     }
