@@ -23,7 +23,7 @@
 use std::collections::HashMap;
 
 use moerun_core::{Error, Result};
-use moerun_cuda::{CudaSlice, DeviceGraph, MoePath};
+use moerun_cuda::{CudaDevice, CudaSlice, DeviceGraph, MoePath};
 
 use super::deltanet::LinearPlacement;
 use super::pass::{CudaPass, Placement, Tokens};
@@ -136,7 +136,10 @@ pub(crate) fn try_decode(
         .is_some_and(|g| g.table_blocks >= need_blocks);
     if !fits {
         let table_blocks = need_blocks.next_power_of_two().max(MIN_TABLE_BLOCKS);
-        match capture_in_arena(m, cfg, w, kv, bucket, table_blocks, linear.map(|(c, _)| c)) {
+        let step = |kv: &mut DeviceKv| {
+            capture(m, cfg, w, kv, bucket, table_blocks, linear.map(|(c, _)| c))
+        };
+        match capture_in_arena(&m.dev, kv, step) {
             Ok(g) => {
                 kv.graphs.by_bucket.insert(bucket, g);
             }
@@ -196,20 +199,17 @@ pub(crate) fn try_decode(
     Ok(Some(logits))
 }
 
-/// [`capture`] with every activation of the step in the cache's arena, so that the graph is a
-/// chain of kernels without allocation nodes (whose edges can then be programmatic). If the
-/// arena was too small, it grows (to at least twice its size, so that recaptures stay few), the
-/// graphs captured over its old region are dropped, and the step is captured again.
+/// Run `capture` (a decode step's [`capture`]), which takes every activation of the step from
+/// the cache's arena, so that the graph is a chain of kernels without allocation nodes (whose
+/// edges can then be programmatic). If the arena was too small, it grows (to at least twice its
+/// size, so that recaptures stay few), the graphs captured over its old region are dropped, and
+/// the step is captured again.
 fn capture_in_arena(
-    m: &CudaModel,
-    cfg: &ModelConfig,
-    w: &ModelWeights,
+    dev: &CudaDevice,
     kv: &mut DeviceKv,
-    bucket: usize,
-    table_blocks: usize,
-    linear: Option<&LinearStateCache>,
+    capture: impl Fn(&mut DeviceKv) -> Result<DecodeGraph>,
 ) -> Result<DecodeGraph> {
-    let g = capture(m, cfg, w, kv, bucket, table_blocks, linear)?;
+    let g = capture(kv)?;
     let capacity = kv.scratch.arena.capacity();
     if g.arena_bytes <= capacity {
         return Ok(g);
@@ -217,8 +217,8 @@ fn capture_in_arena(
     let wanted = g.arena_bytes.max(2 * capacity);
     drop(g);
     kv.graphs.clear();
-    kv.scratch.arena.grow(&m.dev, wanted).map_err(dev_err)?;
-    capture(m, cfg, w, kv, bucket, table_blocks, linear)
+    kv.scratch.arena.grow(dev, wanted).map_err(dev_err)?;
+    capture(kv)
 }
 
 /// Capture a decode step of `bucket` sequences with block tables `table_blocks` wide.
