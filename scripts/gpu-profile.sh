@@ -22,29 +22,24 @@ tar -C "$bin" -xJf .gpu-bin/moerun-gpu.tar.xz || { echo "no .gpu-bin (run script
 m="$bin/moerun"
 ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 
-# summarise CSV: kernel name, launches, total µs, sorted by total.
+# summarise CSV (ncu --csv --page raw: one row per launch, the metric a column, its unit in the
+# second row): kernel name, total µs, launches, mean, median; sorted by total.
 summarise() {
     python3 - "$1" <<'PY'
 import csv, sys, collections
 rows = list(csv.reader(l for l in open(sys.argv[1]) if l.startswith('"')))
-if not rows:
+if len(rows) < 3:
     sys.exit("no ncu rows")
 head = rows[0]
-ki, mi, vi = head.index("Kernel Name"), head.index("Metric Name"), head.index("Metric Value")
-tot, cnt = collections.defaultdict(float), collections.Counter()
+ki, vi = head.index("Kernel Name"), head.index("gpu__time_duration.sum")
+scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}.get(rows[1][vi], 1e-3)
 each = collections.defaultdict(list)
-for r in rows[1:]:
-    if r[mi] != "gpu__time_duration.sum":
-        continue
-    name = r[ki].split("(")[0]
-    tot[name] += float(r[vi].replace(",", "")) / 1000.0
-    cnt[name] += 1
-    each[name].append(float(r[vi].replace(",", "")) / 1000.0)
-all_us = sum(tot.values())
-for name, us in sorted(tot.items(), key=lambda x: -x[1]):
-    med = sorted(each[name])[len(each[name]) // 2]
-    print(f"{us:10.1f} us {cnt[name]:6d} x mean {us / cnt[name]:8.2f} median {med:8.2f}  {name}")
-print(f"{all_us:10.1f} us total")
+for r in rows[2:]:
+    each[r[ki].split("(")[0]].append(float(r[vi].replace(",", "")) * scale)
+for name, v in sorted(each.items(), key=lambda x: -sum(x[1])):
+    v.sort()
+    print(f"{sum(v):10.1f} us {len(v):6d} x mean {sum(v) / len(v):8.2f} median {v[len(v) // 2]:8.2f}  {name[:70]}")
+print(f"{sum(map(sum, each.values())):10.1f} us total")
 PY
 }
 

@@ -118,23 +118,23 @@ fn attend_kv_head(
     {
         if std::arch::is_x86_feature_detected!("avx512f") {
             // SAFETY: the CPU supports AVX-512F, checked just above.
-            unsafe { attend_token_avx512(q, slot, kvh, pool, s, out) };
+            unsafe { attend_kv_head_avx512(q, slot, kvh, pool, s, out) };
             return;
         }
         if std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: the CPU supports AVX2, checked just above.
-            unsafe { attend_token_avx2(q, slot, kvh, pool, s, out) };
+            unsafe { attend_kv_head_avx2(q, slot, kvh, pool, s, out) };
             return;
         }
     }
-    attend_token_generic(q, slot, kvh, pool, s, out)
+    attend_kv_head_generic(q, slot, kvh, pool, s, out)
 }
 
-/// The same code as [`attend_token_generic`], compiled with AVX2 so the lane loops vectorise
+/// The same code as [`attend_kv_head_generic`], compiled with AVX2 so the lane loops vectorise
 /// wider. Results are bitwise identical: no contraction or reassociation is enabled.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn attend_token_avx2(
+unsafe fn attend_kv_head_avx2(
     q: &[f32],
     slot: &TokenSlot,
     kvh: usize,
@@ -142,14 +142,14 @@ unsafe fn attend_token_avx2(
     s: &AttentionShape,
     out: &mut [f32],
 ) {
-    attend_token_generic(q, slot, kvh, pool, s, out)
+    attend_kv_head_generic(q, slot, kvh, pool, s, out)
 }
 
 /// The same again with AVX-512: a lane array of 16 f32 is one register, so a block of 8 heads'
 /// accumulators fits the register file. Bitwise identical to the others.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn attend_token_avx512(
+unsafe fn attend_kv_head_avx512(
     q: &[f32],
     slot: &TokenSlot,
     kvh: usize,
@@ -157,7 +157,7 @@ unsafe fn attend_token_avx512(
     s: &AttentionShape,
     out: &mut [f32],
 ) {
-    attend_token_generic(q, slot, kvh, pool, s, out)
+    attend_kv_head_generic(q, slot, kvh, pool, s, out)
 }
 
 /// Output columns per pass of the P·V accumulation (one lane array).
@@ -171,7 +171,7 @@ const PV_COLS: usize = LANES;
 /// an output element the sum over positions in order of `weight * v` (as [`axpy`] adds it), so
 /// the arithmetic per head is the one-head-at-a-time loop's and the results are bitwise the same.
 #[inline(always)]
-fn attend_token_generic(
+fn attend_kv_head_generic(
     q: &[f32],
     slot: &TokenSlot,
     kvh: usize,
@@ -181,16 +181,16 @@ fn attend_token_generic(
 ) {
     let group = s.num_heads / s.num_kv_heads;
     match group {
-        g if g % 8 == 0 => attend_token_blocks::<8>(q, slot, kvh, pool, s, out),
-        g if g % 4 == 0 => attend_token_blocks::<4>(q, slot, kvh, pool, s, out),
-        g if g % 2 == 0 => attend_token_blocks::<2>(q, slot, kvh, pool, s, out),
-        _ => attend_token_blocks::<1>(q, slot, kvh, pool, s, out),
+        g if g % 8 == 0 => attend_kv_head_blocks::<8>(q, slot, kvh, pool, s, out),
+        g if g % 4 == 0 => attend_kv_head_blocks::<4>(q, slot, kvh, pool, s, out),
+        g if g % 2 == 0 => attend_kv_head_blocks::<2>(q, slot, kvh, pool, s, out),
+        _ => attend_kv_head_blocks::<1>(q, slot, kvh, pool, s, out),
     }
 }
 
-/// [`attend_token_generic`] with heads in blocks of `HB` (which divides the group).
+/// [`attend_kv_head_generic`] with heads in blocks of `HB` (which divides the group).
 #[inline(always)]
-fn attend_token_blocks<const HB: usize>(
+fn attend_kv_head_blocks<const HB: usize>(
     q: &[f32],
     slot: &TokenSlot,
     kvh: usize,

@@ -54,11 +54,6 @@ impl<T> DeviceBuffer<T> {
             home: None,
         }
     }
-
-    /// Whether this buffer lives in an arena.
-    pub fn in_arena(&self) -> bool {
-        self.home.is_some()
-    }
 }
 
 impl<T> Drop for DeviceBuffer<T> {

@@ -57,12 +57,18 @@ pub const PDL_KERNELS: &[&str] = &[
     "split_query_gate_f32",
 ];
 
-/// Whether `name` is in [`PDL_KERNELS`] (an entry ending in `*` names a template's family).
-pub fn is_pdl_kernel(name: &str) -> bool {
-    PDL_KERNELS.iter().any(|k| match k.strip_suffix('*') {
+/// Whether the [`PDL_KERNELS`] entry `entry` names kernel `name` (an entry ending in `*` names a
+/// template's family by prefix).
+pub fn pdl_entry_names(entry: &str, name: &str) -> bool {
+    match entry.strip_suffix('*') {
         Some(prefix) => name.starts_with(prefix),
-        None => name == *k,
-    })
+        None => name == entry,
+    }
+}
+
+/// Whether `name` is in [`PDL_KERNELS`].
+pub fn is_pdl_kernel(name: &str) -> bool {
+    PDL_KERNELS.iter().any(|k| pdl_entry_names(k, name))
 }
 
 /// Whether captured graphs get programmatic edges: on for Hopper and later, off with

@@ -3,7 +3,7 @@
 //! elsewhere.
 
 use moerun_cuda::compile::{compile, compile_ptx, KERNEL_FILES};
-use moerun_cuda::graph::{is_pdl_kernel, PDL_KERNELS};
+use moerun_cuda::graph::{is_pdl_kernel, pdl_entry_names, PDL_KERNELS};
 use moerun_cuda::probe::nvrtc_available;
 
 #[test]
@@ -50,12 +50,8 @@ fn every_early_launched_kernel_waits_for_the_one_before() {
             if !is_pdl_kernel(name) {
                 continue;
             }
-            for (i, k) in PDL_KERNELS.iter().enumerate() {
-                let hit = match k.strip_suffix('*') {
-                    Some(prefix) => name.starts_with(prefix),
-                    None => name == *k,
-                };
-                matched[i] |= hit;
+            for (hit, k) in matched.iter_mut().zip(PDL_KERNELS) {
+                *hit |= pdl_entry_names(k, name);
             }
             assert!(
                 body.contains("griddepcontrol.wait"),

@@ -47,7 +47,7 @@ struct GemmCall {
 
 /// `(w.rows(), w.cols())` once `x` (of `x_len` values) holds `m` rows of `w.cols()` and `out`
 /// (of `out_len`) `m` rows of `w.rows()`; else the error names `op` and the mismatch.
-fn gemm_shapes(
+pub(crate) fn gemm_shapes(
     op: &str,
     x_len: usize,
     m: usize,

@@ -73,14 +73,8 @@ impl CudaDevice {
         w: &DeviceMatrix,
         out: &mut impl DevicePtrMut<f32>,
     ) -> Result<()> {
-        let (n, k) = (w.rows(), w.cols());
+        let (n, k) = super::gemm::gemm_shapes("gemv", x.len(), m, w, out.len())?;
         let per_chunk = 16 / w.dtype().size();
-        ensure(x.len() == m * k, || {
-            format!("gemv: x holds {}, expected {m} x {k}", x.len())
-        })?;
-        ensure(out.len() == m * n, || {
-            format!("gemv: out holds {}, expected {m} x {n}", out.len())
-        })?;
         ensure(k.is_multiple_of(per_chunk), || {
             format!(
                 "gemv: k = {k} must be a multiple of {per_chunk} for {} weights",

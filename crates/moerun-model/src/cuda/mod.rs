@@ -27,7 +27,7 @@ use std::collections::HashMap;
 use moerun_core::{Error, Result, Tensor};
 use moerun_cuda::{
     ActivationArena, AttentionPrefill, AttentionScratch, CudaDevice, CudaError, CudaSlice,
-    DeviceExperts, DeviceKvPool, DeviceMatrix, DeviceRope, MoeScratch,
+    DeviceBuffer, DeviceExperts, DeviceKvPool, DeviceMatrix, DeviceRepr, DeviceRope, MoeScratch,
 };
 
 use crate::config::{ModelConfig, QkNorm};
@@ -118,6 +118,16 @@ pub(crate) struct PassScratch {
 }
 
 impl PassScratch {
+    /// An output buffer of `len` values that the op about to run writes in full: from the arena
+    /// while a decode step is being captured (see `graph.rs`), else allocated.
+    pub(crate) fn activation<T: DeviceRepr>(
+        &self,
+        dev: &CudaDevice,
+        len: usize,
+    ) -> Result<DeviceBuffer<T>> {
+        dev.activation(Some(&self.arena), len).map_err(dev_err)
+    }
+
     /// The MoE scratch, (re)made to hold `rows` tokens routed to `top_k` experts.
     pub(crate) fn moe(
         &mut self,

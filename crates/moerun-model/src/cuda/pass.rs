@@ -10,8 +10,8 @@
 
 use moerun_core::{DType, Error, Result, Tensor};
 use moerun_cuda::{
-    AttentionShape, CudaDevice, CudaSlice, DeviceBuffer, DeviceKvPool, DeviceMatrix, DeviceRepr,
-    QkvShape, RouterShape, TokenPlacement,
+    AttentionShape, CudaDevice, CudaSlice, DeviceBuffer, DeviceKvPool, DeviceMatrix, QkvShape,
+    RouterShape, TokenPlacement,
 };
 
 use super::{dev_err, profile, tensor_key, CudaModel, DeviceKv, PassScratch};
@@ -153,17 +153,9 @@ impl<'a> CudaPass<'a> {
         self.m
     }
 
-    /// An output buffer the op about to run writes in full: from the pass's arena while a
-    /// decode step is being captured, else allocated.
+    /// An output buffer the op about to run writes in full (see [`PassScratch::activation`]).
     pub(crate) fn alloc(&self, len: usize) -> Result<DeviceBuffer<f32>> {
-        self.alloc_of(len)
-    }
-
-    fn alloc_of<T: DeviceRepr>(&self, len: usize) -> Result<DeviceBuffer<T>> {
-        self.m
-            .dev
-            .activation(Some(&self.scratch.arena), len)
-            .map_err(dev_err)
+        self.scratch.activation(&self.m.dev, len)
     }
 
     /// `x · Wᵀ` for the device copy of `w`.
@@ -427,7 +419,7 @@ impl Backend for CudaPass<'_> {
             let k = cfg.top_k;
             let logits = self.product(x, &w.router)?;
             // route_topk writes every choice: no memset (a launch per layer in a decode step).
-            let mut ids = self.alloc_of::<u32>(rows * k)?;
+            let mut ids = self.scratch.activation::<u32>(&self.m.dev, rows * k)?;
             let mut weights = self.alloc(rows * k)?;
             let shape = RouterShape {
                 experts: cfg.num_experts,

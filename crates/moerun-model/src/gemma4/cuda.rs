@@ -20,7 +20,7 @@ use std::collections::HashMap;
 use moerun_core::{DType, Error, MatRef, Result, Tensor};
 use moerun_cuda::{
     AttentionPrefill, AttentionShape, CudaDevice, CudaSlice, DeviceBuffer, DeviceMatrix,
-    DeviceRepr, DeviceRope, ExpertActivation, QkvShape, RouterShape, TokenPlacement,
+    DeviceRope, ExpertActivation, QkvShape, RouterShape, TokenPlacement,
 };
 
 use crate::batch::Batch;
@@ -335,10 +335,9 @@ impl Pass<'_> {
         &self.m.dev
     }
 
-    /// An output buffer: from the cache's arena while a decode step is being captured (see
-    /// `cuda::graph`), else allocated.
+    /// An output buffer (see `PassScratch::activation`).
     fn alloc(&self, len: usize) -> Result<DeviceBuffer<f32>> {
-        self.alloc_of(len)
+        self.kv.scratch.activation(&self.m.dev, len)
     }
 
     /// A copy of `x` in a buffer of its own (from the arena like every output).
@@ -346,13 +345,6 @@ impl Pass<'_> {
         let mut out = self.alloc(x.len())?;
         self.dev().copy_within(x, &mut out).map_err(dev_err)?;
         Ok(out)
-    }
-
-    fn alloc_of<T: DeviceRepr>(&self, len: usize) -> Result<DeviceBuffer<T>> {
-        self.m
-            .dev
-            .activation(Some(&self.kv.scratch.arena), len)
-            .map_err(dev_err)
     }
 
     /// `x · Wᵀ`: the GEMV up to [`GEMV_MAX_ROWS`] rows, cuBLAS past it (as `CudaPass` does).
@@ -552,7 +544,7 @@ impl Pass<'_> {
         let logits = self.product(&xr, &w.router_proj)?;
         let m = self.m;
         let dev = &m.dev;
-        let mut ids = self.alloc_of::<u32>(n * top_k)?;
+        let mut ids = self.kv.scratch.activation::<u32>(&self.m.dev, n * top_k)?;
         let mut weights = self.alloc(n * top_k)?;
         let shape = RouterShape {
             experts: num_experts,
