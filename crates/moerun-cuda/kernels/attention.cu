@@ -263,6 +263,41 @@ __device__ __forceinline__ float4 ld_cg4(const float* p) {
     return v;
 }
 
+// The weights exp2(m_s - max) of one row's `active` partials, (max, sum) pairs at `ml`, into
+// w[0 .. active) (one warp); returns their sum weighted by the partials' sums (the softmax
+// denominator), in every lane.
+__device__ __forceinline__ float partial_weights(const float* ml, int active, float* w) {
+    const int lane = threadIdx.x & 31;
+    float mx = NEG_INF;
+    for (int s = lane; s < active; s += 32) mx = fmaxf(mx, load_cg(ml + 2 * s));
+    const float ref = softmax_ref(warp_max(mx));
+    float sum = 0.0f;
+    for (int s = lane; s < active; s += 32) {
+        const float ws = exp2f(load_cg(ml + 2 * s) - ref);
+        w[s] = ws;
+        sum += ws * load_cg(ml + 2 * s + 1);
+    }
+    return warp_sum(sum);
+}
+
+// One float4 of a row's merged output: sum over the `active` partials (rows `d` apart from `acc`)
+// of weight x partial in split order, over the denominator `sum`; 8 partials' loads in flight at a
+// time (they come from L2, so the merge is as long as its chain of dependent load rounds).
+__device__ __forceinline__ float4 merge_partials(const float* acc, const float* w, int active, int d,
+                                                 float sum) {
+    float4 num = zero4();
+    int s = 0;
+    for (; s + 8 <= active; s += 8) {
+        float4 v[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) v[u] = ld_cg4(acc + (u64)(s + u) * d);
+#pragma unroll
+        for (int u = 0; u < 8; ++u) num = axpy4(w[s + u], v[u], num);
+    }
+    for (; s < active; ++s) num = axpy4(w[s], ld_cg4(acc + (u64)s * d), num);
+    return sum > 0.0f ? make_float4(num.x / sum, num.y / sum, num.z / sum, num.w / sum) : zero4();
+}
+
 // Token i's output for query heads h0 .. h0 + gh from its `active` split partials: per head the
 // splits' weights exp2(m_s - max) (one warp per head, into `w`, [gh][active]) and their sum
 // weighted by l_s, then each output element sums weight x partial over the splits in split order
@@ -275,42 +310,17 @@ __device__ __forceinline__ void merge_splits(const AttnArgs& a, int i, int h0, i
     const int warp = threadIdx.x >> 5;
     for (int h = warp; h < gh; h += SPLIT_WARPS) {
         const float* ml = a.part_ml + ((u64)i * a.num_heads + h0 + h) * a.nsplit * 2;
-        float mx = NEG_INF;
-        for (int s = lane; s < active; s += 32) mx = fmaxf(mx, load_cg(ml + 2 * s));
-        const float ref = softmax_ref(warp_max(mx));
-        float sum = 0.0f;
-        for (int s = lane; s < active; s += 32) {
-            const float ws = exp2f(load_cg(ml + 2 * s) - ref);
-            w[h * active + s] = ws;
-            sum += ws * load_cg(ml + 2 * s + 1);
-        }
-        sum = warp_sum(sum);
+        const float sum = partial_weights(ml, active, w + h * active);
         if (lane == 0) sums[h] = sum;
     }
     __syncthreads();
-    // A float4 of one head's output per item, 8 splits' loads in flight at a time: the partials
-    // come from L2, so the merge is as long as its chain of dependent load rounds.
     const int d4 = d >> 2;
     for (int idx = threadIdx.x; idx < gh * d4; idx += SPLIT_THREADS) {
         const int h = idx / d4;
         const int c = idx - h * d4;
         const u64 row = (u64)i * a.num_heads + h0 + h;
         const float* acc = a.part_acc + row * a.nsplit * d + 4 * c;
-        const float* wh = w + h * active;
-        float4 num = zero4();
-        int s = 0;
-        for (; s + 8 <= active; s += 8) {
-            float4 v[8];
-#pragma unroll
-            for (int u = 0; u < 8; ++u) v[u] = ld_cg4(acc + (u64)(s + u) * d);
-#pragma unroll
-            for (int u = 0; u < 8; ++u) num = axpy4(wh[s + u], v[u], num);
-        }
-        for (; s < active; ++s) num = axpy4(wh[s], ld_cg4(acc + (u64)s * d), num);
-        const float sum = sums[h];
-        const float4 o = sum > 0.0f ? make_float4(num.x / sum, num.y / sum, num.z / sum, num.w / sum)
-                                    : zero4();
-        st4(a.out + row * d + 4 * c, o);
+        st4(a.out + row * d + 4 * c, merge_partials(acc, w + h * active, active, d, sums[h]));
     }
 }
 
@@ -671,16 +681,7 @@ __device__ __forceinline__ void merge_cluster_partials(const AttnArgs& a, int i,
     const int hb = (end - 1) / d4;
     for (int hh = warp; hh <= hb - ha; hh += CL_WARPS) {
         const float* ml = a.part_ml + ((u64)i * a.num_heads + h0 + ha + hh) * nclust * 2;
-        float mx = NEG_INF;
-        for (int c = lane; c < act; c += 32) mx = fmaxf(mx, load_cg(ml + 2 * c));
-        const float ref = softmax_ref(warp_max(mx));
-        float sum = 0.0f;
-        for (int c = lane; c < act; c += 32) {
-            const float wc = exp2f(load_cg(ml + 2 * c) - ref);
-            w[hh * act + c] = wc;
-            sum += wc * load_cg(ml + 2 * c + 1);
-        }
-        sum = warp_sum(sum);
+        const float sum = partial_weights(ml, act, w + hh * act);
         if (lane == 0) sums[hh] = sum;
     }
     __syncthreads();
@@ -689,21 +690,7 @@ __device__ __forceinline__ void merge_cluster_partials(const AttnArgs& a, int i,
         const int c = item - h * d4;
         const u64 row = (u64)i * a.num_heads + h0 + h;
         const float* acc = a.part_acc + row * nclust * d + 4 * c;
-        const float* wh = w + (h - ha) * act;
-        float4 num = zero4();
-        int s = 0;
-        for (; s + 8 <= act; s += 8) {
-            float4 v[8];
-#pragma unroll
-            for (int u = 0; u < 8; ++u) v[u] = ld_cg4(acc + (u64)(s + u) * d);
-#pragma unroll
-            for (int u = 0; u < 8; ++u) num = axpy4(wh[s + u], v[u], num);
-        }
-        for (; s < act; ++s) num = axpy4(wh[s], ld_cg4(acc + (u64)s * d), num);
-        const float sum = sums[h - ha];
-        const float4 o = sum > 0.0f ? make_float4(num.x / sum, num.y / sum, num.z / sum, num.w / sum)
-                                    : zero4();
-        st4(a.out + row * d + 4 * c, o);
+        st4(a.out + row * d + 4 * c, merge_partials(acc, w + (h - ha) * act, act, d, sums[h - ha]));
     }
 }
 
