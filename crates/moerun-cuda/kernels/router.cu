@@ -1,70 +1,93 @@
-// MoE routing of f32 router logits: softmax (f32, max-subtracted), top-k by probability with ties
-// broken towards the lower expert index (moerun-model's `route`), then optionally renormalised so
-// the k weights sum to one (summed in rank order, as the CPU does).
-// Launch: block (32, ROUTER_ROWS_PER_BLOCK), grid ceil(rows / ROUTER_ROWS_PER_BLOCK); one warp per
-// token row; dynamic shared memory 4 * experts * ROUTER_ROWS_PER_BLOCK bytes holds the
-// probabilities. Each of the k rounds is a warp argmax over the experts not yet taken.
+// MoE routing of f32 router logits (warp_route_topk below: softmax, top-k by probability
+// with ties to the lower expert index, optional renormalisation), for logits another kernel wrote.
+// Launch: block (32, ROUTER_ROWS_PER_BLOCK), grid ceil(rows / ROUTER_ROWS_PER_BLOCK); one warp
+// per token row, the experts' probabilities in its registers.
+
+// Warp-wide max / min of a u32: one redux.sync (sm_80+, the least the backend runs on).
+__device__ __forceinline__ u32 warp_max_u32(u32 v) {
+    u32 r;
+    asm volatile("redux.sync.max.u32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v));
+    return r;
+}
+__device__ __forceinline__ u32 warp_min_u32(u32 v) {
+    u32 r;
+    asm volatile("redux.sync.min.u32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v));
+    return r;
+}
+
+// Experts one routing warp holds in registers: 32 lanes x ROUTE_PER_LANE.
+#define ROUTE_PER_LANE 16
+#define ROUTE_MAX_EXPERTS (32 * ROUTE_PER_LANE)
+
+// One token's routing by one warp, the steps of moerun-model's `route`: softmax of the f32 router
+// logits (max-subtracted; each lane sums its experts lane, lane + 32, ... in order, then a fixed
+// butterfly), top-k by probability with ties to the lower expert index, then optionally the k
+// weights renormalised to sum to one (summed in rank order). experts <= ROUTE_MAX_EXPERTS.
+// Lane l holds experts l + 32 s in registers; a probability's f32 bits order like
+// the probability (it is >= 0), so each round is a warp max of (bits + 1) keys (taken: 0) and a
+// warp min of the indices holding it. A NaN probability never wins: with only NaNs left the id
+// is out of range (0x7fffffff) and the weight -2, so the token's expert sum becomes NaN downstream.
+__device__ __forceinline__ void warp_route_topk(const float* __restrict__ logits, int experts, int k,
+                                                int renormalise, u32* __restrict__ out_ids,
+                                                float* __restrict__ out_weights) {
+    const int lane = threadIdx.x & 31;
+    float p[ROUTE_PER_LANE];
+    float mx = __int_as_float(0xff800000);  // -inf
+#pragma unroll
+    for (int s = 0; s < ROUTE_PER_LANE; ++s) {
+        const int i = 32 * s + lane;
+        p[s] = i < experts ? logits[i] : 0.0f;
+        if (i < experts) mx = fmaxf(mx, p[s]);
+    }
+    mx = warp_max(mx);
+    float sum = 0.0f;
+#pragma unroll
+    for (int s = 0; s < ROUTE_PER_LANE; ++s) {
+        if (32 * s + lane < experts) {
+            p[s] = expf(p[s] - mx);
+            sum += p[s];
+        }
+    }
+    const float inv = 1.0f / warp_sum(sum);
+    u32 key[ROUTE_PER_LANE];
+#pragma unroll
+    for (int s = 0; s < ROUTE_PER_LANE; ++s) {
+        const float v = p[s] * inv;
+        key[s] = 32 * s + lane < experts && v >= 0.0f ? __float_as_uint(v) + 1u : 0u;
+    }
+    float total = 0.0f;  // every lane: the chosen weights summed in rank order
+    for (int r = 0; r < k; ++r) {
+        u32 bk = 0u, bi = 0xffffffffu;
+#pragma unroll
+        for (int s = 0; s < ROUTE_PER_LANE; ++s) {
+            if (key[s] > bk) {  // ascending index within a lane: strict > keeps the lower one
+                bk = key[s];
+                bi = 32 * s + lane;
+            }
+        }
+        const u32 best = warp_max_u32(bk);
+        const u32 at = warp_min_u32(best != 0u && bk == best ? bi : 0xffffffffu);
+        const float w = best != 0u ? __uint_as_float(best - 1u) : -2.0f;
+        if (lane == 0) {
+            out_ids[r] = best != 0u ? at : 0x7fffffffu;
+            out_weights[r] = w;
+        }
+        total += w;
+#pragma unroll
+        for (int s = 0; s < ROUTE_PER_LANE; ++s)
+            if (32 * s + lane == (int)at) key[s] = 0u;
+    }
+    if (renormalise && lane == 0) {
+        for (int r = 0; r < k; ++r) out_weights[r] = out_weights[r] / total;
+    }
+}
 
 extern "C" __global__ void route_topk_f32(const float* __restrict__ logits, int rows, int experts,
                                           int k, int renormalise, u32* __restrict__ out_experts,
                                           float* __restrict__ out_weights) {
-    extern __shared__ float probs_all[];
     pdl_entry();
     const int row = blockIdx.x * blockDim.y + threadIdx.y;
-    if (row >= rows) return;  // no block-wide barrier below: warps are independent
-    const int lane = threadIdx.x;
-    float* p = probs_all + threadIdx.y * experts;
-    const float* l = logits + (u64)row * experts;
-
-    float mx = __int_as_float(0xff800000);  // -inf
-    for (int i = lane; i < experts; i += 32) {
-        const float v = l[i];
-        p[i] = v;
-        mx = fmaxf(mx, v);
-    }
-    mx = warp_max(mx);
-    float sum = 0.0f;
-    for (int i = lane; i < experts; i += 32) {
-        const float e = expf(p[i] - mx);
-        p[i] = e;
-        sum += e;
-    }
-    const float inv = 1.0f / warp_sum(sum);
-    for (int i = lane; i < experts; i += 32) p[i] *= inv;
-    __syncwarp();
-
-    float total = 0.0f;  // lane 0: the chosen weights summed in rank order
-    u32* idx_out = out_experts + (u64)row * k;
-    float* w_out = out_weights + (u64)row * k;
-    for (int r = 0; r < k; ++r) {
-        // Probabilities are >= 0; taken experts are marked -1 and never win again.
-        float bv = -2.0f;
-        int bi = 0x7fffffff;
-        for (int i = lane; i < experts; i += 32) {
-            const float v = p[i];
-            if (v > bv) {  // ascending i within a lane: strict > keeps the lower index on ties
-                bv = v;
-                bi = i;
-            }
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (ov > bv || (ov == bv && oi < bi)) {
-                bv = ov;
-                bi = oi;
-            }
-        }
-        if (lane == 0) {
-            idx_out[r] = (u32)bi;
-            w_out[r] = bv;
-            total += bv;
-            p[bi] = -1.0f;
-        }
-        __syncwarp();
-    }
-    if (renormalise && lane == 0) {
-        for (int r = 0; r < k; ++r) w_out[r] = w_out[r] / total;
-    }
+    if (row >= rows) return;  // no block-wide barrier: warps are independent
+    warp_route_topk(logits + (u64)row * experts, experts, k, renormalise,
+                    out_experts + (u64)row * k, out_weights + (u64)row * k);
 }

@@ -295,6 +295,7 @@ fn router_picks_the_cpu_experts_in_rank_order_with_ties_to_the_lower_index() {
         (9, 60, 4, false),
         (5, 64, 8, false),
         (4, 256, 8, true),
+        (3, 512, 8, false),
     ] {
         let mut logits = uniform(&mut r, tokens * experts, -4.0, 4.0);
         // Token 0: all equal (ties everywhere); token 1: a repeated maximum.

@@ -2,8 +2,8 @@
 //! probability with ties to the lower expert index, optional renormalisation of the k weights,
 //! exactly the steps of moerun-model's `route`.
 //!
-//! Launch: block (32, 4), grid ceil(tokens / 4), dynamic shared memory 16 * experts bytes; one warp
-//! per token, k rounds of warp argmax.
+//! Launch: block (32, 4), grid ceil(tokens / 4); one warp per token holding its experts'
+//! probabilities in registers, k rounds of a warp arg-max (two redux.sync each).
 
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
@@ -13,8 +13,9 @@ use crate::CudaDevice;
 
 const ROWS_PER_BLOCK: usize = 4;
 
-/// Experts the kernel can rank: their probabilities for 4 tokens must fit 48 KiB of shared memory.
-pub const MAX_EXPERTS: usize = 2048;
+/// Experts a routing warp can rank: 16 in each lane's registers (`ROUTE_MAX_EXPERTS` in
+/// router.cu). The largest published MoE (Qwen3-Next) has 512.
+pub const MAX_EXPERTS: usize = 512;
 
 /// How a family routes: number of experts, how many each token takes, and whether the chosen
 /// weights are renormalised to sum to one (`norm_topk_prob`).
@@ -72,7 +73,7 @@ impl CudaDevice {
         let cfg = LaunchConfig {
             grid_dim: (blocks(tokens, ROWS_PER_BLOCK)?, 1, 1),
             block_dim: (32, ROWS_PER_BLOCK as u32, 1),
-            shared_mem_bytes: (4 * experts * ROWS_PER_BLOCK) as u32,
+            shared_mem_bytes: 0,
         };
         let mut b = self.stream.launch_builder(&self.kernels.route_topk);
         b.arg(&l)
@@ -81,9 +82,8 @@ impl CudaDevice {
             .arg(&k_i)
             .arg(&renorm_i);
         b.arg(&e).arg(&w);
-        // SAFETY: logits hold tokens * experts f32, both outputs tokens * top_k, shared memory is
-        // sized for ROWS_PER_BLOCK rows of `experts` floats (<= 32 KiB); the argument list matches
-        // the kernel's.
+        // SAFETY: logits hold tokens * experts f32 (experts <= MAX_EXPERTS, what a warp holds),
+        // both outputs tokens * top_k; the argument list matches the kernel's.
         unsafe { b.launch(cfg) }.ctx("route_topk_f32")?;
         Ok(())
     }

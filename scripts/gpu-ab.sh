@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# On the GPU machine (carry .gpu-bin, built by scripts/gpu-build.sh): A/B of environment
+# settings on one binary, runs alternating so drift hits both sides alike.
+#
+#   bash scripts/gpu-ab.sh ROUNDS 'ENV_A' 'ENV_B' [moerun bench args...]
+#   bash scripts/gpu-ab.sh 2 'MOERUN_CUDA_FUSED_ROUTE=0' 'MOERUN_CUDA_FUSED_ROUTE=1' \
+#       --like qwen3-30b-a3b --prompt 512 --gen 256
+#
+# Prints one line per run: the setting, decode tok/s and prefill tok/s (from --json).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+rounds=$1 a=$2 b=$3
+shift 3
+bin=${GPU_BIN:-$(mktemp -d)}
+[ -x "$bin/moerun" ] || tar -C "$bin" -xJf .gpu-bin/moerun-gpu.tar.xz ||
+    { echo "no .gpu-bin (run scripts/gpu-build.sh)"; exit 2; }
+for ((r = 1; r <= rounds; r++)); do
+    for setting in "$a" "$b"; do
+        json=$(env $setting "$bin/moerun" bench "$@" --device cuda --json 2>/dev/null)
+        printf '%-40s %s\n' "$setting" "$(python3 -c '
+import json, sys
+j = json.loads(sys.argv[1])
+print("decode %8.1f tok/s  prefill %9.1f tok/s" % (j["decode_tok_per_s"], j["prefill_tok_per_s"]))
+' "$json" 2>/dev/null || echo "no result")"
+    done
+done
