@@ -46,6 +46,9 @@ const GATE_UP_TILE: usize = 8;
 /// Down rows per block of the tiny decode down kernel (`MOE_DOWN_ROWS`).
 const TINY_DOWN_ROWS: usize = 4;
 
+/// Intermediate indices per block of the tiny decode gate_up kernel (8 warps x `MOE_TINY_JW`).
+const TINY_GATE_UP_TILE: usize = 16;
+
 /// Handles of `kernels/moe.cu` and `kernels/moe_prefill.cu`.
 pub(crate) struct MoeKernels {
     align: CudaFunction,

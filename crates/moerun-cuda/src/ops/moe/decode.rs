@@ -14,8 +14,9 @@
 //!
 //! At most 32 pairs ([`DecodePass::Tiny`], batch 1-4 at top-8) skip step 1:
 //!
-//! - `moe_tiny_gate_up_<dt>`: grid (ceil(I / 8), min(E, P)), block 256. Every warp finds its
-//!   slot's expert among the ≤ 32 ids with one match/ballot, then works as step 2.
+//! - `moe_tiny_gate_up_<dt>`: grid (ceil(I / 16), min(E, P)), block 256. Every warp finds its
+//!   slot's expert among the ≤ 32 ids with one match/ballot, then works as step 2 for two
+//!   intermediate indices (one wave of blocks for Qwen3-30B-A3B's 8 experts x 768).
 //! - `moe_tiny_down_<dt>`: grid (ceil(H / 4), n), block 256. Block (bx, t) computes token t's 4
 //!   rows for all k ranks (a warp per rank) into shared memory and sums them in rank order.
 //!
@@ -28,7 +29,7 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use super::{
     decode_kernel, DecodePass, DeviceExperts, MoeCall, MoeScratch, DOWN_TILE, GATE_UP_TILE,
-    TINY_DOWN_ROWS,
+    TINY_DOWN_ROWS, TINY_GATE_UP_TILE,
 };
 use crate::device::dtype_slot;
 use crate::error::{ensure, DriverContext, Result};
@@ -137,7 +138,7 @@ impl CudaDevice {
 
         let cfg = LaunchConfig {
             grid_dim: (
-                blocks(w.intermediate, GATE_UP_TILE)?,
+                blocks(w.intermediate, TINY_GATE_UP_TILE)?,
                 w.experts.min(pairs) as u32, // <= 32
                 1,
             ),
