@@ -1361,12 +1361,16 @@ __device__ __forceinline__ void attn_tile_bf16(const AttnArgs& a) {
         const float ca = exp2f(ma - refa), cb = exp2f(mb - refb);
         la *= ca;
         lb *= cb;
+        // Past the first tiles a row's max rarely moves: then every factor is exactly 1 and the
+        // warp skips the rescale (the same bits as multiplying by 1).
+        if (__any_sync(0xffffffffu, ca != 1.0f || cb != 1.0f)) {
 #pragma unroll
-        for (int dt = 0; dt < D / 8; ++dt) {
-            o[dt][0] *= ca;
-            o[dt][1] *= ca;
-            o[dt][2] *= cb;
-            o[dt][3] *= cb;
+            for (int dt = 0; dt < D / 8; ++dt) {
+                o[dt][0] *= ca;
+                o[dt][1] *= ca;
+                o[dt][2] *= cb;
+                o[dt][3] *= cb;
+            }
         }
         ma = mxa;
         mb = mxb;

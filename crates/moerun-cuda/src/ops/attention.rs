@@ -208,7 +208,13 @@ impl BatchKvBf16 {
         (&mut self.k, &mut self.v)
     }
     /// Refuse a copy that cannot hold `tokens` rows of `kv_heads` x `head_dim`.
-    pub(crate) fn check(&self, what: &str, tokens: usize, kv_heads: usize, head_dim: usize) -> Result<()> {
+    pub(crate) fn check(
+        &self,
+        what: &str,
+        tokens: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<()> {
         ensure(self.fits(tokens, kv_heads, head_dim), || {
             format!(
                 "{what}: a batch copy of {} rows of {} x {} for {tokens} tokens of {kv_heads} x \
@@ -356,6 +362,12 @@ impl AttentionKernels {
         let f32_smem = [0, 1, 2].map(|i| allow_smem(&tile_f32[i], tile_f32_smem(TILE_F32_DIMS[i])));
         let bf16_smem =
             [0, 1].map(|i| allow_smem(&tile_bf16[i], tile_bf16_smem(TILE_BF16_DIMS[i])));
+        // Two tensor-core blocks share an SM only if the SM gives shared memory its largest
+        // share; a hint (a device that ignores it runs one block per SM, as fast as before).
+        let carveout = CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT;
+        for f in &tile_bf16 {
+            let _ = f.set_attribute(carveout, 100);
+        }
         Ok(AttentionKernels {
             kv_write: f("kv_write_f32")?,
             split: [
@@ -590,6 +602,26 @@ impl CudaDevice {
         })
     }
 
+    /// The copy in `slot`, first (re)made when it cannot take `tokens` rows of `kv_heads` x
+    /// `head_dim` (rows rounded up to a power of two, so a pass's scratch grows a few times at
+    /// most). Prefill only: a CUDA graph never reads a batch copy, so replacing it invalidates
+    /// none.
+    pub fn batch_kv_in<'s>(
+        &self,
+        slot: &'s mut Option<BatchKvBf16>,
+        tokens: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<&'s mut BatchKvBf16> {
+        if !matches!(slot, Some(c) if c.fits(tokens, kv_heads, head_dim)) {
+            // Free the old one before allocating its successor.
+            *slot = None;
+            let rows = tokens.next_power_of_two();
+            *slot = Some(self.batch_kv_bf16(rows, kv_heads, head_dim)?);
+        }
+        Ok(slot.as_mut().expect("made above"))
+    }
+
     /// Write the batch's k and v rows (`[n, kv_heads * head_dim]` f32) at their positions.
     ///
     /// Launch: grid (n), block 128. Rows whose block-table entry or block is out of range are not
@@ -741,7 +773,10 @@ impl CudaDevice {
         out: &mut impl DevicePtrMut<f32>,
         scratch: &mut AttentionScratch,
     ) -> Result<()> {
-        let source = KeySource { prefill, copy: None };
+        let source = KeySource {
+            prefill,
+            copy: None,
+        };
         self.attend(source, q, pool, at, shape, out, scratch)
     }
 
@@ -1115,6 +1150,14 @@ mod tests {
         assert_eq!(class_of(&GROUP_CLASSES, 3), 2);
         assert_eq!(class_of(&GROUP_CLASSES, 16), 3);
         assert!(tile_f32_smem(256) <= 227 << 10, "fits an H100/H200 block");
-        assert!(tile_bf16_smem(128) <= 227 << 10, "fits an H100/H200 block");
+        // Two tensor-core blocks per SM: 228 KiB per SM, 1 KiB of it reserved per block.
+        assert!(
+            2 * (tile_bf16_smem(128) + 1024) <= 228 << 10,
+            "two blocks per H100/H200 SM"
+        );
+        assert!(AttentionPrefill::TensorCoreBf16.takes_batch_copy(64, 128));
+        assert!(!AttentionPrefill::TensorCoreBf16.takes_batch_copy(63, 128));
+        assert!(!AttentionPrefill::TensorCoreBf16.takes_batch_copy(4096, 256));
+        assert!(!AttentionPrefill::ExactF32.takes_batch_copy(4096, 128));
     }
 }

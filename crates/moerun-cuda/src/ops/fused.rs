@@ -133,7 +133,17 @@ impl CudaDevice {
         kv: Option<(&mut DeviceKvPool, &TokenPlacement)>,
     ) -> Result<()> {
         let (q_norm_k_norm, outs) = ((q_norm, k_norm), (q, k, v));
-        self.qkv_split_norm_rope_copy(qkv, shape, positions, q_norm_k_norm, rope, outs, gate, kv, None)
+        self.qkv_split_norm_rope_copy(
+            qkv,
+            shape,
+            positions,
+            q_norm_k_norm,
+            rope,
+            outs,
+            gate,
+            kv,
+            None,
+        )
     }
 
     /// [`CudaDevice::qkv_split_norm_rope`] that, given `copy`, also writes the k and v heads
