@@ -556,6 +556,14 @@ fn tensor_core_prefill_is_within_bf16_rounding_of_cpu() {
     }
 }
 
+/// (heads, kv heads, head_dim), sequences, window, batch row order.
+type CopyCase<'a> = (
+    (usize, usize, usize),
+    &'a [(usize, usize)],
+    Option<usize>,
+    Option<Vec<usize>>,
+);
+
 /// The tensor-core kernel reading the batch's own keys from a bf16 batch copy: a fresh prefill,
 /// chunked prefills whose cached prefix is or is not a whole number of key tiles (those keys
 /// still come from the pool), windows, several sequences with decode tokens between them, and
@@ -574,7 +582,7 @@ fn tensor_core_prefill_from_the_batch_copy_equals_the_pool_path_bitwise() {
     let split_a = [(0, 128), (0, 64)];
     let late_first: Vec<usize> = (64..192).chain(0..64).collect();
     let a_b_a: Vec<usize> = (0..64).chain(128..192).chain(64..128).collect();
-    let cases: [(_, &[(usize, usize)], _, Option<Vec<usize>>); 10] = [
+    let cases: [CopyCase; 10] = [
         ((32, 4, 128), &fresh[..], None, None),
         ((8, 2, 128), &cached_whole[..], None, None),
         ((8, 2, 128), &cached_odd[..], Some(700), None),
