@@ -4,7 +4,8 @@
 //! differs (a block reduction), so results agree within f32 rounding.
 //!
 //! Launch: `add_rms_norm` grid (rows), block 1024; `qkv_split_norm_rope` grid
-//! (tokens, heads_q + 2 * heads_kv), block 32.
+//! (tokens, ceil((heads_q + 2 * heads_kv) / 4)), block (32, 4). Its `_copy` form also writes
+//! the k and v heads, rounded to bf16, into a [`BatchKvBf16`] for tensor-core prefill attention.
 
 use cudarc::driver::{
     CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
