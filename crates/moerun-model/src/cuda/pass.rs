@@ -266,13 +266,18 @@ impl Backend for CudaPass<'_> {
             };
             // K/V go straight into the layer's pool too: no kv_write launch in `attention`.
             // And, for a batch the tensor-core tiles take, in bf16 into the batch copy they read
-            // (`attention` asks the same question of the same batch).
+            // (`attention` asks the same question of the same batch). Never in a decode step
+            // captured into a graph (tokens on the device): the graph would keep the copy's
+            // address, which a later, larger prefill frees; such steps never tile anyway (one
+            // token per sequence).
             let windowed = cfg.layers[layer].sliding_window.is_some();
             let at = placement(self.at, windowed);
             let pool = self.pools[layer]
                 .as_mut()
                 .ok_or_else(|| Error::Device(format!("layer {layer} has no KV pool")))?;
-            let copy = match m.prefill_attention.takes_batch_copy(rows, d) {
+            let tiles = matches!(self.tokens, Tokens::Host)
+                && m.prefill_attention.takes_batch_copy(rows, d);
+            let copy = match tiles {
                 true => Some(
                     m.dev
                         .batch_kv_in(&mut self.scratch.batch_kv, rows, cfg.num_kv_heads, d)
@@ -380,11 +385,13 @@ impl Backend for CudaPass<'_> {
                 .as_mut()
                 .ok_or_else(|| Error::Device(format!("layer {layer} has no KV pool")))?;
             // The tensor-core tiles read this batch's own keys from its bf16 copy: filled by the
-            // prologue when it wrote the pool (same batch, same question), else here.
-            let copy_wanted = self
-                .m
-                .prefill_attention
-                .takes_batch_copy(rows, spec.head_dim);
+            // prologue when it wrote the pool (same batch, same question), else here; never in
+            // a captured decode step (see `attention_inputs`).
+            let copy_wanted = matches!(self.tokens, Tokens::Host)
+                && self
+                    .m
+                    .prefill_attention
+                    .takes_batch_copy(rows, spec.head_dim);
             let mut copy = match copy_wanted {
                 true => Some(
                     dev.batch_kv_in(
