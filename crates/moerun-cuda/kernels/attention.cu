@@ -1118,8 +1118,8 @@ __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
 }
 
 __device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+    // Not volatile: a pure register operation the compiler may schedule freely.
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
         "{%8, %9}, {%0, %1, %2, %3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
@@ -1182,25 +1182,44 @@ __device__ __forceinline__ void batch_copy_start(const AttnArgs& a, int t0, int 
 template <int D>
 __device__ __forceinline__ void attn_tile_bf16(const AttnArgs& a) {
     constexpr int BS = D + 8;               // bf16 row stride of K and V
-    constexpr int STAGE = 2 * TILE_N * BS;  // one stage: K rows, then V rows
+    constexpr int STAGE = 2 * TILE_N * BS;  // one stage: K rows, then V rows (u16)
+    constexpr int FS = D + 4;               // f32 row stride of a pool tile's K or V in a stage
     constexpr int CH8 = D / 8;              // 16-byte chunks of a bf16 row
     constexpr int CH4 = D / 4;              // 16-byte chunks of an f32 row
-    constexpr int POOL_ROUND = 8;           // f32 chunks of K (and of V) in flight per thread
+    static_assert(TILE_N * FS * 4 <= STAGE * 2, "an f32 K (or V) tile fits one stage");
     extern __shared__ float4 tc_smem4[];
     u16* bf = reinterpret_cast<u16*>(tc_smem4);
     __shared__ int s_kmin, s_kend, s_kloc, s_bad;
     // Later tiles see more keys: launch them first so the grid does not end on a long one.
     const int t0 = (gridDim.x - 1 - blockIdx.x) * TC_M;
     const int h = blockIdx.y;
-    if (!tile_owned(a, t0)) return;
     const int H = a.num_heads;
-    const int kh = h / a.group;
-    const int ts = a.table_start[t0];
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
     const int g = lane >> 2;
     const int t = lane & 3;
+    const int ra = warp * 16 + g;  // this thread's two rows of the tile
+    const int rb = ra + 8;
+
+    // This thread's q values, loaded first: their latency overlaps the block's set-up below
+    // (the tile is inside the batch whether or not this kernel owns it).
+    float2 qv[D / 16][4];
+    if (t0 + TC_M <= a.n) {
+        const float* qa = a.q + ((u64)(t0 + ra) * H + h) * D;
+        const float* qb = a.q + ((u64)(t0 + rb) * H + h) * D;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const int cc = kk * 16 + 2 * t;
+            qv[kk][0] = *reinterpret_cast<const float2*>(qa + cc);
+            qv[kk][1] = *reinterpret_cast<const float2*>(qb + cc);
+            qv[kk][2] = *reinterpret_cast<const float2*>(qa + cc + 8);
+            qv[kk][3] = *reinterpret_cast<const float2*>(qb + cc + 8);
+        }
+    }
+    if (!tile_owned(a, t0)) return;
+    const int kh = h / a.group;
+    const int ts = a.table_start[t0];
     tile_key_range(a, t0, &s_kmin, &s_kend);
     const int kmin = s_kmin, kend = s_kend;
     const int ntiles = kmin < kend ? (kend - kmin + TILE_N - 1) / TILE_N : 0;
@@ -1210,6 +1229,8 @@ __device__ __forceinline__ void attn_tile_bf16(const AttnArgs& a) {
         kloc = s_kloc;
     }
     const int c = a.positions[t0] - t0;  // key p of the checked run is batch row p - c
+    // Tiles 0 .. npool - 1 start before the copy's first key: they come from the pool.
+    const int npool = kloc <= kmin ? 0 : min(ntiles, (kloc - kmin + TILE_N - 1) / TILE_N);
 
     // Stage `st` <- keys kt .. kt + 63 from the batch copy, by cp.async (rows past kend: zeros).
     auto copy_tile = [&](int st, int kt) {
@@ -1227,53 +1248,54 @@ __device__ __forceinline__ void attn_tile_bf16(const AttnArgs& a) {
             cp_async16(vb + r * BS + 8 * ch, a.copy_v + off, ok ? 16 : 0);
         }
     };
-    // Stage `st` <- keys kt .. kt + 63 from the f32 pool, rounded to bf16 (rows past kend or out of
-    // range: zeros). Plain loads, POOL_ROUND float4 of K and of V in flight per thread.
-    auto pool_tile = [&](int st, int kt) {
-        u16* kb = bf + st * STAGE;
-        u16* vb = kb + TILE_N * BS;
-#pragma unroll
-        for (int it0 = 0; it0 < TILE_N * CH4 / TC_THREADS; it0 += POOL_ROUND) {
-            float4 kx[POOL_ROUND], vx[POOL_ROUND];
-#pragma unroll
-            for (int u = 0; u < POOL_ROUND; ++u) {
-                const int idx = tid + (it0 + u) * TC_THREADS;
-                const int r = idx / CH4;
-                const int ch = idx - r * CH4;
-                const int kp = kt + r;
-                const long long off = kp < kend ? kv_offset(a, ts, kp, kh) : -1;
-                kx[u] = off >= 0 ? ld4(a.pool_k + off + 4 * ch) : zero4();
-                vx[u] = off >= 0 ? ld4(a.pool_v + off + 4 * ch) : zero4();
-            }
-#pragma unroll
-            for (int u = 0; u < POOL_ROUND; ++u) {
-                const int idx = tid + (it0 + u) * TC_THREADS;
-                const int r = idx / CH4;
-                const int ch = idx - r * CH4;
-                *reinterpret_cast<uint2*>(kb + r * BS + 4 * ch) =
-                    make_uint2(pack_bf16(kx[u].x, kx[u].y), pack_bf16(kx[u].z, kx[u].w));
-                *reinterpret_cast<uint2*>(vb + r * BS + 4 * ch) =
-                    make_uint2(pack_bf16(vx[u].x, vx[u].y), pack_bf16(vx[u].z, vx[u].w));
-            }
-        }
-    };
-    // Key tile j into stage j % TC_STAGES; always one commit group, so the waits count tiles.
-    auto load_tile = [&](int j) {
-        if (j < ntiles) {
-            const int kt = kmin + j * TILE_N;
-            if (kt >= kloc) {
-                copy_tile(j % TC_STAGES, kt);
-            } else {
-                pool_tile(j % TC_STAGES, kt);
-            }
+    // Pool tiles: the f32 K rows of keys kt .. kt + 63 into stage 0 and the V rows into stage 1
+    // by cp.async (rows past kend or out of range: zeros), then `pool_round` rounds both into
+    // stage 2 as bf16.
+    float* const kf = reinterpret_cast<float*>(bf);
+    float* const vf = reinterpret_cast<float*>(bf + STAGE);
+    auto pool_fetch = [&](int kt) {
+#pragma unroll 4
+        for (int it = 0; it < TILE_N * CH4 / TC_THREADS; ++it) {
+            const int idx = tid + it * TC_THREADS;
+            const int r = idx / CH4;
+            const int ch = idx - r * CH4;
+            const int kp = kt + r;
+            const long long off = kp < kend ? kv_offset(a, ts, kp, kh) : -1;
+            const bool ok = off >= 0;
+            cp_async16(kf + r * FS + 4 * ch, ok ? a.pool_k + off + 4 * ch : a.pool_k, ok ? 16 : 0);
+            cp_async16(vf + r * FS + 4 * ch, ok ? a.pool_v + off + 4 * ch : a.pool_v, ok ? 16 : 0);
         }
         cp_async_commit();
     };
-    load_tile(0);
-    load_tile(1);
+    auto pool_round = [&]() {
+        u16* kb = bf + 2 * STAGE;
+        u16* vb = kb + TILE_N * BS;
+#pragma unroll
+        for (int it = 0; it < TILE_N * CH4 / TC_THREADS; ++it) {
+            const int idx = tid + it * TC_THREADS;
+            const int r = idx / CH4;
+            const int ch = idx - r * CH4;
+            const float4 x = ld4(kf + r * FS + 4 * ch);
+            const float4 y = ld4(vf + r * FS + 4 * ch);
+            *reinterpret_cast<uint2*>(kb + r * BS + 4 * ch) =
+                make_uint2(pack_bf16(x.x, x.y), pack_bf16(x.z, x.w));
+            *reinterpret_cast<uint2*>(vb + r * BS + 4 * ch) =
+                make_uint2(pack_bf16(y.x, y.y), pack_bf16(y.z, y.w));
+        }
+    };
+    // Copy tile i (tile npool + i) into stage i % TC_STAGES; always one commit group, so the
+    // waits count tiles.
+    auto load_copy = [&](int i) {
+        if (npool + i < ntiles) copy_tile(i % TC_STAGES, kmin + (npool + i) * TILE_N);
+        cp_async_commit();
+    };
+    if (npool > 0) {
+        pool_fetch(kmin);
+    } else {
+        load_copy(0);
+        load_copy(1);
+    }
 
-    const int ra = warp * 16 + g;  // this thread's two rows of the tile
-    const int rb = ra + 8;
     const int pa = a.positions[t0 + ra], pb = a.positions[t0 + rb];
     const int loa = window_lo(a, pa), lob = window_lo(a, pb);
     // A key tile every row of this warp sees whole needs no mask (all but the diagonal tiles
@@ -1287,21 +1309,11 @@ __device__ __forceinline__ void attn_tile_bf16(const AttnArgs& a) {
 
     u32 qf[D / 16][4];
     {
-        const float* qa = a.q + ((u64)(t0 + ra) * H + h) * D;
-        const float* qb = a.q + ((u64)(t0 + rb) * H + h) * D;
         const float sl = a.scale_log2;
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            const int cc = kk * 16 + 2 * t;
-            const float2 a0 = *reinterpret_cast<const float2*>(qa + cc);
-            const float2 b0 = *reinterpret_cast<const float2*>(qb + cc);
-            const float2 a1 = *reinterpret_cast<const float2*>(qa + cc + 8);
-            const float2 b1 = *reinterpret_cast<const float2*>(qb + cc + 8);
-            qf[kk][0] = pack_bf16(a0.x * sl, a0.y * sl);
-            qf[kk][1] = pack_bf16(b0.x * sl, b0.y * sl);
-            qf[kk][2] = pack_bf16(a1.x * sl, a1.y * sl);
-            qf[kk][3] = pack_bf16(b1.x * sl, b1.y * sl);
-        }
+        for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) qf[kk][e] = pack_bf16(qv[kk][e].x * sl, qv[kk][e].y * sl);
     }
     float o[D / 8][4];
 #pragma unroll
@@ -1312,15 +1324,9 @@ __device__ __forceinline__ void attn_tile_bf16(const AttnArgs& a) {
     const int lm = lane >> 3;
     const int lr = lane & 7;
 
-    for (int j = 0; j < ntiles; ++j) {
-        const int kt = kmin + j * TILE_N;
-        // Tile j's copies have landed (each thread waits for its own, the barrier for everyone's;
-        // pool tiles were stored before it); everyone is done with tile j - 1's stage.
-        cp_async_wait<1>();
-        __syncthreads();
-        load_tile(j + 2);
-
-        const u16* kb = bf + (j % TC_STAGES) * STAGE;
+    // S = Q K^T, online softmax and O += P V for the bf16 key tile at kb (V rows after K's),
+    // keys kt .. kt + 63.
+    auto attend = [&](const u16* kb, int kt) {
         const u16* vb = kb + TILE_N * BS;
         float s[TILE_N / 8][4];
 #pragma unroll
@@ -1399,6 +1405,33 @@ __device__ __forceinline__ void attn_tile_bf16(const AttnArgs& a) {
                 mma_bf16(o[2 * dp + 1], pf, b[2], b[3]);
             }
         }
+    };
+
+    // Pool phase: tile j + 1's f32 rows load while tile j computes; two barriers per tile
+    // (rounding reads everyone's rows, and rewrites the stage the previous tile computed from).
+    for (int j = 0; j < npool; ++j) {
+        cp_async_wait<0>();
+        __syncthreads();  // tile j's f32 rows have landed; everyone is done with stage 2
+        pool_round();
+        __syncthreads();  // stage 2 holds tile j; stages 0 and 1 are free
+        if (j + 1 < npool) {
+            pool_fetch(kmin + (j + 1) * TILE_N);
+        } else {
+            // The copy phase's first two tiles load into stages 0 and 1 meanwhile.
+            load_copy(0);
+            load_copy(1);
+        }
+        attend(bf + 2 * STAGE, kmin + j * TILE_N);
+    }
+    if (npool > 0) __syncthreads();  // everyone is done with stage 2 before the ring reuses it
+
+    // Copy phase, one barrier per tile: [wait for tile i's copies; barrier; start tile i + 2
+    // into the stage tile i - 1 left; compute tile i].
+    for (int i = 0; npool + i < ntiles; ++i) {
+        cp_async_wait<1>();
+        __syncthreads();
+        load_copy(i + 2);
+        attend(bf + (i % TC_STAGES) * STAGE, kmin + (npool + i) * TILE_N);
     }
     cp_async_wait<0>();  // no copy may land in shared memory after the block exits
 
