@@ -1229,8 +1229,11 @@ __device__ __forceinline__ void attn_tile_bf16(const AttnArgs& a) {
         kloc = s_kloc;
     }
     const int c = a.positions[t0] - t0;  // key p of the checked run is batch row p - c
-    // Tiles 0 .. npool - 1 start before the copy's first key: they come from the pool.
-    const int npool = kloc <= kmin ? 0 : min(ntiles, (kloc - kmin + TILE_N - 1) / TILE_N);
+    // Tiles 0 .. npool - 1 start before the copy's first key: they come from the pool (all of
+    // them without a copy: kloc is then INT_MAX, compared, never offset).
+    const int npool = kloc <= kmin   ? 0
+                      : kloc >= kend ? ntiles
+                                     : min(ntiles, (kloc - kmin + TILE_N - 1) / TILE_N);
 
     // Stage `st` <- keys kt .. kt + 63 from the batch copy, by cp.async (rows past kend: zeros).
     auto copy_tile = [&](int st, int kt) {
