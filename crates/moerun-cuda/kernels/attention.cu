@@ -1095,14 +1095,16 @@ ATTN_TILE_F32(attn_tile_f32_c4, 4)
 // tokens at consecutive positions, the key at position p is batch row p - (positions[t0] - t0);
 // `batch_copy_start` checks, from the tile's first row back to its first key, which of those rows
 // really are this sequence at that position, so any layout stays exact. A key tile wholly at or
-// after that start is cp.async-copied straight into the bf16 stage; any other key tile (a cached
-// prefix: chunked prefill) is read from the f32 pool and rounded on the way into the stage, by
-// plain loads. Both give the same bf16 numbers (the pool holds the same f32 values), so the
-// output does not depend on which source a tile took.
+// after that start is cp.async-copied straight into the bf16 stage; the key tiles before it (a
+// cached prefix: chunked prefill; every tile without a copy) come from the f32 pool. Both give
+// the same bf16 numbers (the pool holds the same f32 values), so the output does not depend on
+// which source a tile took.
 //
-// Pipeline: three bf16 stages, one barrier per key tile j: [wait for tile j's copies; barrier;
-// start tile j + 2 into the stage tile j - 1 left; S, softmax and P V of tile j]. Blocks are 4
-// warps (64 query rows of one head) so two run on an SM (~104 KiB of shared memory each for
+// Pipeline, in two phases. Pool tiles first: tile j + 1's f32 K and V rows cp.async into stages 0
+// and 1 while tile j computes from stage 2, where it was rounded (two barriers per tile). Then
+// the copy tiles, three bf16 stages, one barrier per key tile i: [wait for tile i's copies;
+// barrier; start tile i + 2 into the stage tile i - 1 left; S, softmax and P V of tile i]. Blocks
+// are 4 warps (64 query rows of one head) so two run on an SM (~104 KiB of shared memory each for
 // D = 128): one block's softmax and loads overlap the other's tensor-core work.
 
 #define TC_WARPS 4

@@ -18,8 +18,9 @@
 //!   come, already bf16, from a [`BatchKvBf16`] copy when the caller passes one
 //!   ([`CudaDevice::paged_attention_batch_copy`]; the q/k/v prologue or
 //!   [`CudaDevice::kv_write_with_copy`] fill it), by `cp.async`; keys of earlier positions (a
-//!   cached prefix) are read from the f32 pool and rounded on the way in. The two give the same
-//!   bf16 values, so the output is bitwise the same with or without the copy.
+//!   cached prefix) are read from the f32 pool (cp.async a tile ahead) and rounded in shared
+//!   memory. The two give the same bf16 values, so the output is bitwise the same with or
+//!   without the copy.
 //! - every other token (decode, short chunks, the tails of prefills, tiles mixing sequences) goes
 //!   to split-K flash-decoding in exact f32: grid (n, splits, kv_heads * head_chunks), block 128;
 //!   a block reads each K/V row of its split once for all (up to 8) query heads of its kv head.
