@@ -12,7 +12,8 @@
 // the all-masked case (max = -inf) so that no -inf - -inf ever makes a NaN.
 //
 // Kernels (all take one AttnArgs by value; launch shapes are repeated in ops/attention.rs):
-// - kv_write_f32: grid (n), block 128; copies token i's K and V rows into its slot.
+// - kv_write_f32: grid (n), block 128; copies token i's K and V rows into its slot (and, given a
+//   batch copy, rounded to bf16 into its row there).
 // - attn_split_d<D>_g<G>: split-K flash-decoding, exact f32. Grid (n, nsplit, kv_heads *
 //   head_chunks), block 128 (dynamic shared memory below). A block owns one token,
 //   one kv head, up to G of its query heads (head chunk), and one split of the token's keys, so
@@ -34,10 +35,11 @@
 //   tiles of 64 rows (K/V by cp.async), P. Each thread owns 4 query rows x 4 keys of S and
 //   4 rows x C float4 columns of O.
 // - attn_tile_bf16_d<D>: tensor cores (mma.sync m16n8k16, bf16 operands, f32 accumulation),
-//   tiles of 128 tokens. Grid (n / 128, num_heads), block 256 (one warp per 16 query rows),
-//   dynamic shared: 2 stages x 64 keys x (D + 8 + D + 4) f32 (cp.async: tile j + 2 loads while
-//   tile j computes), then 2 buffers of the tiles rounded once to bf16, K and V row-major
-//   [64][D + 8] each (tile j + 1 is rounded while tile j computes), which ldmatrix(.trans) reads.
+//   tiles of 64 tokens. Grid (n / 64, num_heads), block 128 (one warp per 16 query rows), two
+//   blocks per SM; dynamic shared: 3 stages of the bf16 K and V tiles, [64][D + 8] each, which
+//   ldmatrix(.trans) reads. Key tiles of the batch's own positions are cp.async-copied from the
+//   batch copy (AttnArgs.copy_k/v); the others are read from the f32 pool and rounded (see the
+//   section below).
 //
 // Which kernel owns a token (the tile rule, `tile_owned`): when the host launches a tiled kernel
 // (n >= tile_m, AttnArgs.tiled), a tile of tile_m consecutive tokens that lies wholly inside the
@@ -64,6 +66,10 @@ struct AttnArgs {
     float* part_ml;
     // Per (token, kv head x head chunk): how many of its split blocks have written their partials.
     u32* arrivals;
+    // The batch's own K and V rounded to bf16, [n][kv_heads][head_dim] each (attn_tile_bf16 only;
+    // null: every key tile comes from the pool).
+    const u16* copy_k;
+    const u16* copy_v;
     int n;
     int num_heads;
     int kv_heads;
@@ -152,13 +158,23 @@ __host__ __device__ constexpr int ilog2(int v) { return v <= 1 ? 0 : 1 + ilog2(v
 
 // ---- kv_write ----
 
+// With copy_k non-null, also writes row i rounded to bf16 into the batch copy (whatever the
+// pool's table says: the copy is indexed by batch row).
 extern "C" __global__ void __launch_bounds__(128)
     kv_write_f32(const float* __restrict__ k, const float* __restrict__ v,
                  const int* __restrict__ positions, const int* __restrict__ table_start,
                  const int* __restrict__ block_tables, int tables_len, float* __restrict__ pool_k,
-                 float* __restrict__ pool_v, int n, int width, int block_size, int blocks) {
+                 float* __restrict__ pool_v, int n, int width, int block_size, int blocks,
+                 u16* __restrict__ copy_k, u16* __restrict__ copy_v) {
     const int i = blockIdx.x;
     if (i >= n) return;
+    if (copy_k) {
+        const u64 src = (u64)i * width;
+        for (int e = threadIdx.x; e < width; e += blockDim.x) {
+            copy_k[src + e] = f32_to_bf16(k[src + e]);
+            copy_v[src + e] = f32_to_bf16(v[src + e]);
+        }
+    }
     const int pos = positions[i];
     if (pos < 0) return;
     const int ti = table_start[i] + pos / block_size;
@@ -1060,14 +1076,28 @@ ATTN_TILE_F32(attn_tile_f32_c4, 4)
 // dim g)). Both bf16 tiles are row-major with a row stride of D + 8 (272 bytes for D = 128): the 8
 // rows one 8x8 load touches start 4 banks apart, so it is conflict-free.
 //
-// Pipeline, one barrier per key tile j: [wait for tile j + 1's f32 rows; barrier; start tile
-// j + 2's cp.async into the f32 stage tile j left; round tile j + 1 to bf16 into the other bf16
-// buffer; S, softmax and P V of tile j]. Warps that finish rounding go on to their mma while the
-// others still round, and the loads have a whole tile's compute to land.
+// Where a key tile comes from: the batch's own K/V, rounded to bf16 by whoever wrote them into the
+// pool (the q/k/v prologue or kv_write), sit in the *batch copy* (AttnArgs.copy_k/copy_v, rows
+// [n][kv_heads][D] bf16, null when the caller has none). Within one sequence's run of consecutive
+// tokens at consecutive positions, the key at position p is batch row p - (positions[t0] - t0);
+// `batch_copy_start` checks, from the tile's first row back to its first key, which of those rows
+// really are this sequence at that position, so any layout stays exact. A key tile wholly at or
+// after that start is cp.async-copied straight into the bf16 stage; the key tiles before it (a
+// cached prefix: chunked prefill; every tile without a copy) come from the f32 pool. Both give
+// the same bf16 numbers (the pool holds the same f32 values), so the output does not depend on
+// which source a tile took.
+//
+// Pipeline, in two phases. Pool tiles first: tile j + 1's f32 K and V rows cp.async into stages 0
+// and 1 while tile j computes from stage 2, where it was rounded (two barriers per tile). Then
+// the copy tiles, three bf16 stages, one barrier per key tile i: [wait for tile i's copies;
+// barrier; start tile i + 2 into the stage tile i - 1 left; S, softmax and P V of tile i]. Blocks
+// are 4 warps (64 query rows of one head) so two run on an SM (~104 KiB of shared memory each for
+// D = 128): one block's softmax and loads overlap the other's tensor-core work.
 
-#define TC_WARPS 8
+#define TC_WARPS 4
 #define TC_THREADS (32 * TC_WARPS)
 #define TC_M (16 * TC_WARPS)
+#define TC_STAGES 3
 
 // Two f32 as a bf16x2 register, `lo` in the low half (the lower column of a fragment).
 __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
@@ -1077,8 +1107,8 @@ __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
 }
 
 __device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+    // Not volatile: a pure register operation the compiler may schedule freely.
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
         "{%8, %9}, {%0, %1, %2, %3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
@@ -1098,76 +1128,166 @@ __device__ __forceinline__ void ldmatrix4_trans(u32 (&r)[4], const u16* p) {
                  : "r"(s));
 }
 
+// The first key position of tile t0 that the batch copy serves, into *s_kloc (INT_MAX: none).
+// Every token from the one that would hold key kmin up to the tile's last row must belong to the
+// tile's sequence at position t + c (c = positions[t0] - t0); the copy serves the keys after the
+// last token before t0 that does not, and nothing when a row of the tile itself does not. The
+// scan reads positions and table_start as int4 (16-byte aligned buffers, checked by the host):
+// all of a thread's loads are in flight at once. Every thread must call it (block barriers).
+__device__ __forceinline__ void batch_copy_start(const AttnArgs& a, int t0, int kmin, int* s_kloc,
+                                                 int* s_bad) {
+    const int c = a.positions[t0] - t0;
+    const int ts = a.table_start[t0];
+    // Tokens before max(0, kmin - c) cannot hold a visible key of this sequence's run.
+    const int lo = max(0, kmin - c);
+    const int hi = t0 + TC_M;  // a multiple of 4: t0 is a multiple of TC_M
+    if (threadIdx.x == 0) *s_bad = lo - 1;
+    __syncthreads();
+    int bad_lo = lo - 1, bad_hi = 0;
+    const int4* p4 = reinterpret_cast<const int4*>(a.positions);
+    const int4* s4 = reinterpret_cast<const int4*>(a.table_start);
+#pragma unroll 8
+    for (int q = (lo >> 2) + threadIdx.x; q < (hi >> 2); q += TC_THREADS) {
+        const int4 p = p4[q];
+        const int4 s = s4[q];
+        const int pv[4] = {p.x, p.y, p.z, p.w};
+        const int sv[4] = {s.x, s.y, s.z, s.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int t = 4 * q + e;
+            const bool bad = t >= lo && (sv[e] != ts || pv[e] != t + c);
+            if (bad && t < t0) bad_lo = max(bad_lo, t);
+            if (bad && t >= t0) bad_hi = 1;
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) bad_lo = max(bad_lo, __shfl_xor_sync(0xffffffffu, bad_lo, o));
+    if ((threadIdx.x & 31) == 0) atomicMax(s_bad, bad_lo);
+    const bool tile_bad = __syncthreads_or(bad_hi) != 0;  // also orders the atomics before the read
+    if (threadIdx.x == 0) *s_kloc = tile_bad ? 0x7fffffff : *s_bad + 1 + c;
+    __syncthreads();
+}
+
 template <int D>
 __device__ __forceinline__ void attn_tile_bf16(const AttnArgs& a) {
-    constexpr int KS = D + 8;       // f32 K row stride
-    constexpr int VS = D + 4;       // f32 V row stride
-    constexpr int STAGE = TILE_N * (KS + VS);
-    constexpr int CH = D / 4;       // 16-byte chunks of an f32 row
-    constexpr int BS = D + 8;       // bf16 row stride of K and V
-    constexpr int BTILE = 2 * TILE_N * BS;  // one bf16 buffer: K rows, then V rows
+    constexpr int BS = D + 8;               // bf16 row stride of K and V
+    constexpr int STAGE = 2 * TILE_N * BS;  // one stage: K rows, then V rows (u16)
+    constexpr int FS = D + 4;               // f32 row stride of a pool tile's K or V in a stage
+    constexpr int CH8 = D / 8;              // 16-byte chunks of a bf16 row
+    constexpr int CH4 = D / 4;              // 16-byte chunks of an f32 row
+    static_assert(TILE_N * FS * 4 <= STAGE * 2, "an f32 K (or V) tile fits one stage");
     extern __shared__ float4 tc_smem4[];
-    float* smem = reinterpret_cast<float*>(tc_smem4);
-    u16* bf = reinterpret_cast<u16*>(smem + 2 * STAGE);
-    __shared__ int s_kmin, s_kend;
+    u16* bf = reinterpret_cast<u16*>(tc_smem4);
+    __shared__ int s_kmin, s_kend, s_kloc, s_bad;
     // Later tiles see more keys: launch them first so the grid does not end on a long one.
     const int t0 = (gridDim.x - 1 - blockIdx.x) * TC_M;
     const int h = blockIdx.y;
-    if (!tile_owned(a, t0)) return;
     const int H = a.num_heads;
-    const int kh = h / a.group;
-    const int ts = a.table_start[t0];
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
     const int g = lane >> 2;
     const int t = lane & 3;
+    const int ra = warp * 16 + g;  // this thread's two rows of the tile
+    const int rb = ra + 8;
+
+    // This thread's q values, loaded first: their latency overlaps the block's set-up below
+    // (the tile is inside the batch whether or not this kernel owns it).
+    float2 qv[D / 16][4];
+    if (t0 + TC_M <= a.n) {
+        const float* qa = a.q + ((u64)(t0 + ra) * H + h) * D;
+        const float* qb = a.q + ((u64)(t0 + rb) * H + h) * D;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const int cc = kk * 16 + 2 * t;
+            qv[kk][0] = *reinterpret_cast<const float2*>(qa + cc);
+            qv[kk][1] = *reinterpret_cast<const float2*>(qb + cc);
+            qv[kk][2] = *reinterpret_cast<const float2*>(qa + cc + 8);
+            qv[kk][3] = *reinterpret_cast<const float2*>(qb + cc + 8);
+        }
+    }
+    if (!tile_owned(a, t0)) return;
+    const int kh = h / a.group;
+    const int ts = a.table_start[t0];
     tile_key_range(a, t0, &s_kmin, &s_kend);
     const int kmin = s_kmin, kend = s_kend;
     const int ntiles = kmin < kend ? (kend - kmin + TILE_N - 1) / TILE_N : 0;
+    int kloc = 0x7fffffff;
+    if (a.copy_k) {
+        batch_copy_start(a, t0, kmin, &s_kloc, &s_bad);
+        kloc = s_kloc;
+    }
+    const int c = a.positions[t0] - t0;  // key p of the checked run is batch row p - c
+    // Tiles 0 .. npool - 1 start before the copy's first key: they come from the pool (all of
+    // them without a copy: kloc is then INT_MAX, compared, never offset).
+    const int npool = kloc <= kmin   ? 0
+                      : kloc >= kend ? ntiles
+                                     : min(ntiles, (kloc - kmin + TILE_N - 1) / TILE_N);
 
-    // Stage `st` <- keys kt .. kt + 63 (rows past kend or out of range are zeros).
-    auto load_tile = [&](int st, int kt) {
-        float* ks = smem + st * STAGE;
-        float* vs = ks + TILE_N * KS;
+    // Stage `st` <- keys kt .. kt + 63 from the batch copy, by cp.async (rows past kend: zeros).
+    auto copy_tile = [&](int st, int kt) {
+        u16* kb = bf + st * STAGE;
+        u16* vb = kb + TILE_N * BS;
 #pragma unroll
-        for (int it = 0; it < TILE_N * CH / TC_THREADS; ++it) {
+        for (int it = 0; it < TILE_N * CH8 / TC_THREADS; ++it) {
             const int idx = tid + it * TC_THREADS;
-            const int r = idx / CH;
-            const int c = idx - r * CH;
+            const int r = idx / CH8;
+            const int ch = idx - r * CH8;
+            const int kp = kt + r;
+            const bool ok = kp < kend;
+            const u64 off = ok ? ((u64)(kp - c) * a.kv_heads + kh) * D + 8 * ch : 0;
+            cp_async16(kb + r * BS + 8 * ch, a.copy_k + off, ok ? 16 : 0);
+            cp_async16(vb + r * BS + 8 * ch, a.copy_v + off, ok ? 16 : 0);
+        }
+    };
+    // Pool tiles: the f32 K rows of keys kt .. kt + 63 into stage 0 and the V rows into stage 1
+    // by cp.async (rows past kend or out of range: zeros), then `pool_round` rounds both into
+    // stage 2 as bf16.
+    float* const kf = reinterpret_cast<float*>(bf);
+    float* const vf = reinterpret_cast<float*>(bf + STAGE);
+    auto pool_fetch = [&](int kt) {
+#pragma unroll 4
+        for (int it = 0; it < TILE_N * CH4 / TC_THREADS; ++it) {
+            const int idx = tid + it * TC_THREADS;
+            const int r = idx / CH4;
+            const int ch = idx - r * CH4;
             const int kp = kt + r;
             const long long off = kp < kend ? kv_offset(a, ts, kp, kh) : -1;
             const bool ok = off >= 0;
-            cp_async16(ks + r * KS + 4 * c, ok ? a.pool_k + off + 4 * c : a.pool_k, ok ? 16 : 0);
-            cp_async16(vs + r * VS + 4 * c, ok ? a.pool_v + off + 4 * c : a.pool_v, ok ? 16 : 0);
+            cp_async16(kf + r * FS + 4 * ch, ok ? a.pool_k + off + 4 * ch : a.pool_k, ok ? 16 : 0);
+            cp_async16(vf + r * FS + 4 * ch, ok ? a.pool_v + off + 4 * ch : a.pool_v, ok ? 16 : 0);
         }
         cp_async_commit();
     };
-    // bf16 buffer `b` <- f32 stage `st`, K and V row-major (a float4 per thread and step: warps
-    // read whole f32 rows and write whole bf16 rows, conflict-free).
-    auto round_tile = [&](int st, int b) {
-        const float* ks = smem + st * STAGE;
-        const float* vs = ks + TILE_N * KS;
-        u16* kb = bf + b * BTILE;
+    auto pool_round = [&]() {
+        u16* kb = bf + 2 * STAGE;
         u16* vb = kb + TILE_N * BS;
 #pragma unroll
-        for (int it = 0; it < TILE_N * CH / TC_THREADS; ++it) {
+        for (int it = 0; it < TILE_N * CH4 / TC_THREADS; ++it) {
             const int idx = tid + it * TC_THREADS;
-            const int r = idx / CH;
-            const int c = idx - r * CH;
-            const float4 x = ld4(ks + r * KS + 4 * c);
-            const float4 y = ld4(vs + r * VS + 4 * c);
-            *reinterpret_cast<uint2*>(kb + r * BS + 4 * c) =
+            const int r = idx / CH4;
+            const int ch = idx - r * CH4;
+            const float4 x = ld4(kf + r * FS + 4 * ch);
+            const float4 y = ld4(vf + r * FS + 4 * ch);
+            *reinterpret_cast<uint2*>(kb + r * BS + 4 * ch) =
                 make_uint2(pack_bf16(x.x, x.y), pack_bf16(x.z, x.w));
-            *reinterpret_cast<uint2*>(vb + r * BS + 4 * c) =
+            *reinterpret_cast<uint2*>(vb + r * BS + 4 * ch) =
                 make_uint2(pack_bf16(y.x, y.y), pack_bf16(y.z, y.w));
         }
     };
-    if (ntiles > 0) load_tile(0, kmin);
-    if (ntiles > 1) load_tile(1, kmin + TILE_N);
+    // Copy tile i (tile npool + i) into stage i % TC_STAGES; always one commit group, so the
+    // waits count tiles.
+    auto load_copy = [&](int i) {
+        if (npool + i < ntiles) copy_tile(i % TC_STAGES, kmin + (npool + i) * TILE_N);
+        cp_async_commit();
+    };
+    if (npool > 0) {
+        pool_fetch(kmin);
+    } else {
+        load_copy(0);
+        load_copy(1);
+    }
 
-    const int ra = warp * 16 + g;  // this thread's two rows of the tile
-    const int rb = ra + 8;
     const int pa = a.positions[t0 + ra], pb = a.positions[t0 + rb];
     const int loa = window_lo(a, pa), lob = window_lo(a, pb);
     // A key tile every row of this warp sees whole needs no mask (all but the diagonal tiles
@@ -1181,17 +1301,11 @@ __device__ __forceinline__ void attn_tile_bf16(const AttnArgs& a) {
 
     u32 qf[D / 16][4];
     {
-        const float* qa = a.q + ((u64)(t0 + ra) * H + h) * D;
-        const float* qb = a.q + ((u64)(t0 + rb) * H + h) * D;
         const float sl = a.scale_log2;
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            const int c = kk * 16 + 2 * t;
-            qf[kk][0] = pack_bf16(qa[c] * sl, qa[c + 1] * sl);
-            qf[kk][1] = pack_bf16(qb[c] * sl, qb[c + 1] * sl);
-            qf[kk][2] = pack_bf16(qa[c + 8] * sl, qa[c + 9] * sl);
-            qf[kk][3] = pack_bf16(qb[c + 8] * sl, qb[c + 9] * sl);
-        }
+        for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) qf[kk][e] = pack_bf16(qv[kk][e].x * sl, qv[kk][e].y * sl);
     }
     float o[D / 8][4];
 #pragma unroll
@@ -1201,24 +1315,10 @@ __device__ __forceinline__ void attn_tile_bf16(const AttnArgs& a) {
     // This lane's row of the 8x8 blocks it addresses for ldmatrix: block lane / 8, row lane % 8.
     const int lm = lane >> 3;
     const int lr = lane & 7;
-    if (ntiles > 1) {
-        cp_async_wait<1>();
-    } else {
-        cp_async_wait<0>();
-    }
-    __syncthreads();
-    if (ntiles > 0) round_tile(0, 0);
 
-    for (int j = 0; j < ntiles; ++j) {
-        const int kt = kmin + j * TILE_N;
-        // Tile j + 1's rows have landed (each thread waits for its own copies, the barrier for
-        // everyone's); tile j is rounded, tile j - 1's buffer and tile j's stage are free.
-        cp_async_wait<0>();
-        __syncthreads();
-        if (j + 2 < ntiles) load_tile(j & 1, kt + 2 * TILE_N);
-        if (j + 1 < ntiles) round_tile((j + 1) & 1, (j + 1) & 1);
-
-        const u16* kb = bf + (j & 1) * BTILE;
+    // S = Q K^T, online softmax and O += P V for the bf16 key tile at kb (V rows after K's),
+    // keys kt .. kt + 63.
+    auto attend = [&](const u16* kb, int kt) {
         const u16* vb = kb + TILE_N * BS;
         float s[TILE_N / 8][4];
 #pragma unroll
@@ -1259,12 +1359,16 @@ __device__ __forceinline__ void attn_tile_bf16(const AttnArgs& a) {
         const float ca = exp2f(ma - refa), cb = exp2f(mb - refb);
         la *= ca;
         lb *= cb;
+        // Past the first tiles a row's max rarely moves: then every factor is exactly 1 and the
+        // warp skips the rescale (the same bits as multiplying by 1).
+        if (__any_sync(0xffffffffu, ca != 1.0f || cb != 1.0f)) {
 #pragma unroll
-        for (int dt = 0; dt < D / 8; ++dt) {
-            o[dt][0] *= ca;
-            o[dt][1] *= ca;
-            o[dt][2] *= cb;
-            o[dt][3] *= cb;
+            for (int dt = 0; dt < D / 8; ++dt) {
+                o[dt][0] *= ca;
+                o[dt][1] *= ca;
+                o[dt][2] *= cb;
+                o[dt][3] *= cb;
+            }
         }
         ma = mxa;
         mb = mxb;
@@ -1293,7 +1397,35 @@ __device__ __forceinline__ void attn_tile_bf16(const AttnArgs& a) {
                 mma_bf16(o[2 * dp + 1], pf, b[2], b[3]);
             }
         }
+    };
+
+    // Pool phase: tile j + 1's f32 rows load while tile j computes; two barriers per tile
+    // (rounding reads everyone's rows, and rewrites the stage the previous tile computed from).
+    for (int j = 0; j < npool; ++j) {
+        cp_async_wait<0>();
+        __syncthreads();  // tile j's f32 rows have landed; everyone is done with stage 2
+        pool_round();
+        __syncthreads();  // stage 2 holds tile j; stages 0 and 1 are free
+        if (j + 1 < npool) {
+            pool_fetch(kmin + (j + 1) * TILE_N);
+        } else {
+            // The copy phase's first two tiles load into stages 0 and 1 meanwhile.
+            load_copy(0);
+            load_copy(1);
+        }
+        attend(bf + 2 * STAGE, kmin + j * TILE_N);
     }
+    if (npool > 0) __syncthreads();  // everyone is done with stage 2 before the ring reuses it
+
+    // Copy phase, one barrier per tile: [wait for tile i's copies; barrier; start tile i + 2
+    // into the stage tile i - 1 left; compute tile i].
+    for (int i = 0; npool + i < ntiles; ++i) {
+        cp_async_wait<1>();
+        __syncthreads();
+        load_copy(i + 2);
+        attend(bf + (i % TC_STAGES) * STAGE, kmin + (npool + i) * TILE_N);
+    }
+    cp_async_wait<0>();  // no copy may land in shared memory after the block exits
 
     la += __shfl_xor_sync(0xffffffffu, la, 1);
     la += __shfl_xor_sync(0xffffffffu, la, 2);
@@ -1305,14 +1437,15 @@ __device__ __forceinline__ void attn_tile_bf16(const AttnArgs& a) {
     float* ob = a.out + ((u64)(t0 + rb) * H + h) * D;
 #pragma unroll
     for (int dt = 0; dt < D / 8; ++dt) {
-        const int c = dt * 8 + 2 * t;
-        *reinterpret_cast<float2*>(oa + c) = make_float2(o[dt][0] * ia, o[dt][1] * ia);
-        *reinterpret_cast<float2*>(ob + c) = make_float2(o[dt][2] * ib, o[dt][3] * ib);
+        const int cc = dt * 8 + 2 * t;
+        *reinterpret_cast<float2*>(oa + cc) = make_float2(o[dt][0] * ia, o[dt][1] * ia);
+        *reinterpret_cast<float2*>(ob + cc) = make_float2(o[dt][2] * ib, o[dt][3] * ib);
     }
 }
 
+// Two blocks per SM: 128 threads x 2 leaves each thread up to 255 registers.
 #define ATTN_TILE_BF16(NAME, D)                                                                  \
-    extern "C" __global__ void __launch_bounds__(TC_THREADS, 1) NAME(const AttnArgs a) {        \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS, 2) NAME(const AttnArgs a) {        \
         attn_tile_bf16<D>(a);                                                                    \
     }
 

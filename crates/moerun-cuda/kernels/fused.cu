@@ -15,7 +15,9 @@
 //   RMSNorm each v head without a weight (Gemma 4's v_norm); with a gate buffer, each q head's
 //   projection is its query then its output gate (Qwen3.5's doubled q_proj), the gate copied out. Given a KV pool
 //   (KvDest.pool_k non-null), the k and v heads also go straight into the token's slot there,
-//   as kv_write_f32 would put them (skipped for a position whose block is out of range).
+//   as kv_write_f32 would put them (skipped for a position whose block is out of range). Given a
+//   batch copy (KvDest.copy_k non-null), the k and v heads also go, rounded to bf16, into the
+//   token's row there: what the tensor-core prefill kernel reads for the batch's own keys.
 //   Launch: grid (tokens, ceil((heads_q + 2 * heads_kv) / 4)), block (32, 4): one warp per head
 //   (head_dim <= 256), four heads per block.
 
@@ -104,6 +106,10 @@ struct KvDest {
     int tables_len;
     int block_size;
     int blocks;
+    // The batch copy of K and V for tensor-core prefill attention ([tokens][heads_kv][head_dim]
+    // bf16; null: none), written whether or not the pool is.
+    u16* copy_k;
+    u16* copy_v;
 };
 
 extern "C" __global__ void qkv_split_norm_rope_f32(
@@ -174,6 +180,13 @@ extern "C" __global__ void qkv_split_norm_rope_f32(
         __syncwarp();
     }
     for (int i = lane; i < head_dim; i += 32) dst[i] = hd[i];
+    if (kv.copy_k && h >= heads_q) {
+        // The same f32 values the pool gets, rounded as the tensor-core kernel rounds the pool.
+        const bool is_k = h < heads_q + heads_kv;
+        const int kvh = is_k ? h - heads_q : h - heads_q - heads_kv;
+        u16* row = (is_k ? kv.copy_k : kv.copy_v) + ((u64)t * heads_kv + kvh) * head_dim;
+        for (int i = lane; i < head_dim; i += 32) row[i] = f32_to_bf16(hd[i]);
+    }
     if (kv.pool_k && h >= heads_q) {
         const int pos = (int)positions[t];
         const int ti = kv.table_start[t] + pos / kv.block_size;

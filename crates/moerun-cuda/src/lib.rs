@@ -27,7 +27,9 @@ pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrM
 pub use device::{CudaDevice, DeviceInfo, DeviceMatrix};
 pub use error::{CudaError, Result};
 pub use graph::DeviceGraph;
-pub use ops::{AttentionPrefill, AttentionScratch, AttentionShape, DeviceKvPool, TokenPlacement};
+pub use ops::{
+    AttentionPrefill, AttentionScratch, AttentionShape, BatchKvBf16, DeviceKvPool, TokenPlacement,
+};
 pub use ops::{DecodePass, DeviceExperts, ExpertActivation, MoePath, MoeScratch};
 pub use ops::{DeltaSeqs, DeltaShape};
 pub use ops::{DeviceRope, GemmOut, GemvLayout, QkvShape, RouterShape, FUSED_MAX_HEAD_DIM};

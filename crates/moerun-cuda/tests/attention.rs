@@ -7,7 +7,9 @@
 //! decode, combine, f32 tiles) 1e-5 — both sides are f32, only the summation order, exp2 vs exp
 //! and the scale folded into q separate them (measured <= 1.3e-6). The tensor-core path 1e-2: q,
 //! k, v and the softmax weights are rounded to bf16 (relative 2^-9 each; measured <= 2.3e-3).
-//! Outputs start as NaN, so an element no kernel wrote fails.
+//! Outputs start as NaN, so an element no kernel wrote fails. The tensor-core path reading the
+//! batch's own K/V from a bf16 batch copy must equal the same kernel reading them from the f32
+//! pool bit for bit (both round the same f32 values to bf16).
 //! Without a GPU every test prints "skipped: CUDA is unavailable: <reason>" and passes.
 
 mod common;
@@ -17,7 +19,7 @@ use moerun_cpu::attention::{
     paged_attention as cpu_attention, AttentionShape as CpuShape, KvPool, TokenSlot,
 };
 use moerun_cuda::{
-    AttentionPrefill, AttentionScratch, AttentionShape, CudaDevice, CudaError, CudaSlice,
+    AttentionPrefill, AttentionScratch, AttentionShape, CudaDevice, CudaError, CudaSlice, QkvShape,
     TokenPlacement,
 };
 use rand::rngs::StdRng;
@@ -45,6 +47,13 @@ struct Case<'a> {
     /// The host's bound on the context, if not the true one (an underestimate must still be
     /// exact).
     max_context: Option<usize>,
+    /// Also write the batch's K/V into a bf16 batch copy and run the tensor-core kernel from it;
+    /// its output must equal the pool-only run's bit for bit (the error reported is the copy
+    /// run's).
+    batch_copy: bool,
+    /// Batch rows in this order of the grouped (or interleaved) list: `order[i]` is the index
+    /// there of row i.
+    order: Option<Vec<usize>>,
 }
 
 impl Case<'_> {
@@ -61,6 +70,8 @@ impl Case<'_> {
             prefill: AttentionPrefill::ExactF32,
             q_range: 1.0,
             max_context: None,
+            batch_copy: false,
+            order: None,
         }
     }
 }
@@ -136,12 +147,24 @@ fn run_case(dev: &CudaDevice, r: &mut StdRng, case: &Case) -> f64 {
             batch.extend((0..new).map(|j| (s, cached + j)));
         }
     }
+    if let Some(order) = &case.order {
+        assert_eq!(
+            order.len(),
+            batch.len(),
+            "{}: order is a permutation",
+            case.name
+        );
+        batch = order.iter().map(|&i| batch[i]).collect();
+    }
     let n = batch.len();
+    let mut copy = case
+        .batch_copy
+        .then(|| dev.batch_kv_bf16(n.max(1), kvh, d).unwrap());
 
     let mut cpu_pool = KvPool::new(blocks, bs, kvh, d);
     let mut gpu_pool = dev.kv_pool(blocks, bs, kvh, d).unwrap();
     let tables_d = dev.upload(&tables).unwrap();
-    for tokens in [&history, &batch] {
+    for (tokens, own) in [(&history, false), (&batch, true)] {
         if tokens.is_empty() {
             continue;
         }
@@ -161,7 +184,9 @@ fn run_case(dev: &CudaDevice, r: &mut StdRng, case: &Case) -> f64 {
             max_context: 1,
         };
         let (kd, vd) = (dev.upload(&k).unwrap(), dev.upload(&v).unwrap());
-        dev.kv_write(&mut gpu_pool, &kd, &vd, &at).unwrap();
+        let copy = if own { copy.as_mut() } else { None };
+        dev.kv_write_with_copy(&mut gpu_pool, &kd, &vd, &at, copy)
+            .unwrap();
     }
 
     let q = uniform(r, n * h * d, -case.q_range, case.q_range);
@@ -216,7 +241,27 @@ fn run_case(dev: &CudaDevice, r: &mut StdRng, case: &Case) -> f64 {
         &mut scratch,
     )
     .unwrap();
-    let got = dev.download(&out).unwrap();
+    let mut got = dev.download(&out).unwrap();
+    if let Some(copy) = &copy {
+        let mut out = dev.upload(&poison(n * h * d)).unwrap();
+        dev.paged_attention_batch_copy(&qd, &gpu_pool, copy, &at, &shape, &mut out, &mut scratch)
+            .unwrap();
+        let from_copy = dev.download(&out).unwrap();
+        let differ = from_copy
+            .iter()
+            .zip(&got)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        check(
+            &format!(
+                "attention {} batch copy vs pool (elements differing)",
+                case.name
+            ),
+            differ as f64,
+            0.0,
+        );
+        got = from_copy;
+    }
     let want: Vec<f64> = want.iter().map(|&x| x as f64).collect();
     rel_err(&got, &want)
 }
@@ -509,6 +554,161 @@ fn tensor_core_prefill_is_within_bf16_rounding_of_cpu() {
         case.q_range = 2.0;
         run_and_check(dev, &mut r, &case);
     }
+}
+
+/// (heads, kv heads, head_dim), sequences, window, batch row order.
+type CopyCase<'a> = (
+    (usize, usize, usize),
+    &'a [(usize, usize)],
+    Option<usize>,
+    Option<Vec<usize>>,
+);
+
+/// The tensor-core kernel reading the batch's own keys from a bf16 batch copy: a fresh prefill,
+/// chunked prefills whose cached prefix is or is not a whole number of key tiles (those keys
+/// still come from the pool), windows, several sequences with decode tokens between them, and
+/// batches whose rows are not one run of consecutive positions per sequence (a sequence's keys
+/// sit in rows after its tile, or another sequence's rows interrupt its run): the kernel checks
+/// which rows hold which key, so each is exact, and bitwise equal to the pool-only run.
+#[test]
+fn tensor_core_prefill_from_the_batch_copy_equals_the_pool_path_bitwise() {
+    let Some(dev) = device() else { return };
+    let mut r = rng("attention bf16 batch copy");
+    let fresh = [(0, 600)];
+    let cached_whole = [(1024, 300)];
+    let cached_odd = [(1500, 400)];
+    let mixed = [(300, 200), (10, 1), (0, 130), (2000, 1), (77, 64)];
+    let small = [(0, 64)];
+    let split_a = [(0, 128), (0, 64)];
+    let late_first: Vec<usize> = (64..192).chain(0..64).collect();
+    let a_b_a: Vec<usize> = (0..64).chain(128..192).chain(64..128).collect();
+    let cases: [CopyCase; 10] = [
+        ((32, 4, 128), &fresh[..], None, None),
+        ((8, 2, 128), &cached_whole[..], None, None),
+        ((8, 2, 128), &cached_odd[..], Some(700), None),
+        ((4, 1, 64), &cached_odd[..], None, None),
+        ((32, 4, 128), &mixed[..], None, None),
+        ((16, 2, 64), &mixed[..], Some(100), None),
+        ((4, 4, 64), &small[..], None, None),
+        ((4, 4, 64), &fresh[..], Some(250), None),
+        ((8, 1, 128), &[(0, 192)][..], None, Some(late_first)),
+        ((8, 2, 128), &split_a[..], None, Some(a_b_a)),
+    ];
+    for (shape, seqs, window, order) in cases {
+        let reordered = order.is_some();
+        let mut case = Case::new(
+            format!("bf16 copy {shape:?} {seqs:?} window {window:?} reordered {reordered}"),
+            shape,
+        );
+        case.seqs = seqs;
+        case.window = window;
+        case.order = order;
+        case.prefill = AttentionPrefill::TensorCoreBf16;
+        case.batch_copy = true;
+        case.q_range = 2.0;
+        run_and_check(dev, &mut r, &case);
+    }
+}
+
+/// The q/k/v prologue's batch copy holds exactly its k and v outputs rounded to bf16 (what the
+/// pool path rounds), with and without a pool to write.
+#[test]
+fn qkv_prologue_writes_the_batch_copy_as_its_k_and_v_rounded_to_bf16() {
+    let Some(dev) = device() else { return };
+    let mut r = rng("qkv prologue copy");
+    let (hq, hkv, d, tokens) = (8usize, 2usize, 128usize, 70usize);
+    let width = (hq + 2 * hkv) * d;
+    let qkv = dev
+        .upload(&uniform(&mut r, tokens * width, -2.0, 2.0))
+        .unwrap();
+    let positions: Vec<u32> = (0..tokens as u32).map(|p| p + 5).collect();
+    let pos_u32 = dev.upload(&positions).unwrap();
+    let inv_freq: Vec<f32> = (0..d / 2)
+        .map(|i| 10000f32.powf(-2.0 * i as f32 / d as f32))
+        .collect();
+    let rope = dev.upload_rope(&inv_freq, 1.0).unwrap();
+    let k_norm = dev.upload(&uniform(&mut r, d, 0.5, 1.5)).unwrap();
+    let shape = QkvShape {
+        heads_q: hq,
+        heads_kv: hkv,
+        head_dim: d,
+        eps: 1e-6,
+        v_unit_norm: false,
+    };
+    let blocks = tokens.div_ceil(16) + 6;
+    let mut pool = dev.kv_pool(blocks, 16, hkv, d).unwrap();
+    let pos_i32: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
+    let tables: Vec<i32> = (0..blocks as i32).rev().collect();
+    let (pos_d, st_d, tables_d) = placement_buffers(dev, &pos_i32, &vec![0; tokens], &tables);
+    let at = TokenPlacement {
+        positions: &pos_d,
+        table_start: &st_d,
+        block_tables: &tables_d,
+        max_context: tokens + 5,
+    };
+    for with_pool in [true, false] {
+        let mut q = dev.zeros::<f32>(tokens * hq * d).unwrap();
+        let mut k = dev.zeros::<f32>(tokens * hkv * d).unwrap();
+        let mut v = dev.zeros::<f32>(tokens * hkv * d).unwrap();
+        let mut copy = dev.batch_kv_bf16(tokens + 3, hkv, d).unwrap();
+        let kv = with_pool.then_some((&mut pool, &at));
+        dev.qkv_split_norm_rope_copy(
+            &qkv,
+            shape,
+            &pos_u32,
+            (None, Some(&k_norm)),
+            &rope,
+            (&mut q, &mut k, &mut v),
+            None,
+            kv,
+            Some(&mut copy),
+        )
+        .unwrap();
+        let rounded = |x: Vec<f32>| -> Vec<u16> {
+            x.iter()
+                .map(|&f| half::bf16::from_f32(f).to_bits())
+                .collect()
+        };
+        let (want_k, want_v) = (
+            rounded(dev.download(&k).unwrap()),
+            rounded(dev.download(&v).unwrap()),
+        );
+        let (got_k, got_v) = (
+            dev.download(copy.k()).unwrap(),
+            dev.download(copy.v()).unwrap(),
+        );
+        let n = tokens * hkv * d;
+        let differ = (0..n)
+            .filter(|&i| got_k[i] != want_k[i] || got_v[i] != want_v[i])
+            .count();
+        check(
+            &format!("qkv prologue batch copy, pool {with_pool} (elements differing)"),
+            differ as f64,
+            0.0,
+        );
+    }
+    // A copy too small for the batch is refused by name.
+    let mut small = dev.batch_kv_bf16(tokens - 1, hkv, d).unwrap();
+    let mut q = dev.zeros::<f32>(tokens * hq * d).unwrap();
+    let mut k = dev.zeros::<f32>(tokens * hkv * d).unwrap();
+    let mut v = dev.zeros::<f32>(tokens * hkv * d).unwrap();
+    let err = dev
+        .qkv_split_norm_rope_copy(
+            &qkv,
+            shape,
+            &pos_u32,
+            (None, None),
+            &rope,
+            (&mut q, &mut k, &mut v),
+            None,
+            None,
+            Some(&mut small),
+        )
+        .unwrap_err();
+    assert!(
+        matches!(err, CudaError::InvalidArgument(ref m) if m.contains("batch copy")),
+        "{err}"
+    );
 }
 
 #[test]

@@ -4,7 +4,11 @@
 //!   4 bytes x 2) over the time of one call; pools smaller than the L2 are cycled through copies
 //!   (separate blocks) adding up to >= 512 MiB, as for the GEMV rows;
 //! - prefill of one 4096-token sequence from position 0: TFLOP/s with causal FLOPs
-//!   4 · n²/2 · heads · head_dim, exact f32 tiles and bf16 tensor-core tiles.
+//!   4 · n²/2 · heads · head_dim, exact f32 tiles, bf16 tensor-core tiles reading every key from
+//!   the f32 pool, and the same reading the batch's own keys from a bf16 batch copy (what a
+//!   model's prefill runs); then a 1024-token chunk after 3072 cached positions (FLOPs of the
+//!   chunk's rows: 4 · heads · head_dim · sum of keys seen), whose cached keys always come from
+//!   the pool.
 //!
 //! `MOERUN_ATTN_BENCH=decode` (or `prefill`) runs only those rows; `MOERUN_ATTN_BENCH_NCU=1`
 //! times each decode row on one pool copy, for Nsight Compute: it flushes the caches before every
@@ -15,6 +19,13 @@ use moerun_cuda::{
     AttentionPrefill, AttentionShape, CudaDevice, CudaError, CudaSlice, DeviceKvPool, Result,
     TokenPlacement,
 };
+
+/// Where a prefill row's tensor-core tiles take the batch's own keys from.
+#[derive(Clone, Copy, PartialEq)]
+enum Keys {
+    Pool,
+    BatchCopy,
+}
 
 use super::{time, Row, XorShift, ROTATE_BYTES};
 
@@ -108,33 +119,56 @@ fn decode_row(dev: &CudaDevice, rng: &mut XorShift, batch: usize, context: usize
     })
 }
 
+/// A prefill of `n` tokens after `cached` positions of one sequence.
 fn prefill_row(
     dev: &CudaDevice,
     rng: &mut XorShift,
-    n: usize,
+    (cached, n): (usize, usize),
     prefill: AttentionPrefill,
+    keys: Keys,
 ) -> Result<Row> {
-    let blocks = n.div_ceil(BLOCK);
-    let pool = random_pool(dev, rng, blocks)?;
+    let total = cached + n;
+    let blocks = total.div_ceil(BLOCK);
+    let mut pool = random_pool(dev, rng, blocks)?;
     let tables = dev.upload(&permutation(rng, blocks))?;
-    let positions = dev.upload(&(0..n as i32).collect::<Vec<_>>())?;
+    let positions = dev.upload(&(cached as i32..total as i32).collect::<Vec<_>>())?;
     let starts = dev.upload(&vec![0i32; n])?;
     let at = TokenPlacement {
         positions: &positions,
         table_start: &starts,
         block_tables: &tables,
-        max_context: n,
+        max_context: total,
     };
+    // The batch's own K/V, written as a pass writes them (pool and, for the copy rows, copy).
+    let width = KV_HEADS * HEAD_DIM;
+    let (k, v) = (
+        dev.upload(&rng.f32s(n * width))?,
+        dev.upload(&rng.f32s(n * width))?,
+    );
+    let mut copy = dev.batch_kv_bf16(n, KV_HEADS, HEAD_DIM)?;
+    let own = (keys == Keys::BatchCopy).then_some(&mut copy);
+    dev.kv_write_with_copy(&mut pool, &k, &v, &at, own)?;
     let q = dev.upload(&rng.f32s(n * HEADS * HEAD_DIM))?;
     let mut out = dev.zeros::<f32>(n * HEADS * HEAD_DIM)?;
-    let mut scratch = dev.attention_scratch(n, HEADS, HEAD_DIM, n)?;
-    let ms = time(dev, || {
-        dev.paged_attention_with(prefill, &q, &pool, &at, &shape(), &mut out, &mut scratch)
+    let mut scratch = dev.attention_scratch(n, HEADS, HEAD_DIM, total)?;
+    let ms = time(dev, || match keys {
+        Keys::Pool => {
+            dev.paged_attention_with(prefill, &q, &pool, &at, &shape(), &mut out, &mut scratch)
+        }
+        Keys::BatchCopy => {
+            dev.paged_attention_batch_copy(&q, &pool, &copy, &at, &shape(), &mut out, &mut scratch)
+        }
     })?;
-    let flops = 4.0 * (n * n) as f64 / 2.0 * (HEADS * HEAD_DIM) as f64;
+    // Row i sees cached + i + 1 keys.
+    let seen = (n * cached) as f64 + (n * (n + 1)) as f64 / 2.0;
+    let flops = 4.0 * seen * (HEADS * HEAD_DIM) as f64;
+    let source = match keys {
+        Keys::Pool => "",
+        Keys::BatchCopy => " + batch copy",
+    };
     Ok(Row {
-        op: format!("attention prefill {prefill:?}"),
-        shape: format!("n={n} 32/4x128"),
+        op: format!("attention prefill {prefill:?}{source}"),
+        shape: format!("n={n} after {cached} 32/4x128"),
         us: ms * 1e3,
         gbs: None,
         tflops: Some(flops / (ms * 1e-3) / 1e12),
@@ -167,8 +201,15 @@ pub fn rows(dev: &CudaDevice, rng: &mut XorShift) -> Result<Vec<Row>> {
         }
     }
     if only.is_empty() || only == "prefill" {
-        for prefill in [AttentionPrefill::ExactF32, AttentionPrefill::TensorCoreBf16] {
-            rows.push(prefill_row(dev, rng, 4096, prefill)?);
+        let (exact, tensor) = (AttentionPrefill::ExactF32, AttentionPrefill::TensorCoreBf16);
+        for (chunk, prefill, keys) in [
+            ((0, 4096), exact, Keys::Pool),
+            ((0, 4096), tensor, Keys::Pool),
+            ((0, 4096), tensor, Keys::BatchCopy),
+            ((3072, 1024), tensor, Keys::Pool),
+            ((3072, 1024), tensor, Keys::BatchCopy),
+        ] {
+            rows.push(prefill_row(dev, rng, chunk, prefill, keys)?);
         }
     }
     Ok(rows)

@@ -13,8 +13,14 @@
 //!   `cp.async`, online softmax, causal tiles skipped, the tiles with the most keys launched first.
 //!   [`AttentionPrefill::ExactF32`] (the default) runs it on CUDA cores in f32, tile_m 64;
 //!   [`AttentionPrefill::TensorCoreBf16`] on tensor cores (`mma.sync` m16n8k16, bf16 operands
-//!   read by `ldmatrix`, f32 accumulation, tile_m 128; the f32 K/V of tile j + 2 load and tile
-//!   j + 1 is rounded to bf16 while tile j computes; head_dim 64 or 128).
+//!   read by `ldmatrix`, f32 accumulation, tile_m 64, blocks of 128 threads, two per SM, a
+//!   3-stage pipeline of bf16 K/V tiles; head_dim 64 or 128). Keys of the batch's own positions
+//!   come, already bf16, from a [`BatchKvBf16`] copy when the caller passes one
+//!   ([`CudaDevice::paged_attention_batch_copy`]; the q/k/v prologue or
+//!   [`CudaDevice::kv_write_with_copy`] fill it), by `cp.async`; keys of earlier positions (a
+//!   cached prefix) are read from the f32 pool (cp.async a tile ahead) and rounded in shared
+//!   memory. The two give the same bf16 values, so the output is bitwise the same with or
+//!   without the copy.
 //! - every other token (decode, short chunks, the tails of prefills, tiles mixing sequences) goes
 //!   to split-K flash-decoding in exact f32: grid (n, splits, kv_heads * head_chunks), block 128;
 //!   a block reads each K/V row of its split once for all (up to 8) query heads of its kv head.
@@ -49,8 +55,14 @@ use crate::CudaDevice;
 
 /// Query tokens per tile of the exact f32 tiled kernel (`TILE_M` in the kernel file).
 const TILE_M: usize = 64;
-/// Query tokens per tile of the tensor-core kernel (`TC_M`: 8 warps of 16 rows).
-const TC_M: usize = 128;
+/// Query tokens per tile of the tensor-core kernel (`TC_M`: 4 warps of 16 rows).
+const TC_M: usize = 64;
+/// Threads per block of the tensor-core kernel (`TC_THREADS`).
+const TC_THREADS: u32 = 128;
+/// Threads per block of the exact f32 tiled kernel (`TF_THREADS`).
+const TF_THREADS: u32 = 256;
+/// Stages of bf16 K/V tiles in the tensor-core kernel's pipeline (`TC_STAGES`).
+const TC_STAGES: usize = 3;
 /// Fewest keys a split of the decode kernel takes: fewer would cost more in partials than the
 /// parallelism gains.
 const MIN_SPLIT_KEYS: usize = 16;
@@ -156,6 +168,73 @@ pub enum AttentionPrefill {
     TensorCoreBf16,
 }
 
+/// The batch's own K and V rounded to bf16, `[tokens][kv_heads][head_dim]` each: the source of
+/// the tensor-core prefill kernel for keys at the batch's own positions (no f32 stage, no
+/// rounding per tile). Row `i` is the batch's token `i`; a copy of `tokens` rows serves batches of
+/// up to that many tokens. Made by [`CudaDevice::batch_kv_bf16`], filled by the q/k/v prologue
+/// (`qkv_split_norm_rope_copy`) or [`CudaDevice::kv_write_with_copy`] in the same pass.
+pub struct BatchKvBf16 {
+    k: CudaSlice<u16>,
+    v: CudaSlice<u16>,
+    tokens: usize,
+    kv_heads: usize,
+    head_dim: usize,
+}
+
+impl BatchKvBf16 {
+    /// Rows it holds.
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+    pub fn kv_heads(&self) -> usize {
+        self.kv_heads
+    }
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+    /// The keys, `[tokens][kv_heads][head_dim]` bf16 bits.
+    pub fn k(&self) -> &CudaSlice<u16> {
+        &self.k
+    }
+    /// The values, laid out as the keys.
+    pub fn v(&self) -> &CudaSlice<u16> {
+        &self.v
+    }
+    /// Whether it can take `tokens` rows of `kv_heads` x `head_dim`.
+    pub fn fits(&self, tokens: usize, kv_heads: usize, head_dim: usize) -> bool {
+        self.tokens >= tokens && self.kv_heads == kv_heads && self.head_dim == head_dim
+    }
+    /// Both buffers, for the kernels that write them.
+    pub(crate) fn k_v_mut(&mut self) -> (&mut CudaSlice<u16>, &mut CudaSlice<u16>) {
+        (&mut self.k, &mut self.v)
+    }
+    /// Refuse a copy that cannot hold `tokens` rows of `kv_heads` x `head_dim`.
+    pub(crate) fn check(
+        &self,
+        what: &str,
+        tokens: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<()> {
+        ensure(self.fits(tokens, kv_heads, head_dim), || {
+            format!(
+                "{what}: a batch copy of {} rows of {} x {} for {tokens} tokens of {kv_heads} x \
+                 {head_dim}",
+                self.tokens, self.kv_heads, self.head_dim
+            )
+        })
+    }
+}
+
+impl AttentionPrefill {
+    /// Whether a batch of `tokens` tokens with heads of `head_dim` runs tensor-core tiles, which
+    /// read a [`BatchKvBf16`] copy when given one (so a pass should make it): the kernel exists
+    /// for this head size and the batch holds at least one tile.
+    pub fn takes_batch_copy(self, tokens: usize, head_dim: usize) -> bool {
+        self == AttentionPrefill::TensorCoreBf16 && matches!(head_dim, 64 | 128) && tokens >= TC_M
+    }
+}
+
 /// Scratch for split-K partials, created once (outside any CUDA graph) and passed to every
 /// attention call; sized by [`CudaDevice::attention_scratch`].
 pub struct AttentionScratch {
@@ -205,11 +284,10 @@ fn tile_f32_smem(head_dim: usize) -> usize {
     (3 * TILE_M * (head_dim + 4) + TILE_M * (TILE_M + 1)) * 4
 }
 
-/// Dynamic shared memory of the tensor-core kernel: two stages of 64 f32 K rows (stride
-/// head_dim + 8) and V rows (stride head_dim + 4), then two buffers of the bf16 tile: K and V
+/// Dynamic shared memory of the tensor-core kernel: three stages of the bf16 tile, K and V
 /// [64][head_dim + 8] each.
 fn tile_bf16_smem(head_dim: usize) -> usize {
-    2 * 64 * (2 * head_dim + 12) * 4 + 2 * 2 * 64 * (head_dim + 8) * 2
+    TC_STAGES * 2 * 64 * (head_dim + 8) * 2
 }
 
 /// Dynamic shared memory of the cluster kernel for `group` (class) query heads of `head_dim`: the
@@ -285,6 +363,12 @@ impl AttentionKernels {
         let f32_smem = [0, 1, 2].map(|i| allow_smem(&tile_f32[i], tile_f32_smem(TILE_F32_DIMS[i])));
         let bf16_smem =
             [0, 1].map(|i| allow_smem(&tile_bf16[i], tile_bf16_smem(TILE_BF16_DIMS[i])));
+        // Two tensor-core blocks share an SM only if the SM gives shared memory its largest
+        // share; a hint (a device that ignores it runs one block per SM, as fast as before).
+        let carveout = CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT;
+        for f in &tile_bf16 {
+            let _ = f.set_attribute(carveout, 100);
+        }
         Ok(AttentionKernels {
             kv_write: f("kv_write_f32")?,
             split: [
@@ -325,6 +409,8 @@ struct AttnArgs {
     part_acc: u64,
     part_ml: u64,
     arrivals: u64,
+    copy_k: u64,
+    copy_v: u64,
     n: i32,
     num_heads: i32,
     kv_heads: i32,
@@ -343,11 +429,19 @@ struct AttnArgs {
     scale_log2: f32,
 }
 
-const _: () = assert!(std::mem::size_of::<AttnArgs>() == 144);
+const _: () = assert!(std::mem::size_of::<AttnArgs>() == 160);
 
 // SAFETY: plain data (integers, floats, device addresses) in the C layout the kernels declare;
 // passed by value as one kernel parameter.
 unsafe impl DeviceRepr for AttnArgs {}
+
+/// Which prefill tiles a call runs and where their keys come from.
+#[derive(Clone, Copy)]
+struct KeySource<'a> {
+    prefill: AttentionPrefill,
+    /// The batch's own K/V in bf16 (tensor-core tiles only).
+    copy: Option<&'a BatchKvBf16>,
+}
 
 /// How the decode kernel splits each token's keys.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -482,6 +576,53 @@ impl CudaDevice {
         })
     }
 
+    /// A [`BatchKvBf16`] of `tokens` rows of `kv_heads` x `head_dim` (contents undefined until a
+    /// pass writes them).
+    pub fn batch_kv_bf16(
+        &self,
+        tokens: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<BatchKvBf16> {
+        let len = tokens
+            .checked_mul(kv_heads)
+            .and_then(|x| x.checked_mul(head_dim))
+            .ok_or_else(|| CudaError::InvalidArgument("batch_kv_bf16: size overflows".into()))?;
+        ensure(len > 0 && head_dim.is_multiple_of(8), || {
+            format!(
+                "batch_kv_bf16: {tokens} tokens of {kv_heads} x {head_dim} (head_dim a multiple \
+                 of 8, nothing empty)"
+            )
+        })?;
+        Ok(BatchKvBf16 {
+            k: self.zeros(len)?,
+            v: self.zeros(len)?,
+            tokens,
+            kv_heads,
+            head_dim,
+        })
+    }
+
+    /// The copy in `slot`, first (re)made when it cannot take `tokens` rows of `kv_heads` x
+    /// `head_dim` (rows rounded up to a power of two, so a pass's scratch grows a few times at
+    /// most). Prefill only: a CUDA graph never reads a batch copy, so replacing it invalidates
+    /// none.
+    pub fn batch_kv_in<'s>(
+        &self,
+        slot: &'s mut Option<BatchKvBf16>,
+        tokens: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<&'s mut BatchKvBf16> {
+        if !matches!(slot, Some(c) if c.fits(tokens, kv_heads, head_dim)) {
+            // Free the old one before allocating its successor.
+            *slot = None;
+            let rows = tokens.next_power_of_two();
+            *slot = Some(self.batch_kv_bf16(rows, kv_heads, head_dim)?);
+        }
+        Ok(slot.as_mut().expect("made above"))
+    }
+
     /// Write the batch's k and v rows (`[n, kv_heads * head_dim]` f32) at their positions.
     ///
     /// Launch: grid (n), block 128. Rows whose block-table entry or block is out of range are not
@@ -492,6 +633,19 @@ impl CudaDevice {
         k: &impl DevicePtr<f32>,
         v: &impl DevicePtr<f32>,
         at: &TokenPlacement,
+    ) -> Result<()> {
+        self.kv_write_with_copy(pool, k, v, at, None)
+    }
+
+    /// [`CudaDevice::kv_write`], and with `copy` the same rows rounded to bf16 into its first n
+    /// rows (for [`CudaDevice::paged_attention_batch_copy`]).
+    pub fn kv_write_with_copy(
+        &self,
+        pool: &mut DeviceKvPool,
+        k: &impl DevicePtr<f32>,
+        v: &impl DevicePtr<f32>,
+        at: &TokenPlacement,
+        copy: Option<&mut BatchKvBf16>,
     ) -> Result<()> {
         let n = at.positions.len();
         let width = pool.kv_heads * pool.head_dim;
@@ -518,6 +672,17 @@ impl CudaDevice {
         let bt = self.ptr(at.block_tables, "kv_write block_tables")?;
         let pk = self.ptr_mut(&mut pool.k, "kv_write pool k")?;
         let pv = self.ptr_mut(&mut pool.v, "kv_write pool v")?;
+        let (copy_k, copy_v) = match copy {
+            Some(c) => {
+                c.check("kv_write", n, pool.kv_heads, pool.head_dim)?;
+                let (ck, cv) = c.k_v_mut();
+                (
+                    self.ptr_mut(ck, "kv_write copy k")?,
+                    self.ptr_mut(cv, "kv_write copy v")?,
+                )
+            }
+            None => (0, 0),
+        };
         let tables_len = to_i32(at.block_tables.len(), "block_tables length")?;
         let (n_i, width_i) = (to_i32(n, "tokens")?, to_i32(width, "kv row width")?);
         let (bs_i, blocks_i) = (
@@ -541,10 +706,13 @@ impl CudaDevice {
             .arg(&n_i)
             .arg(&width_i)
             .arg(&bs_i)
-            .arg(&blocks_i);
+            .arg(&blocks_i)
+            .arg(&copy_k)
+            .arg(&copy_v);
         // SAFETY: k and v hold n rows of `width`; positions and table_start n entries; the kernel
         // bounds every table index by tables_len and every block by `blocks`, so each write lands
-        // inside the pool (blocks * block_size rows of `width`).
+        // inside the pool (blocks * block_size rows of `width`); the copy (when given) holds at
+        // least n rows of `width` (checked).
         unsafe { b.launch(cfg) }.ctx("kv_write_f32")?;
         Ok(())
     }
@@ -606,6 +774,48 @@ impl CudaDevice {
         out: &mut impl DevicePtrMut<f32>,
         scratch: &mut AttentionScratch,
     ) -> Result<()> {
+        let source = KeySource {
+            prefill,
+            copy: None,
+        };
+        self.attend(source, q, pool, at, shape, out, scratch)
+    }
+
+    /// [`CudaDevice::paged_attention`] with [`AttentionPrefill::TensorCoreBf16`] tiles that read
+    /// the keys at the batch's own positions from `copy` (its first n rows: this batch's K/V,
+    /// written by the prologue or [`CudaDevice::kv_write_with_copy`] after the pool's), bitwise
+    /// the same output as without it. `positions` and `table_start` must start 16-byte aligned
+    /// (the kernel reads them as int4; device allocations are).
+    #[allow(clippy::too_many_arguments)] // paged_attention's arguments plus the copy
+    pub fn paged_attention_batch_copy(
+        &self,
+        q: &impl DevicePtr<f32>,
+        pool: &DeviceKvPool,
+        copy: &BatchKvBf16,
+        at: &TokenPlacement,
+        shape: &AttentionShape,
+        out: &mut impl DevicePtrMut<f32>,
+        scratch: &mut AttentionScratch,
+    ) -> Result<()> {
+        let source = KeySource {
+            prefill: AttentionPrefill::TensorCoreBf16,
+            copy: Some(copy),
+        };
+        self.attend(source, q, pool, at, shape, out, scratch)
+    }
+
+    #[allow(clippy::too_many_arguments)] // the public entries' arguments, passed through
+    fn attend(
+        &self,
+        source: KeySource,
+        q: &impl DevicePtr<f32>,
+        pool: &DeviceKvPool,
+        at: &TokenPlacement,
+        shape: &AttentionShape,
+        out: &mut impl DevicePtrMut<f32>,
+        scratch: &mut AttentionScratch,
+    ) -> Result<()> {
+        let KeySource { prefill, copy } = source;
         let AttentionShape {
             num_heads,
             num_kv_heads,
@@ -715,17 +925,40 @@ impl CudaDevice {
         ensure(qp.is_multiple_of(16) && op.is_multiple_of(16), || {
             "paged_attention: q and out must start 16-byte aligned".to_string()
         })?;
+        let positions = self.ptr(at.positions, "paged_attention positions")?;
+        let table_start = self.ptr(at.table_start, "paged_attention table_start")?;
+        let (copy_k, copy_v) = match copy {
+            // Only the tensor-core tiles read it: without tiles it is not needed.
+            Some(c) if tiled => {
+                c.check("paged_attention", n, num_kv_heads, d)?;
+                ensure(
+                    positions.is_multiple_of(16) && table_start.is_multiple_of(16),
+                    || {
+                        "paged_attention: positions and table_start must start 16-byte aligned \
+                         to read a batch copy"
+                            .to_string()
+                    },
+                )?;
+                (
+                    self.ptr(&c.k, "paged_attention copy k")?,
+                    self.ptr(&c.v, "paged_attention copy v")?,
+                )
+            }
+            _ => (0, 0),
+        };
         let args = AttnArgs {
             q: qp,
             out: op,
             pool_k: self.ptr(&pool.k, "paged_attention pool k")?,
             pool_v: self.ptr(&pool.v, "paged_attention pool v")?,
-            positions: self.ptr(at.positions, "paged_attention positions")?,
-            table_start: self.ptr(at.table_start, "paged_attention table_start")?,
+            positions,
+            table_start,
             block_tables: self.ptr(at.block_tables, "paged_attention block_tables")?,
             part_acc: self.ptr_mut(&mut scratch.acc, "paged_attention scratch")?,
             part_ml: self.ptr_mut(&mut scratch.ml, "paged_attention scratch")?,
             arrivals: self.ptr_mut(&mut scratch.arrivals, "paged_attention scratch")?,
+            copy_k,
+            copy_v,
             n: to_i32(n, "tokens")?,
             num_heads: to_i32(num_heads, "num_heads")?,
             kv_heads: to_i32(num_kv_heads, "num_kv_heads")?,
@@ -756,10 +989,13 @@ impl CudaDevice {
         let heads_y = grid_yz(num_heads, "num_heads")?;
 
         if tiled {
-            // Both tiled kernels run 256 threads (8 warps).
+            let threads = match prefill {
+                AttentionPrefill::ExactF32 => TF_THREADS,
+                AttentionPrefill::TensorCoreBf16 => TC_THREADS,
+            };
             let cfg = LaunchConfig {
                 grid_dim: ((n / tile_m) as u32, heads_y, 1),
-                block_dim: (256, 1, 1),
+                block_dim: (threads, 1, 1),
                 shared_mem_bytes: smem as u32,
             };
             let mut b = self.stream.launch_builder(tile_func);
@@ -767,7 +1003,10 @@ impl CudaDevice {
             // SAFETY: q and out hold n x num_heads x head_dim f32 (16-byte aligned), the pool
             // blocks x block_size rows of kv_heads x head_dim; the kernel bounds every table
             // index and block id; its tiles are whole (n / tile_m of them) and its dynamic shared
-            // memory is what this head_dim needs, within the limit set at load.
+            // memory is what this head_dim needs, within the limit set at load. A batch copy
+            // holds at least n rows of kv_heads x head_dim (checked), and the kernel reads only
+            // rows it has checked to lie in 0..n; positions and table_start are 16-byte aligned
+            // for its int4 reads (checked).
             unsafe { b.launch(cfg) }.ctx("attention prefill tiles")?;
         }
 
@@ -912,6 +1151,14 @@ mod tests {
         assert_eq!(class_of(&GROUP_CLASSES, 3), 2);
         assert_eq!(class_of(&GROUP_CLASSES, 16), 3);
         assert!(tile_f32_smem(256) <= 227 << 10, "fits an H100/H200 block");
-        assert!(tile_bf16_smem(128) <= 227 << 10, "fits an H100/H200 block");
+        // Two tensor-core blocks per SM: 228 KiB per SM, 1 KiB of it reserved per block.
+        assert!(
+            2 * (tile_bf16_smem(128) + 1024) <= 228 << 10,
+            "two blocks per H100/H200 SM"
+        );
+        assert!(AttentionPrefill::TensorCoreBf16.takes_batch_copy(64, 128));
+        assert!(!AttentionPrefill::TensorCoreBf16.takes_batch_copy(63, 128));
+        assert!(!AttentionPrefill::TensorCoreBf16.takes_batch_copy(4096, 256));
+        assert!(!AttentionPrefill::ExactF32.takes_batch_copy(4096, 128));
     }
 }

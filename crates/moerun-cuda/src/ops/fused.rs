@@ -4,13 +4,14 @@
 //! differs (a block reduction), so results agree within f32 rounding.
 //!
 //! Launch: `add_rms_norm` grid (rows), block 1024; `qkv_split_norm_rope` grid
-//! (tokens, heads_q + 2 * heads_kv), block 32.
+//! (tokens, ceil((heads_q + 2 * heads_kv) / 4)), block (32, 4). Its `_copy` form also writes
+//! the k and v heads, rounded to bf16, into a [`BatchKvBf16`] for tensor-core prefill attention.
 
 use cudarc::driver::{
     CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 
-use super::{blocks, to_i32, DeviceKvPool, DeviceRope, TokenPlacement};
+use super::{blocks, to_i32, BatchKvBf16, DeviceKvPool, DeviceRope, TokenPlacement};
 use crate::error::{ensure, DriverContext, Result};
 use crate::CudaDevice;
 
@@ -63,6 +64,8 @@ struct KvDest {
     tables_len: i32,
     block_size: i32,
     blocks: i32,
+    copy_k: u64,
+    copy_v: u64,
 }
 
 // SAFETY: plain data (device addresses, integers) in the C layout the kernel declares; passed by
@@ -129,6 +132,40 @@ impl CudaDevice {
         v: &mut impl DevicePtrMut<f32>,
         gate: Option<&mut CudaSlice<f32>>,
         kv: Option<(&mut DeviceKvPool, &TokenPlacement)>,
+    ) -> Result<()> {
+        let (q_norm_k_norm, outs) = ((q_norm, k_norm), (q, k, v));
+        self.qkv_split_norm_rope_copy(
+            qkv,
+            shape,
+            positions,
+            q_norm_k_norm,
+            rope,
+            outs,
+            gate,
+            kv,
+            None,
+        )
+    }
+
+    /// [`CudaDevice::qkv_split_norm_rope`] that, given `copy`, also writes the k and v heads
+    /// rounded to bf16 into its first `tokens` rows: the batch copy
+    /// [`CudaDevice::paged_attention_batch_copy`] reads for the batch's own keys.
+    #[allow(clippy::too_many_arguments)]
+    pub fn qkv_split_norm_rope_copy(
+        &self,
+        qkv: &impl DevicePtr<f32>,
+        shape: QkvShape,
+        positions: &impl DevicePtr<u32>,
+        (q_norm, k_norm): (Option<&CudaSlice<f32>>, Option<&CudaSlice<f32>>),
+        rope: &DeviceRope,
+        (q, k, v): (
+            &mut impl DevicePtrMut<f32>,
+            &mut impl DevicePtrMut<f32>,
+            &mut impl DevicePtrMut<f32>,
+        ),
+        gate: Option<&mut CudaSlice<f32>>,
+        kv: Option<(&mut DeviceKvPool, &TokenPlacement)>,
+        copy: Option<&mut BatchKvBf16>,
     ) -> Result<()> {
         let QkvShape {
             heads_q,
@@ -213,7 +250,7 @@ impl CudaDevice {
             }
             None => 0,
         };
-        let dest = match kv {
+        let mut dest = match kv {
             None => KvDest::default(),
             Some((pool, at)) => {
                 ensure(
@@ -241,9 +278,16 @@ impl CudaDevice {
                     tables_len: to_i32(at.block_tables.len(), "block_tables length")?,
                     block_size: to_i32(block_size, "block_size")?,
                     blocks: to_i32(blocks, "blocks")?,
+                    ..KvDest::default()
                 }
             }
         };
+        if let Some(c) = copy {
+            c.check("qkv_split_norm_rope", tokens, heads_kv, head_dim)?;
+            let (ck, cv) = c.k_v_mut();
+            dest.copy_k = self.ptr_mut(ck, "copy k")?;
+            dest.copy_v = self.ptr_mut(cv, "copy v")?;
+        }
         let cfg = LaunchConfig {
             grid_dim: (
                 u32::try_from(tokens).unwrap_or(u32::MAX),
@@ -276,7 +320,8 @@ impl CudaDevice {
         // SAFETY: qkv holds tokens * width f32, q/k/v their parts, positions tokens, norms
         // head_dim (or null), inv_freq half <= head_dim / 2; the pool (when given) holds blocks x
         // block_size rows of heads_kv x head_dim and the kernel bounds every table index and
-        // block id; args match the kernel.
+        // block id; a copy (when given) holds at least `tokens` rows of heads_kv x head_dim
+        // (checked); args match the kernel.
         unsafe { b.launch(cfg) }.ctx("qkv_split_norm_rope_f32")?;
         Ok(())
     }

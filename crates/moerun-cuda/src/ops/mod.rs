@@ -21,7 +21,7 @@ mod router;
 
 pub(crate) use attention::AttentionKernels;
 pub use attention::{
-    AttentionPrefill, AttentionScratch, AttentionShape, DeviceKvPool, TokenPlacement,
+    AttentionPrefill, AttentionScratch, AttentionShape, BatchKvBf16, DeviceKvPool, TokenPlacement,
 };
 pub(crate) use elementwise::ElementwiseKernels;
 pub(crate) use fused::FusedKernels;

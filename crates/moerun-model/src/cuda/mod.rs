@@ -26,8 +26,9 @@ use std::collections::HashMap;
 
 use moerun_core::{Error, Result, Tensor};
 use moerun_cuda::{
-    ActivationArena, AttentionPrefill, AttentionScratch, CudaDevice, CudaError, CudaSlice,
-    DeviceBuffer, DeviceExperts, DeviceKvPool, DeviceMatrix, DeviceRepr, DeviceRope, MoeScratch,
+    ActivationArena, AttentionPrefill, AttentionScratch, BatchKvBf16, CudaDevice, CudaError,
+    CudaSlice, DeviceBuffer, DeviceExperts, DeviceKvPool, DeviceMatrix, DeviceRepr, DeviceRope,
+    MoeScratch,
 };
 
 use crate::config::{ModelConfig, QkNorm};
@@ -115,6 +116,9 @@ pub(crate) struct PassScratch {
     pub(crate) replaced: bool,
     /// Where a captured decode step's activations live (no allocation nodes in its graph).
     pub(crate) arena: ActivationArena,
+    /// A prefill's own K/V in bf16 for the tensor-core attention tiles (written by the q/k/v
+    /// prologue or kv_write, read by the same layer's attention), grown to the largest batch.
+    pub(crate) batch_kv: Option<BatchKvBf16>,
 }
 
 impl PassScratch {
@@ -223,6 +227,7 @@ impl DeviceKv {
                 moe: None,
                 replaced: false,
                 arena: ActivationArena::new(),
+                batch_kv: None,
             },
             graphs: graph::DecodeGraphs::default(),
             trash_block: num_blocks,

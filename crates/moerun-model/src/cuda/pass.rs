@@ -265,24 +265,37 @@ impl Backend for CudaPass<'_> {
                 v_unit_norm: false,
             };
             // K/V go straight into the layer's pool too: no kv_write launch in `attention`.
+            // And, for a batch the tensor-core tiles take, in bf16 into the batch copy they read
+            // (`attention` asks the same question of the same batch). Never in a decode step
+            // captured into a graph (tokens on the device): the graph would keep the copy's
+            // address, which a later, larger prefill frees; such steps never tile anyway (one
+            // token per sequence).
             let windowed = cfg.layers[layer].sliding_window.is_some();
             let at = placement(self.at, windowed);
             let pool = self.pools[layer]
                 .as_mut()
                 .ok_or_else(|| Error::Device(format!("layer {layer} has no KV pool")))?;
+            let tiles = matches!(self.tokens, Tokens::Host)
+                && m.prefill_attention.takes_batch_copy(rows, d);
+            let copy = match tiles {
+                true => Some(
+                    m.dev
+                        .batch_kv_in(&mut self.scratch.batch_kv, rows, cfg.num_kv_heads, d)
+                        .map_err(dev_err)?,
+                ),
+                false => None,
+            };
             m.dev
-                .qkv_split_norm_rope(
+                .qkv_split_norm_rope_copy(
                     &qkv,
                     shape,
                     &self.at.positions_u32,
-                    norm(&w.q_norm)?,
-                    norm(&w.k_norm)?,
+                    (norm(&w.q_norm)?, norm(&w.k_norm)?),
                     &m.rope,
-                    &mut q,
-                    &mut k,
-                    &mut v,
+                    (&mut q, &mut k, &mut v),
                     gate.as_deref_mut(),
                     Some((pool, &at)),
+                    copy,
                 )
                 .map_err(dev_err)?;
             self.kv_written = Some(layer);
@@ -371,8 +384,29 @@ impl Backend for CudaPass<'_> {
             let pool = self.pools[layer]
                 .as_mut()
                 .ok_or_else(|| Error::Device(format!("layer {layer} has no KV pool")))?;
+            // The tensor-core tiles read this batch's own keys from its bf16 copy: filled by the
+            // prologue when it wrote the pool (same batch, same question), else here; never in
+            // a captured decode step (see `attention_inputs`).
+            let copy_wanted = matches!(self.tokens, Tokens::Host)
+                && self
+                    .m
+                    .prefill_attention
+                    .takes_batch_copy(rows, spec.head_dim);
+            let mut copy = match copy_wanted {
+                true => Some(
+                    dev.batch_kv_in(
+                        &mut self.scratch.batch_kv,
+                        rows,
+                        spec.num_kv_heads,
+                        spec.head_dim,
+                    )
+                    .map_err(dev_err)?,
+                ),
+                false => None,
+            };
             if !written {
-                dev.kv_write(pool, k, v, &at).map_err(dev_err)?;
+                dev.kv_write_with_copy(pool, k, v, &at, copy.as_deref_mut())
+                    .map_err(dev_err)?;
             }
             let shape = AttentionShape {
                 num_heads: spec.num_heads,
@@ -381,15 +415,21 @@ impl Backend for CudaPass<'_> {
                 scale: spec.scale,
                 sliding_window: spec.sliding_window,
             };
-            dev.paged_attention_with(
-                self.m.prefill_attention,
-                q,
-                pool,
-                &at,
-                &shape,
-                &mut out,
-                &mut self.scratch.attention,
-            )
+            let scratch = &mut self.scratch.attention;
+            match copy {
+                Some(c) => {
+                    dev.paged_attention_batch_copy(q, pool, c, &at, &shape, &mut out, scratch)
+                }
+                None => dev.paged_attention_with(
+                    self.m.prefill_attention,
+                    q,
+                    pool,
+                    &at,
+                    &shape,
+                    &mut out,
+                    scratch,
+                ),
+            }
             .map_err(dev_err)?;
             Ok(out)
         })
