@@ -53,17 +53,20 @@ done
 echo "== bench"
 "$bin/ops_bench" >"$out/bench.log" 2>&1 || { status=1; tail -5 "$out/bench.log"; }
 
-echo "== compute-sanitizer memcheck (ops, matmul)"
+echo "== compute-sanitizer memcheck (ops, matmul, tensor-core prefill attention)"
 if [ "${GPU_CHECK_MEMCHECK:-1}" = 0 ]; then
     echo "skipped (GPU_CHECK_MEMCHECK=0)"
 elif command -v compute-sanitizer >/dev/null; then
-    for name in test-ops test-matmul; do
+    for run in test-ops test-matmul "test-attention tensor_core"; do
+        name=${run%% *}
+        filter=${run#"$name"}
         log=$(mktemp)
-        timeout 100 compute-sanitizer --tool memcheck --print-limit 20 "$bin/$name" --test-threads=1 \
-            >"$log" 2>&1
+        # shellcheck disable=SC2086 # the filter is one word or nothing
+        timeout 150 compute-sanitizer --tool memcheck --print-limit 20 "$bin/$name" $filter \
+            --test-threads=1 >"$log" 2>&1
         rc=$?
         { echo "##### $name"; cat "$log"; } >>"$out/memcheck.log"
-        echo "$name: $(grep -E 'ERROR SUMMARY' "$log" | tail -1) (exit $rc)"
+        echo "$run: $(grep -E 'ERROR SUMMARY' "$log" | tail -1) (exit $rc)"
         [ $rc = 0 ] || status=1
     done
 else
