@@ -138,9 +138,7 @@ for name in ["qwen3", "qwen3.5", "gemma4"]:
         print(f"{name:18} {'prefill 4096 tokens':30} {p['prefill_tok_per_s']:>8.0f} t/s "
               f"{tf:>10.0f} TFLOP/s")
     for r in (c or {}).get("concurrent_decode", []):
-        pick = 100 * r.get("host_argmax_seconds", 0) / r["decode_seconds"]
-        print(f"{name:18} {'decode ' + str(r['sequences']) + ' sequences':30} {r['tok_per_s']:>8.0f} t/s "
-              f"{pick:>8.1f}% host argmax")
+        print(f"{name:18} {'decode ' + str(r['sequences']) + ' sequences':30} {r['tok_per_s']:>8.0f} t/s")
     if d is None:
         print(f"{name:18} no decode result: see model-bench.log")
 any_run = next(iter(runs.values()), None)

@@ -68,3 +68,49 @@ extern "C" __global__ void fill_random_f32(float* out, u64 n, u64 seed, float sc
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
         out[i] = hash_uniform(seed, i) * scale;
 }
+
+// Greedy pick of each row of `width` logits: the largest value, the lowest index among equal
+// ones; NaN never wins and a row with nothing above -inf gives 0 (moerun-model's `argmax`, the
+// engine's greedy). Launch: grid (rows), block 1024: each thread its strided elements in order,
+// then warp and block arg-max reductions, so only the ids go to the host, not rows x vocab floats.
+__device__ __forceinline__ void argmax_merge(float& bv, u32& bi, float ov, u32 oi) {
+    if (ov > bv || (ov == bv && oi < bi)) {
+        bv = ov;
+        bi = oi;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(1024)
+    argmax_rows_f32(const float* __restrict__ x, int width, u32* __restrict__ out) {
+    __shared__ float s_v[32];
+    __shared__ u32 s_i[32];
+    const float* r = x + (u64)blockIdx.x * width;
+    float bv = __int_as_float(0xff800000);  // -inf
+    u32 bi = 0xffffffffu;                   // none yet: loses every tie
+    for (int i = threadIdx.x; i < width; i += blockDim.x) {
+        const float v = r[i];
+        if (v > bv) {
+            bv = v;
+            bi = (u32)i;
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        argmax_merge(bv, bi, __shfl_xor_sync(0xffffffffu, bv, o), __shfl_xor_sync(0xffffffffu, bi, o));
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) {
+        s_v[warp] = bv;
+        s_i[warp] = bi;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        const int warps = blockDim.x >> 5;
+        bv = lane < warps ? s_v[lane] : __int_as_float(0xff800000);
+        bi = lane < warps ? s_i[lane] : 0xffffffffu;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+            argmax_merge(bv, bi, __shfl_xor_sync(0xffffffffu, bv, o),
+                         __shfl_xor_sync(0xffffffffu, bi, o));
+        if (lane == 0) out[blockIdx.x] = bi == 0xffffffffu ? 0u : bi;
+    }
+}

@@ -329,3 +329,48 @@ fn router_picks_the_cpu_experts_in_rank_order_with_ties_to_the_lower_index() {
         check(&name, rel_err(&got_w, &widen(&want_w)), 1e-5);
     }
 }
+
+/// The engine's greedy pick, written out: strictly greater wins, so the lowest index among equal
+/// values, NaN never, and 0 when nothing is above -inf.
+fn argmax_cpu(row: &[f32]) -> u32 {
+    let (mut best, mut value) = (0usize, f32::NEG_INFINITY);
+    for (i, &v) in row.iter().enumerate() {
+        if v > value {
+            best = i;
+            value = v;
+        }
+    }
+    best as u32
+}
+
+#[test]
+fn argmax_rows_picks_the_cpu_greedy_token_with_ties_nan_and_empty_rows() {
+    let Some(dev) = device() else { return };
+    let mut r = rng("argmax_rows");
+    for (rows, width) in [(1usize, 151936usize), (7, 1000), (128, 4096), (3, 5)] {
+        let mut x = uniform(&mut r, rows * width, -4.0, 4.0);
+        if rows >= 3 {
+            // Row 0: a repeated maximum (the lower index wins); row 1: NaNs and the maximum
+            // after them; row 2: nothing above -inf (index 0).
+            x[width - 1] = 9.0;
+            x[width / 2] = 9.0;
+            x[width] = f32::NAN;
+            x[width + 2] = f32::NAN;
+            x[width + 3] = 7.5;
+            x[2 * width..3 * width].fill(f32::NEG_INFINITY);
+        }
+        let want: Vec<u32> = x.chunks_exact(width).map(argmax_cpu).collect();
+        let xd = dev.upload(&x).unwrap();
+        let mut out = dev.upload(&vec![u32::MAX; rows]).unwrap();
+        dev.argmax_rows(&xd, width, &mut out).unwrap();
+        assert_eq!(dev.download(&out).unwrap(), want, "{rows} x {width}");
+        if rows >= 3 {
+            assert_eq!(want[0], (width / 2) as u32);
+            assert_eq!(want[2], 0);
+        }
+    }
+    let xd = dev.upload(&[1.0f32; 10]).unwrap();
+    let mut out = dev.zeros::<u32>(3).unwrap();
+    let err = dev.argmax_rows(&xd, 3, &mut out).unwrap_err();
+    assert!(err.to_string().contains("not rows of 3"), "{err}");
+}

@@ -90,18 +90,23 @@ pub fn generate(
     let mut time_to_first_token = Duration::ZERO;
     let mut decode_start = start;
     while tokens.len() < options.max_new_tokens {
-        let out = run_step(
-            model,
-            kv,
-            &mut [&mut *seq],
-            &[usize::MAX],
-            LogitsFor::LastOfEachSeq,
-        )?;
+        // Plain greedy: the model picks the token where the logits are (no download of them).
+        let plain_greedy = sampler.params().is_plain_greedy();
+        let which = match plain_greedy {
+            true => LogitsFor::GreedyOfEachSeq,
+            false => LogitsFor::LastOfEachSeq,
+        };
+        let out = run_step(model, kv, &mut [&mut *seq], &[usize::MAX], which)?;
         if !seq.pending().is_empty() {
             continue; // a prompt longer than the cache's chunk prefills over several steps
         }
-        let mut logits = out.logits;
-        let next = sampler.sample(&mut logits, &seq.tokens);
+        let next = match plain_greedy {
+            true => out.tokens[0],
+            false => {
+                let mut logits = out.logits;
+                sampler.sample(&mut logits, &seq.tokens)
+            }
+        };
         if tokens.is_empty() {
             time_to_first_token = start.elapsed();
             decode_start = Instant::now();

@@ -10,8 +10,22 @@ mod reference;
 use moerun_model::Model;
 use reference::{
     batched_and_alone, fixture_names, fixtures_dir, greedy, incremental_logits, load_reference,
-    prefill_logits, relative_error,
+    model_picks_and_logit_argmax, prefill_logits, relative_error,
 };
+
+/// `LogitsFor::GreedyOfEachSeq` picks, for each sequence of a batch, the argmax of the logits
+/// `LastOfEachSeq` returns, for every fixture.
+#[test]
+fn the_greedy_pick_is_the_argmax_of_the_logits() {
+    for name in fixture_names() {
+        let dir = fixtures_dir().join(&name);
+        let model = Model::load(&dir).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let r = load_reference(&dir);
+        let (picked, argmax) = model_picks_and_logit_argmax(&model, &r.tokens);
+        assert_eq!(picked.len(), 3, "{name}");
+        assert_eq!(picked, argmax, "{name}");
+    }
+}
 
 #[test]
 fn every_fixture_matches_transformers_prefill_incremental_and_greedy() {

@@ -20,7 +20,8 @@ use moerun_core::Device;
 use moerun_model::Model;
 use reference::{
     batched_and_alone, chunked_logits, fixture_names, fixtures_dir, greedy, incremental_logits,
-    load_reference, prefill_logits, relative_error, WINDOWED_FIXTURES,
+    load_reference, model_picks_and_logit_argmax, prefill_logits, relative_error,
+    WINDOWED_FIXTURES,
 };
 
 /// The model on GPU 0, or `None` (with the skip line printed) when CUDA is unavailable here.
@@ -110,6 +111,25 @@ fn every_fixture_matches_transformers_and_the_cpu_on_the_gpu() {
     }
     assert!(ran >= 7, "only {ran} fixtures ran on the GPU");
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// The token the GPU picks for each sequence of a batch (argmax on the device, only the ids
+/// downloaded) is the argmax of the logits it returns, for every fixture.
+#[test]
+fn the_gpu_greedy_pick_is_the_argmax_of_its_logits() {
+    for name in fixture_names() {
+        let dir = fixtures_dir().join(&name);
+        let Some(model) = on_gpu(&dir) else { return };
+        let Ok(model) = model else { continue };
+        let r = load_reference(&dir);
+        let (picked, argmax) = model_picks_and_logit_argmax(&model, &r.tokens);
+        println!(
+            "RESULT|gpu {name} greedy pick vs logits argmax|{}|-|{}",
+            picked.len(),
+            if picked == argmax { "ok" } else { "FAIL" }
+        );
+        assert_eq!(picked, argmax, "{name}");
+    }
 }
 
 #[test]

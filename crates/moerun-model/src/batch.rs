@@ -23,6 +23,9 @@ pub enum LogitsFor {
     AllTokens,
     /// The last token of each sequence (generation).
     LastOfEachSeq,
+    /// The greedy pick (arg-max of the logits) of the last token of each sequence, and no
+    /// logits: on the GPU only the ids cross to the host ([`crate::ForwardOutput::tokens`]).
+    GreedyOfEachSeq,
 }
 
 /// A flat batch of sequence chunks.
@@ -78,7 +81,7 @@ impl<'a> Batch<'a> {
     pub fn logit_rows(&self, which: LogitsFor) -> Vec<usize> {
         match which {
             LogitsFor::AllTokens => (0..self.num_tokens()).collect(),
-            LogitsFor::LastOfEachSeq => {
+            LogitsFor::LastOfEachSeq | LogitsFor::GreedyOfEachSeq => {
                 let mut end = 0;
                 self.seqs
                     .iter()

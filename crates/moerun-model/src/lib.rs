@@ -23,4 +23,5 @@ pub use batch::{Batch, LogitsFor, SeqChunk};
 pub use config::ModelConfig;
 pub use kv::KvCache;
 pub use linear_state::LinearStateCache;
+pub use model::argmax;
 pub use model::{ForwardOutput, Model, WeightsIn};

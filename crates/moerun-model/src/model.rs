@@ -12,7 +12,7 @@ use crate::batch::{Batch, LogitsFor};
 use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
 use crate::cuda::deltanet::LinearPlacement;
-use crate::cuda::{CudaModel, CudaPass, DeviceKv, Placement, Tokens, WeightSource};
+use crate::cuda::{CudaModel, CudaPass, DeviceKv, Fetched, Placement, Tokens, WeightSource};
 use crate::forward;
 use crate::kv::KvCache;
 use crate::linear_state::LinearStateCache;
@@ -81,7 +81,52 @@ fn available_memory() -> Option<u64> {
 #[derive(Debug)]
 pub struct ForwardOutput {
     pub rows: Vec<usize>,
+    /// `[rows.len(), vocab]`; empty for [`LogitsFor::GreedyOfEachSeq`].
     pub logits: Vec<f32>,
+    /// Each row's greedy pick ([`argmax`]) for [`LogitsFor::GreedyOfEachSeq`]; else empty.
+    pub tokens: Vec<u32>,
+}
+
+impl ForwardOutput {
+    /// The output for `which` from host logits of `rows`: greedy picks take the arg-max of each
+    /// row here.
+    fn from_logits(rows: Vec<usize>, logits: Vec<f32>, which: LogitsFor) -> ForwardOutput {
+        match which {
+            LogitsFor::GreedyOfEachSeq => {
+                let vocab = logits.len() / rows.len().max(1);
+                let tokens = match vocab {
+                    0 => vec![0; rows.len()],
+                    v => logits.chunks_exact(v).map(argmax).collect(),
+                };
+                ForwardOutput {
+                    rows,
+                    logits: Vec::new(),
+                    tokens,
+                }
+            }
+            _ => ForwardOutput {
+                rows,
+                logits,
+                tokens: Vec::new(),
+            },
+        }
+    }
+}
+
+/// The greedy pick of a row of logits: the largest, the lowest index among equal ones; NaN is
+/// never chosen, and a row with nothing above -inf gives 0. The engine's greedy sampling and the
+/// GPU's `argmax_rows` pick exactly this.
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0usize;
+    let mut best_value = f32::NEG_INFINITY;
+    for (i, &x) in logits.iter().enumerate() {
+        // Strictly greater: an equal logit later in the vocabulary never displaces an earlier one.
+        if x > best_value {
+            best = i;
+            best_value = x;
+        }
+    }
+    best as u32
 }
 
 impl Model {
@@ -300,10 +345,7 @@ impl Model {
         let tokens = self.check_batch(batch, kv)?;
         let rows = batch.logit_rows(which);
         if tokens.is_empty() {
-            return Ok(ForwardOutput {
-                rows,
-                logits: Vec::new(),
-            });
+            return Ok(ForwardOutput::from_logits(rows, Vec::new(), which));
         }
         let dkv = kv.device.as_mut().ok_or_else(|| {
             Error::InvalidArgument(
@@ -335,10 +377,12 @@ impl Model {
             _ => None,
         };
         let graph_state = linear.as_ref().map(|(s, a)| (&**s, a.as_slice()));
-        let logits =
-            match crate::cuda::graph::try_decode(cuda, cfg, w, dkv, batch, &rows, graph_state)? {
-                Some(logits) => logits,
-                None => match &w.gemma4 {
+        let greedy = which == LogitsFor::GreedyOfEachSeq;
+        let graph = crate::cuda::graph::try_decode(cuda, cfg, w, dkv, batch, &rows, graph_state)?;
+        let fetched = match graph {
+            Some(logits) => crate::cuda::fetch(cuda.device(), &logits, cfg.vocab_size, greedy)?,
+            None => {
+                let logits = match &w.gemma4 {
                     Some(g) => {
                         crate::gemma4::cuda::forward(cuda, dkv, cfg, g, batch, &tokens, &rows)?
                     }
@@ -358,14 +402,23 @@ impl Model {
                         if let Some(lp) = &lp {
                             pass = pass.with_linear_state(lp);
                         }
-                        forward::decoder(&mut pass, cfg, w, &tokens, &rows)?
+                        forward::decoder_logits(&mut pass, cfg, w, &tokens, &rows)?
                     }
-                },
-            };
+                };
+                crate::cuda::fetch(cuda.device(), &logits, cfg.vocab_size, greedy)?
+            }
+        };
         if let Some((states, _)) = linear {
             states.finish(batch);
         }
-        Ok(ForwardOutput { rows, logits })
+        Ok(match fetched {
+            Fetched::Logits(logits) => ForwardOutput::from_logits(rows, logits, which),
+            Fetched::Tokens(tokens) => ForwardOutput {
+                rows,
+                logits: Vec::new(),
+                tokens,
+            },
+        })
     }
 
     /// Check the batch against the cache and the model; return its tokens, flat.
@@ -429,7 +482,7 @@ impl Model {
         let rows = batch.logit_rows(which);
         if let Some(g) = &self.weights.gemma4 {
             let logits = crate::gemma4::forward(cfg, g, batch, kv, &tokens, &rows)?;
-            return Ok(ForwardOutput { rows, logits });
+            return Ok(ForwardOutput::from_logits(rows, logits, which));
         }
         // Linear-attention state: every slot is checked before any is touched.
         let linear_state = match (&cfg.linear_attention, states) {
@@ -452,7 +505,7 @@ impl Model {
                 states.finish(batch);
             }
         }
-        Ok(ForwardOutput { rows, logits })
+        Ok(ForwardOutput::from_logits(rows, logits, which))
     }
 }
 

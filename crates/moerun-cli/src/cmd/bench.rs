@@ -44,9 +44,6 @@ struct Concurrent {
     seqs: usize,
     decode_s: f64,
     tok_per_s: f64,
-    /// Of `decode_s`, the host's greedy pick over the downloaded logits (`n x vocab` floats a
-    /// step), which the model's forward time does not include.
-    argmax_s: f64,
 }
 
 pub fn run(args: &BenchArgs, threads: Option<usize>) -> CliResult {
@@ -112,10 +109,8 @@ pub fn run(args: &BenchArgs, threads: Option<usize>) -> CliResult {
         for _ in 0..args.repeat {
             let c = measure_concurrent(&model, n, args.prompt, args.gen)?;
             eprintln!(
-                "bench: {n} sequences: decode {:.1} tok/s (aggregate; {:.1}% of the time in the \
-                 host's greedy pick over the logits)",
-                c.tok_per_s,
-                100.0 * c.argmax_s / c.decode_s
+                "bench: {n} sequences: decode {:.1} tok/s (aggregate)",
+                c.tok_per_s
             );
             if fastest.is_none_or(|f| c.decode_s < f.decode_s) {
                 fastest = Some(c);
@@ -223,10 +218,10 @@ fn measure(model: &Model, prompt: &[u32], gen: usize) -> CliResult<Timing> {
         &mut kv,
         &mut [&mut seq],
         &[usize::MAX],
-        LogitsFor::LastOfEachSeq,
+        LogitsFor::GreedyOfEachSeq,
     )?;
     let prefill_s = start.elapsed().as_secs_f64();
-    let mut next = argmax(&out.logits);
+    let mut next = out.tokens[0];
     let start = Instant::now();
     for _ in 0..gen {
         seq.tokens.push(next);
@@ -235,9 +230,9 @@ fn measure(model: &Model, prompt: &[u32], gen: usize) -> CliResult<Timing> {
             &mut kv,
             &mut [&mut seq],
             &[1],
-            LogitsFor::LastOfEachSeq,
+            LogitsFor::GreedyOfEachSeq,
         )?;
-        next = argmax(&out.logits);
+        next = out.tokens[0];
     }
     let decode_s = start.elapsed().as_secs_f64();
     Ok(Timing {
@@ -259,13 +254,16 @@ fn measure_concurrent(model: &Model, n: usize, prompt: usize, gen: usize) -> Cli
     for (c, chunk) in seqs.chunks_mut(per_step).enumerate() {
         let mut refs: Vec<&mut Sequence> = chunk.iter_mut().collect();
         let limits = vec![usize::MAX; refs.len()];
-        let out = run_step(model, &mut kv, &mut refs, &limits, LogitsFor::LastOfEachSeq)?;
-        for (j, row) in out.logits.chunks_exact(vocab).enumerate() {
-            next[c * per_step + j] = argmax(row);
-        }
+        let out = run_step(
+            model,
+            &mut kv,
+            &mut refs,
+            &limits,
+            LogitsFor::GreedyOfEachSeq,
+        )?;
+        next[c * per_step..][..out.tokens.len()].copy_from_slice(&out.tokens);
     }
     let start = Instant::now();
-    let mut argmax_s = 0.0;
     for _ in 0..gen {
         for (s, &t) in seqs.iter_mut().zip(&next) {
             s.tokens.push(t);
@@ -276,32 +274,16 @@ fn measure_concurrent(model: &Model, n: usize, prompt: usize, gen: usize) -> Cli
             &mut kv,
             &mut refs,
             &vec![1; n],
-            LogitsFor::LastOfEachSeq,
+            LogitsFor::GreedyOfEachSeq,
         )?;
-        let picked = Instant::now();
-        for (j, row) in out.logits.chunks_exact(vocab).enumerate() {
-            next[j] = argmax(row);
-        }
-        argmax_s += picked.elapsed().as_secs_f64();
+        next.copy_from_slice(&out.tokens);
     }
     let decode_s = start.elapsed().as_secs_f64();
     Ok(Concurrent {
         seqs: n,
         decode_s,
         tok_per_s: (n * gen) as f64 / decode_s,
-        argmax_s,
     })
-}
-
-/// Index of the largest logit (the greedy next token).
-fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in logits.iter().enumerate() {
-        if v > logits[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 /// `n` token ids below `vocab`, the same for a given `n`, `vocab` and `stream` every time.
@@ -373,7 +355,6 @@ impl Report<'_> {
                 "sequences": c.seqs,
                 "decode_seconds": c.decode_s,
                 "tok_per_s": c.tok_per_s,
-                "host_argmax_seconds": c.argmax_s,
             })).collect::<Vec<_>>(),
         })
     }

@@ -23,6 +23,7 @@ pub(crate) struct ElementwiseKernels {
     gather_rows: CudaFunction,
     fill_random_bf16: CudaFunction,
     fill_random_f32: CudaFunction,
+    argmax_rows: CudaFunction,
 }
 
 impl ElementwiseKernels {
@@ -35,6 +36,7 @@ impl ElementwiseKernels {
             gather_rows: get("gather_rows_f32")?,
             fill_random_bf16: get("fill_random_bf16")?,
             fill_random_f32: get("fill_random_f32")?,
+            argmax_rows: get("argmax_rows_f32")?,
         })
     }
 }
@@ -46,6 +48,42 @@ impl CudaDevice {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         }
+    }
+
+    /// The greedy pick of each row of `width` values in `x`: the index of the largest, the lowest
+    /// among equal ones, NaN never chosen, 0 for a row with nothing above -inf (the engine's
+    /// greedy sampling), into `out` (one per row). Only the ids then cross to the host.
+    pub fn argmax_rows(
+        &self,
+        x: &impl DevicePtr<f32>,
+        width: usize,
+        out: &mut impl DevicePtrMut<u32>,
+    ) -> Result<()> {
+        ensure(width > 0 && x.len().is_multiple_of(width), || {
+            format!("argmax_rows: {} values are not rows of {width}", x.len())
+        })?;
+        let rows = x.len() / width;
+        ensure(out.len() == rows, || {
+            format!("argmax_rows: {rows} rows but room for {} ids", out.len())
+        })?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let xp = self.ptr(x, "argmax_rows x")?;
+        let op = self.ptr_mut(out, "argmax_rows out")?;
+        let width_i = super::to_i32(width, "width")?;
+        let cfg = LaunchConfig {
+            grid_dim: (super::blocks(rows, 1)?, 1, 1),
+            block_dim: (1024, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self
+            .stream
+            .launch_builder(&self.kernels.elementwise.argmax_rows);
+        b.arg(&xp).arg(&width_i).arg(&op);
+        // SAFETY: x holds rows * width f32, out rows u32; the argument list matches the kernel's.
+        unsafe { b.launch(cfg) }.ctx("argmax_rows_f32")?;
+        Ok(())
     }
 
     /// `x += y`.

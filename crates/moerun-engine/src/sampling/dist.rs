@@ -105,16 +105,7 @@ fn weight(x: f32, max: f32) -> f32 {
 /// Index of the largest logit, ties to the lowest id; NaN never wins. 0 when nothing is larger
 /// than -inf.
 pub(crate) fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0usize;
-    let mut best_value = f32::NEG_INFINITY;
-    for (i, &x) in logits.iter().enumerate() {
-        // Strictly greater: an equal logit later in the vocabulary never displaces an earlier one.
-        if x > best_value {
-            best = i;
-            best_value = x;
-        }
-    }
-    best as u32
+    moerun_model::argmax(logits)
 }
 
 /// A token in a selection heap. Ordered so that the *less* likely token is the greater (lower

@@ -63,6 +63,13 @@ impl SamplingParams {
         self.temperature < GREEDY_TEMPERATURE
     }
 
+    /// Whether the next token is the argmax of the model's logits as they are: greedy without
+    /// penalties. The model can then pick it where the logits are (`LogitsFor::GreedyOfEachSeq`:
+    /// on the GPU only the ids cross to the host).
+    pub fn is_plain_greedy(&self) -> bool {
+        self.is_greedy() && !self.has_penalties()
+    }
+
     /// The top-k cut for a vocabulary of `vocab` tokens, or `None` where it keeps everything.
     pub fn top_k_for(&self, vocab: usize) -> Option<usize> {
         match usize::try_from(self.top_k) {

@@ -77,14 +77,9 @@ pub fn relative_error(got: &[f32], want: &[f32]) -> f64 {
     (diff / norm).sqrt()
 }
 
+/// The greedy pick of a row (moerun-model's: the lowest index among equal maxima).
 pub fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, v) in row.iter().enumerate() {
-        if *v > row[best] {
-            best = i;
-        }
-    }
-    best as u32
+    moerun_model::argmax(row)
 }
 
 /// Logits of every position through one prefill.
@@ -126,18 +121,40 @@ pub fn greedy(model: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
     let mut seq = Sequence::new(prompt.to_vec());
     let mut out = Vec::new();
     for _ in 0..n {
+        // The model's own pick (on the GPU: picked on the device; only the id comes back).
         let step = run_step(
             model,
             &mut kv,
             &mut [&mut seq],
             &[usize::MAX],
-            LogitsFor::LastOfEachSeq,
+            LogitsFor::GreedyOfEachSeq,
         );
-        let next = argmax(&step.unwrap().logits);
+        let next = step.unwrap().tokens[0];
         out.push(next);
         seq.tokens.push(next);
     }
     out
+}
+
+/// Three sequences of different lengths cut from `tokens`, prefilled as one batch twice: the
+/// tokens the model picks (`GreedyOfEachSeq`) and the argmax of the logits it returns
+/// (`LastOfEachSeq`), per sequence.
+pub fn model_picks_and_logit_argmax(model: &Model, tokens: &[u32]) -> (Vec<u32>, Vec<u32>) {
+    let prompts = [&tokens[..37], &tokens[5..12], &tokens[20..]];
+    let run = |which| {
+        let mut kv = SequenceKv::for_model(model, 256).unwrap();
+        let mut seqs: Vec<Sequence> = prompts.iter().map(|p| Sequence::new(p.to_vec())).collect();
+        let mut refs: Vec<&mut Sequence> = seqs.iter_mut().collect();
+        run_step(model, &mut kv, &mut refs, &[usize::MAX; 3], which).unwrap()
+    };
+    let picked = run(LogitsFor::GreedyOfEachSeq);
+    assert!(picked.logits.is_empty(), "a greedy pass returns no logits");
+    let logits = run(LogitsFor::LastOfEachSeq).logits;
+    let vocab = model.config.vocab_size;
+    (
+        picked.tokens,
+        logits.chunks_exact(vocab).map(argmax).collect(),
+    )
 }
 
 /// The mixed-batch scenario: three sequences of different lengths cut from `tokens`, the third a

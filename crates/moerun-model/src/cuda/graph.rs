@@ -23,7 +23,7 @@
 use std::collections::HashMap;
 
 use moerun_core::{Error, Result};
-use moerun_cuda::{CudaDevice, CudaSlice, DeviceGraph, MoePath};
+use moerun_cuda::{CudaDevice, CudaSlice, CudaView, DeviceGraph, MoePath};
 
 use super::deltanet::LinearPlacement;
 use super::pass::{CudaPass, Placement, Tokens};
@@ -81,18 +81,19 @@ fn graphs_enabled() -> bool {
     !super::profile::enabled() && std::env::var_os("MOERUN_CUDA_GRAPHS").is_none_or(|v| v != "0")
 }
 
-/// Run `batch` from a graph if it is a decode step a graph can take; `None` means run it
-/// eagerly. `rows` are the rows whose logits are wanted; `linear` the linear-attention state
-/// and each sequence's slot address (hybrid models).
-pub(crate) fn try_decode(
+/// Run `batch` from a graph if it is a decode step a graph can take, and return its logits,
+/// still on the device (`[rows, vocab]`); `None` means run it eagerly. `rows` are the rows whose
+/// logits are wanted; `linear` the linear-attention state and each sequence's slot address
+/// (hybrid models).
+pub(crate) fn try_decode<'k>(
     m: &CudaModel,
     cfg: &ModelConfig,
     w: &ModelWeights,
-    kv: &mut DeviceKv,
+    kv: &'k mut DeviceKv,
     batch: &Batch,
     rows: &[usize],
     linear: Option<(&LinearStateCache, &[u64])>,
-) -> Result<Option<Vec<f32>>> {
+) -> Result<Option<CudaView<'k, f32>>> {
     let n = batch.seqs.len();
     let decode = batch.seqs.iter().all(|s| s.tokens.len() == 1);
     if !decode || !rows.iter().copied().eq(0..n) || kv.graphs.disabled.is_some() {
@@ -192,11 +193,7 @@ pub(crate) fn try_decode(
         lp.set_states(dev, &all)?;
     }
     g.graph.launch().map_err(dev_err)?;
-    let vocab = cfg.vocab_size;
-    let logits = dev
-        .download(&g.logits.slice(0..n * vocab))
-        .map_err(dev_err)?;
-    Ok(Some(logits))
+    Ok(Some(g.logits.slice(0..n * cfg.vocab_size)))
 }
 
 /// Run `capture` (a decode step's [`capture`]), which takes every activation of the step from

@@ -27,8 +27,8 @@ use std::collections::HashMap;
 use moerun_core::{Error, Result, Tensor};
 use moerun_cuda::{
     ActivationArena, AttentionPrefill, AttentionScratch, BatchKvBf16, CudaDevice, CudaError,
-    CudaSlice, DeviceBuffer, DeviceExperts, DeviceKvPool, DeviceMatrix, DeviceRepr, DeviceRope,
-    MoeScratch,
+    CudaSlice, DeviceBuffer, DeviceExperts, DeviceKvPool, DeviceMatrix, DevicePtr, DeviceRepr,
+    DeviceRope, MoeScratch,
 };
 
 use crate::config::{ModelConfig, QkNorm};
@@ -100,6 +100,37 @@ impl CudaModel {
             ))
         })
     }
+}
+
+/// What a pass hands back of its device logits.
+pub(crate) enum Fetched {
+    Logits(Vec<f32>),
+    /// Each row's greedy pick (`argmax_rows` on the device).
+    Tokens(Vec<u32>),
+}
+
+/// Download `logits` (`[rows, vocab]`) or, when `greedy`, only each row's arg-max, picked on the
+/// device: at 128 sequences that is 512 bytes a step instead of 78 MB of logits and a host pass
+/// over them.
+pub(crate) fn fetch(
+    dev: &CudaDevice,
+    logits: &impl DevicePtr<f32>,
+    vocab: usize,
+    greedy: bool,
+) -> Result<Fetched> {
+    if !greedy {
+        return Ok(Fetched::Logits(match logits.len() {
+            0 => Vec::new(),
+            _ => dev.download(logits).map_err(dev_err)?,
+        }));
+    }
+    let rows = logits.len() / vocab.max(1);
+    if rows == 0 {
+        return Ok(Fetched::Tokens(Vec::new()));
+    }
+    let mut ids = dev.alloc_u32(rows).map_err(dev_err)?;
+    dev.argmax_rows(logits, vocab, &mut ids).map_err(dev_err)?;
+    Ok(Fetched::Tokens(dev.download(&ids).map_err(dev_err)?))
 }
 
 /// Decode batches up to this many tokens get the full split-K parallelism in attention; larger

@@ -222,14 +222,10 @@ pub(crate) fn forward(
     batch: &Batch,
     tokens: &[u32],
     rows: &[usize],
-) -> Result<Vec<f32>> {
+) -> Result<DeviceBuffer<f32>> {
     check_tokens(cfg, tokens)?;
     let at = Placement::of_batch(&m.dev, batch)?;
-    let logits = run(m, kv, cfg, w, &at, Tokens::Host, tokens, rows)?;
-    if logits.is_empty() {
-        return Ok(Vec::new());
-    }
-    m.dev.download(&logits).map_err(dev_err)
+    run(m, kv, cfg, w, &at, Tokens::Host, tokens, rows)
 }
 
 /// Refuse tokens past the per-layer-input table (the main vocabulary is checked by the caller).

@@ -74,6 +74,12 @@ impl<'m> Live<'m> {
         self.events.is_closed()
     }
 
+    /// Whether this request's next token is the argmax of the raw logits with nothing to report
+    /// beside it (greedy, no penalties, no logprobs): the model may pick it on the device.
+    pub fn takes_plain_greedy(&self) -> bool {
+        self.logprobs.is_none() && self.sampler.params().is_plain_greedy()
+    }
+
     /// Choose the next token from this sequence's logits row (used as scratch) given its whole
     /// history, with its logprobs if the request wants them.
     pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> (u32, Option<TokenLogprobs>) {

@@ -189,13 +189,20 @@ fn step<'m>(
         std::thread::sleep(Duration::from_millis(1));
         return;
     }
-    let logits = match forward(model, kv, states, scheduler, &plan) {
-        Ok(l) => l,
+    // Every request that samples this step picks the raw argmax: the model picks it where the
+    // logits are and only the ids come back.
+    let greedy = plan.chunks.iter().filter(|c| c.needs_logits).all(|c| {
+        live.get(&c.id)
+            .is_none_or(|state| state.takes_plain_greedy())
+    });
+    let picked = match forward(model, kv, states, scheduler, &plan, greedy) {
+        Ok(p) => p,
         Err(message) => return fail_step(&plan, scheduler, live, metrics, &message),
     };
     let vocab = model.vocab_size();
     let now = Instant::now();
     let mut results = Vec::with_capacity(plan.chunks.len());
+    let mut done = Vec::new(); // finished requests, told after the stats are published
     let mut sampled = Vec::new();
     let mut stopped_by_token = Vec::new();
     for (row, chunk) in plan.chunks.iter().enumerate() {
@@ -206,8 +213,13 @@ fn step<'m>(
         else {
             continue;
         };
-        let mut row_logits = logits[row * vocab..(row + 1) * vocab].to_vec();
-        let drawn = catch_unwind(AssertUnwindSafe(|| state.sample(&mut row_logits, history)));
+        let drawn = match &picked {
+            Picked::Tokens(tokens) => Ok((tokens[row], None)),
+            Picked::Logits(logits) => {
+                let mut row_logits = logits[row * vocab..(row + 1) * vocab].to_vec();
+                catch_unwind(AssertUnwindSafe(|| state.sample(&mut row_logits, history)))
+            }
+        };
         let Ok((token, logprobs)) = drawn else {
             stopped_by_token.push((chunk.id, None));
             continue;
@@ -225,7 +237,7 @@ fn step<'m>(
         scheduler.finish(id, SchedReason::Stop);
         if let Some(state) = live.remove(&id) {
             match reason {
-                Some(r) => state.finish(r, metrics),
+                Some(r) => done.push((state, r)),
                 None => {
                     metrics.count_failed();
                     state.fail("internal error while sampling".into());
@@ -248,7 +260,7 @@ fn step<'m>(
             Ok(true) => {
                 scheduler.finish(id, SchedReason::Stop);
                 if let Some(state) = live.remove(&id) {
-                    state.finish(FinishReason::Stop, metrics);
+                    done.push((state, FinishReason::Stop));
                 }
             }
             Err(message) => {
@@ -262,20 +274,36 @@ fn step<'m>(
     }
     for f in finished_by_length {
         if let Some(state) = live.remove(&f.id) {
-            state.finish(FinishReason::Length, metrics);
+            done.push((state, FinishReason::Length));
         }
+    }
+    // The finished requests' blocks are free in the published stats before their clients hear
+    // that they ended (a client reading /metrics right after its last event sees them freed).
+    metrics.set_scheduler_stats(&scheduler.stats());
+    for (state, reason) in done {
+        state.finish(reason, metrics);
     }
 }
 
-/// Run the planned chunks as one flat batch; logits of each chunk's last token, in plan order.
-/// A panic in the model is caught and reported like an error.
+/// What a step's forward pass hands back, one row per chunk in plan order.
+enum Picked {
+    /// The logits of each chunk's last token.
+    Logits(Vec<f32>),
+    /// The argmax of each chunk's last-token logits, picked by the model (every request of the
+    /// step samples plain greedy).
+    Tokens(Vec<u32>),
+}
+
+/// Run the planned chunks as one flat batch; logits of each chunk's last token (or, `greedy`,
+/// their argmax), in plan order. A panic in the model is caught and reported like an error.
 fn forward(
     model: &ServedModel,
     kv: &mut KvCache,
     states: &mut SlotStates,
     scheduler: &Scheduler,
     plan: &SchedulerOutput,
-) -> Result<Vec<f32>, String> {
+    greedy: bool,
+) -> Result<Picked, String> {
     let mut chunks = Vec::with_capacity(plan.chunks.len());
     let mut slots = Vec::with_capacity(plan.chunks.len());
     let mut window_tables = Vec::new();
@@ -311,13 +339,17 @@ fn forward(
         .with_state_slots(slots)
         .with_window_tables(window_tables);
     let result = catch_unwind(AssertUnwindSafe(|| {
-        let which = LogitsFor::LastOfEachSeq;
+        let which = match greedy {
+            true => LogitsFor::GreedyOfEachSeq,
+            false => LogitsFor::LastOfEachSeq,
+        };
         model
             .model
             .forward_with_state(&batch, kv, &mut states.cache, which)
     }));
     match result {
-        Ok(Ok(out)) => Ok(out.logits),
+        Ok(Ok(out)) if greedy => Ok(Picked::Tokens(out.tokens)),
+        Ok(Ok(out)) => Ok(Picked::Logits(out.logits)),
         Ok(Err(e)) => Err(format!("forward pass failed: {e}")),
         Err(_) => Err("forward pass panicked".into()),
     }
