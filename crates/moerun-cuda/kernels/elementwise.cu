@@ -71,8 +71,14 @@ extern "C" __global__ void fill_random_f32(float* out, u64 n, u64 seed, float sc
 
 // Greedy pick of each row of `width` logits: the largest value, the lowest index among equal
 // ones; NaN never wins and a row with nothing above -inf gives 0 (moerun-model's `argmax`, the
-// engine's greedy). Launch: grid (rows), block 1024: each thread its strided elements in order,
-// then warp and block arg-max reductions, so only the ids go to the host, not rows x vocab floats.
+// engine's greedy), so only the ids go to the host, not rows x vocab floats. Two launches:
+// - argmax_part_f32: grid (rows, parts), block 256; block (r, p) scans slice p of row r (parts
+//   contiguous slices, each thread its strided elements in order), then warp and block
+//   reductions into part_v / part_i [rows][parts]. A row of a 151,936-word vocabulary in one block
+//   took 34 us (one SM's bandwidth); parts spread it over the GPU.
+// - argmax_finish_f32: grid (rows), block 32; one warp merges a row's parts (parts <= 32).
+// Merging keeps the larger value, and the lower index on equal values, so the order of the
+// reductions never changes the pick.
 __device__ __forceinline__ void argmax_merge(float& bv, u32& bi, float ov, u32 oi) {
     if (ov > bv || (ov == bv && oi < bi)) {
         bv = ov;
@@ -80,23 +86,33 @@ __device__ __forceinline__ void argmax_merge(float& bv, u32& bi, float ov, u32 o
     }
 }
 
-extern "C" __global__ void __launch_bounds__(1024)
-    argmax_rows_f32(const float* __restrict__ x, int width, u32* __restrict__ out) {
-    __shared__ float s_v[32];
-    __shared__ u32 s_i[32];
+__device__ __forceinline__ void argmax_warp(float& bv, u32& bi) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        argmax_merge(bv, bi, __shfl_xor_sync(0xffffffffu, bv, o), __shfl_xor_sync(0xffffffffu, bi, o));
+}
+
+#define ARGMAX_THREADS 256
+
+extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
+    argmax_part_f32(const float* __restrict__ x, int width, float* __restrict__ part_v,
+                    u32* __restrict__ part_i) {
+    __shared__ float s_v[ARGMAX_THREADS / 32];
+    __shared__ u32 s_i[ARGMAX_THREADS / 32];
+    const int parts = gridDim.y;
+    const int per = (width + parts - 1) / parts;
+    const int lo = blockIdx.y * per, hi = min(width, lo + per);
     const float* r = x + (u64)blockIdx.x * width;
     float bv = __int_as_float(0xff800000);  // -inf
     u32 bi = 0xffffffffu;                   // none yet: loses every tie
-    for (int i = threadIdx.x; i < width; i += blockDim.x) {
+    for (int i = lo + threadIdx.x; i < hi; i += ARGMAX_THREADS) {
         const float v = r[i];
         if (v > bv) {
             bv = v;
             bi = (u32)i;
         }
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-        argmax_merge(bv, bi, __shfl_xor_sync(0xffffffffu, bv, o), __shfl_xor_sync(0xffffffffu, bi, o));
+    argmax_warp(bv, bi);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (lane == 0) {
         s_v[warp] = bv;
@@ -104,13 +120,23 @@ extern "C" __global__ void __launch_bounds__(1024)
     }
     __syncthreads();
     if (warp == 0) {
-        const int warps = blockDim.x >> 5;
-        bv = lane < warps ? s_v[lane] : __int_as_float(0xff800000);
-        bi = lane < warps ? s_i[lane] : 0xffffffffu;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1)
-            argmax_merge(bv, bi, __shfl_xor_sync(0xffffffffu, bv, o),
-                         __shfl_xor_sync(0xffffffffu, bi, o));
-        if (lane == 0) out[blockIdx.x] = bi == 0xffffffffu ? 0u : bi;
+        bv = lane < ARGMAX_THREADS / 32 ? s_v[lane] : __int_as_float(0xff800000);
+        bi = lane < ARGMAX_THREADS / 32 ? s_i[lane] : 0xffffffffu;
+        argmax_warp(bv, bi);
+        if (lane == 0) {
+            part_v[(u64)blockIdx.x * parts + blockIdx.y] = bv;
+            part_i[(u64)blockIdx.x * parts + blockIdx.y] = bi;
+        }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(32)
+    argmax_finish_f32(const float* __restrict__ part_v, const u32* __restrict__ part_i, int parts,
+                      u32* __restrict__ out) {
+    const int lane = threadIdx.x;
+    const u64 at = (u64)blockIdx.x * parts + lane;
+    float bv = lane < parts ? part_v[at] : __int_as_float(0xff800000);
+    u32 bi = lane < parts ? part_i[at] : 0xffffffffu;
+    argmax_warp(bv, bi);
+    if (lane == 0) out[blockIdx.x] = bi == 0xffffffffu ? 0u : bi;
 }

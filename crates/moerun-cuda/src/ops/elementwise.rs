@@ -23,7 +23,8 @@ pub(crate) struct ElementwiseKernels {
     gather_rows: CudaFunction,
     fill_random_bf16: CudaFunction,
     fill_random_f32: CudaFunction,
-    argmax_rows: CudaFunction,
+    argmax_part: CudaFunction,
+    argmax_finish: CudaFunction,
 }
 
 impl ElementwiseKernels {
@@ -36,10 +37,14 @@ impl ElementwiseKernels {
             gather_rows: get("gather_rows_f32")?,
             fill_random_bf16: get("fill_random_bf16")?,
             fill_random_f32: get("fill_random_f32")?,
-            argmax_rows: get("argmax_rows_f32")?,
+            argmax_part: get("argmax_part_f32")?,
+            argmax_finish: get("argmax_finish_f32")?,
         })
     }
 }
+
+/// Most parts a row of [`CudaDevice::argmax_rows`] is split into (one warp merges them).
+const ARGMAX_MAX_PARTS: usize = 32;
 
 impl CudaDevice {
     fn grid_stride(&self, n: usize) -> LaunchConfig {
@@ -52,7 +57,9 @@ impl CudaDevice {
 
     /// The greedy pick of each row of `width` values in `x`: the index of the largest, the lowest
     /// among equal ones, NaN never chosen, 0 for a row with nothing above -inf (the engine's
-    /// greedy sampling), into `out` (one per row). Only the ids then cross to the host.
+    /// greedy sampling), into `out` (one per row). Only the ids then cross to the host. Each row
+    /// is split into parts scanned by blocks across the GPU, then merged (two launches; the
+    /// parts' scratch is allocated here, outside any graph).
     pub fn argmax_rows(
         &self,
         x: &impl DevicePtr<f32>,
@@ -69,20 +76,44 @@ impl CudaDevice {
         if rows == 0 {
             return Ok(());
         }
+        // About two blocks per SM in all, at most 32 parts (one warp merges them), none empty.
+        let sms = self.info().multiprocessors as usize;
+        let parts = (2 * sms)
+            .div_ceil(rows)
+            .clamp(1, ARGMAX_MAX_PARTS)
+            .min(width);
+        let mut part_v = self.alloc_f32(rows * parts)?;
+        let mut part_i = self.alloc_u32(rows * parts)?;
         let xp = self.ptr(x, "argmax_rows x")?;
         let op = self.ptr_mut(out, "argmax_rows out")?;
-        let width_i = super::to_i32(width, "width")?;
+        let (vp, ip) = (
+            self.ptr_mut(&mut part_v, "argmax_rows parts")?,
+            self.ptr_mut(&mut part_i, "argmax_rows parts")?,
+        );
+        let (width_i, parts_i) = (
+            super::to_i32(width, "width")?,
+            super::to_i32(parts, "parts")?,
+        );
+        let k = &self.kernels.elementwise;
         let cfg = LaunchConfig {
-            grid_dim: (super::blocks(rows, 1)?, 1, 1),
-            block_dim: (1024, 1, 1),
+            grid_dim: (super::blocks(rows, 1)?, parts as u32, 1),
+            block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = self
-            .stream
-            .launch_builder(&self.kernels.elementwise.argmax_rows);
-        b.arg(&xp).arg(&width_i).arg(&op);
-        // SAFETY: x holds rows * width f32, out rows u32; the argument list matches the kernel's.
-        unsafe { b.launch(cfg) }.ctx("argmax_rows_f32")?;
+        let mut b = self.stream.launch_builder(&k.argmax_part);
+        b.arg(&xp).arg(&width_i).arg(&vp).arg(&ip);
+        // SAFETY: x holds rows * width f32; the parts hold rows * parts entries each (parts <=
+        // 32 = ARGMAX_MAX_PARTS, <= width); the argument list matches the kernel's.
+        unsafe { b.launch(cfg) }.ctx("argmax_part_f32")?;
+        let cfg = LaunchConfig {
+            grid_dim: (super::blocks(rows, 1)?, 1, 1),
+            block_dim: (32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream.launch_builder(&k.argmax_finish);
+        b.arg(&vp).arg(&ip).arg(&parts_i).arg(&op);
+        // SAFETY: the parts were written above for every (row, part); out holds rows u32.
+        unsafe { b.launch(cfg) }.ctx("argmax_finish_f32")?;
         Ok(())
     }
 
