@@ -10,8 +10,8 @@
 
 use moerun_core::{DType, Error, Result, Tensor};
 use moerun_cuda::{
-    AttentionShape, CudaDevice, CudaSlice, DeviceBuffer, DeviceKvPool, DeviceMatrix, QkvShape,
-    RouterShape, TokenPlacement,
+    AttentionShape, BatchKvBf16, CudaDevice, CudaSlice, DeviceBuffer, DeviceKvPool, DeviceMatrix,
+    QkvShape, RouterShape, TokenPlacement,
 };
 
 use super::{dev_err, profile, tensor_key, CudaModel, DeviceKv, PassScratch};
@@ -100,6 +100,24 @@ pub(crate) fn placement(at: &Placement, windowed: bool) -> TokenPlacement<'_> {
         block_tables: &at.block_tables,
         max_context: at.max_context,
     }
+}
+
+/// The bf16 copy of this batch's K/V that the tensor-core prefill tiles read, when the batch
+/// takes them (`(rows, kv_heads, head_dim)`): the prologue (or kv_write) fills it and attention
+/// reads it, both asking here. Never in a decode step captured into a graph (tokens on the
+/// device): the graph would keep the copy's address, which a later, larger prefill frees; such
+/// steps never tile anyway (one token per sequence).
+fn batch_copy<'s>(
+    m: &CudaModel,
+    tokens: &Tokens,
+    slot: &'s mut Option<BatchKvBf16>,
+    (rows, kv_heads, head_dim): (usize, usize, usize),
+) -> Result<Option<&'s mut BatchKvBf16>> {
+    if !matches!(tokens, Tokens::Host) || !m.prefill_attention.takes_batch_copy(rows, head_dim) {
+        return Ok(None);
+    }
+    let copy = m.dev.batch_kv_in(slot, rows, kv_heads, head_dim);
+    copy.map(Some).map_err(dev_err)
 }
 
 /// Where the pass finds the batch's token ids.
@@ -264,27 +282,19 @@ impl Backend for CudaPass<'_> {
                 eps: cfg.rms_norm_eps,
                 v_unit_norm: false,
             };
-            // K/V go straight into the layer's pool too: no kv_write launch in `attention`.
-            // And, for a batch the tensor-core tiles take, in bf16 into the batch copy they read
-            // (`attention` asks the same question of the same batch). Never in a decode step
-            // captured into a graph (tokens on the device): the graph would keep the copy's
-            // address, which a later, larger prefill frees; such steps never tile anyway (one
-            // token per sequence).
+            // K/V go straight into the layer's pool too: no kv_write launch in `attention`; and
+            // into the batch copy the tensor-core tiles read, when they take this batch.
             let windowed = cfg.layers[layer].sliding_window.is_some();
             let at = placement(self.at, windowed);
             let pool = self.pools[layer]
                 .as_mut()
                 .ok_or_else(|| Error::Device(format!("layer {layer} has no KV pool")))?;
-            let tiles = matches!(self.tokens, Tokens::Host)
-                && m.prefill_attention.takes_batch_copy(rows, d);
-            let copy = match tiles {
-                true => Some(
-                    m.dev
-                        .batch_kv_in(&mut self.scratch.batch_kv, rows, cfg.num_kv_heads, d)
-                        .map_err(dev_err)?,
-                ),
-                false => None,
-            };
+            let copy = batch_copy(
+                m,
+                &self.tokens,
+                &mut self.scratch.batch_kv,
+                (rows, cfg.num_kv_heads, d),
+            )?;
             m.dev
                 .qkv_split_norm_rope_copy(
                     &qkv,
@@ -385,25 +395,13 @@ impl Backend for CudaPass<'_> {
                 .as_mut()
                 .ok_or_else(|| Error::Device(format!("layer {layer} has no KV pool")))?;
             // The tensor-core tiles read this batch's own keys from its bf16 copy: filled by the
-            // prologue when it wrote the pool (same batch, same question), else here; never in
-            // a captured decode step (see `attention_inputs`).
-            let copy_wanted = matches!(self.tokens, Tokens::Host)
-                && self
-                    .m
-                    .prefill_attention
-                    .takes_batch_copy(rows, spec.head_dim);
-            let mut copy = match copy_wanted {
-                true => Some(
-                    dev.batch_kv_in(
-                        &mut self.scratch.batch_kv,
-                        rows,
-                        spec.num_kv_heads,
-                        spec.head_dim,
-                    )
-                    .map_err(dev_err)?,
-                ),
-                false => None,
-            };
+            // prologue when it wrote the pool (same batch, same question), else here.
+            let mut copy = batch_copy(
+                self.m,
+                &self.tokens,
+                &mut self.scratch.batch_kv,
+                (rows, spec.num_kv_heads, spec.head_dim),
+            )?;
             if !written {
                 dev.kv_write_with_copy(pool, k, v, &at, copy.as_deref_mut())
                     .map_err(dev_err)?;
