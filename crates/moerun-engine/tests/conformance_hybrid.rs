@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use moerun_engine::Sequence;
 use moerun_model::npy::read_npy_f32;
-use moerun_model::{Batch, LogitsFor, Model, SeqChunk};
+use moerun_model::{argmax, Batch, LogitsFor, Model, SeqChunk};
 use support::{step, Caches};
 
 fn fixture(name: &str) -> PathBuf {
@@ -39,16 +39,6 @@ fn relative_error(got: &[f32], want: &[f32]) -> f64 {
         .sum();
     let norm: f64 = want.iter().map(|w| (*w as f64).powi(2)).sum();
     (diff / norm).sqrt()
-}
-
-fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, v) in row.iter().enumerate() {
-        if *v > row[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 /// Logits of every prompt token, fed in steps of `chunks` tokens (the last step takes the rest),

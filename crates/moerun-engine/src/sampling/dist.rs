@@ -103,10 +103,8 @@ fn weight(x: f32, max: f32) -> f32 {
 }
 
 /// Index of the largest logit, ties to the lowest id; NaN never wins. 0 when nothing is larger
-/// than -inf.
-pub(crate) fn argmax(logits: &[f32]) -> u32 {
-    moerun_model::argmax(logits)
-}
+/// than -inf (the model's pick, which the GPU's greedy path reproduces).
+pub(crate) use moerun_model::argmax;
 
 /// A token in a selection heap. Ordered so that the *less* likely token is the greater (lower
 /// logit, or the same logit and a higher id): the heap's top is then the one to evict.
