@@ -21,6 +21,7 @@ pub mod error;
 pub mod graph;
 pub mod ops;
 pub mod probe;
+mod skip;
 
 pub use arena::{ActivationArena, DeviceBuffer};
 pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr};

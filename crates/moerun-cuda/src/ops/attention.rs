@@ -492,8 +492,9 @@ fn cluster_plan(
         return None;
     }
     // Two steps per block at least: one step's latency is mostly its loads, which the second
-    // step's overlap.
-    let min_keys = 2 * step;
+    // step's overlap. (MOERUN_CUDA_CLUSTER_MIN_STEPS overrides it, to measure the trade between
+    // steps per block and clusters to merge.)
+    let min_keys = cluster_min_steps() * step;
     let clusters = (slots / work)
         .min(context.max(1).div_ceil(CLUSTER_SIZE * min_keys))
         .min(MAX_CLUSTERS)
@@ -503,6 +504,18 @@ fn cluster_plan(
         return None;
     }
     Some(ClusterPlan { clusters, min_keys })
+}
+
+/// Fewest key steps a cluster kernel block takes: 2, or `MOERUN_CUDA_CLUSTER_MIN_STEPS`.
+fn cluster_min_steps() -> usize {
+    static STEPS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *STEPS.get_or_init(|| {
+        std::env::var("MOERUN_CUDA_CLUSTER_MIN_STEPS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&s| (1..=MAX_CLUSTER_STEPS).contains(&s))
+            .unwrap_or(2)
+    })
 }
 
 /// Index of the smallest class that holds `v`.
@@ -1024,13 +1037,15 @@ impl CudaDevice {
                 .stream
                 .launch_builder(&kernels.cluster[dim_class][group_class]);
             b.arg(&args);
-            // SAFETY: as for the split kernel below; the grid's y extent is a whole number of
-            // clusters (the kernel's compile-time cluster shape, 1 x 8 x 1); with more than one
-            // cluster per group the partials of n x num_heads x clusters rows fit the scratch
-            // (cluster_plan is bounded by `capacity`) and the work x 8 arrival counts exist
-            // (checked when planning); the dynamic shared memory is what this head_dim needs,
-            // within the limit set at load (`cluster_smem_ok`).
-            unsafe { b.launch(cfg) }.ctx("attention cluster decode")?;
+            if !crate::skip::skipped("attention") {
+                // SAFETY: as for the split kernel below; the grid's y extent is a whole number of
+                // clusters (the kernel's compile-time cluster shape, 1 x 8 x 1); with more than one
+                // cluster per group the partials of n x num_heads x clusters rows fit the scratch
+                // (cluster_plan is bounded by `capacity`) and the work x 8 arrival counts exist
+                // (checked when planning); the dynamic shared memory is what this head_dim needs,
+                // within the limit set at load (`cluster_smem_ok`).
+                unsafe { b.launch(cfg) }.ctx("attention cluster decode")?;
+            }
             debug_assert!(c.clusters == 1 || work * CLUSTER_SIZE <= scratch.arrivals.len());
             return Ok(());
         }

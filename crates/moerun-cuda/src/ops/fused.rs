@@ -103,6 +103,9 @@ impl CudaDevice {
             block_dim: (ROW_BLOCK, 1, 1),
             shared_mem_bytes: 0,
         };
+        if crate::skip::skipped("add_rms_norm") {
+            return Ok(());
+        }
         let mut b = self.stream.launch_builder(&self.kernels.fused.add_rms_norm);
         b.arg(&xp)
             .arg(&yp)
@@ -297,6 +300,9 @@ impl CudaDevice {
             block_dim: (32, QKV_HEADS_PER_BLOCK as u32, 1),
             shared_mem_bytes: 0,
         };
+        if crate::skip::skipped("qkv_prologue") {
+            return Ok(());
+        }
         let mut b = self
             .stream
             .launch_builder(&self.kernels.fused.qkv_split_norm_rope);

@@ -97,6 +97,9 @@ impl CudaDevice {
             shared_mem_bytes: 0,
         };
         let kernels = &self.kernels.gemv[layout.slot()][dtype_slot(w.dtype())];
+        if crate::skip::skipped("gemv") || crate::skip::skipped(&format!("gemv:{n}")) {
+            return Ok(());
+        }
         let mut row = 0;
         while row < m {
             let slot = GEMV_ROWS.iter().rposition(|&r| r <= m - row).unwrap_or(0);

@@ -150,10 +150,12 @@ impl CudaDevice {
         b.arg(&experts_i).arg(&hidden_i).arg(&inter_i).arg(&k_i);
         let act = w.activation().code();
         b.arg(&act);
-        // SAFETY: gate_up holds E · 2I · H elements (H a multiple of the 16-byte chunk); x holds
-        // n · H f32, 16-byte aligned; ids hold P <= 32 u32 (only ids < E index the weights); h
-        // holds P_max · I >= P · I f32.
-        unsafe { b.launch(cfg) }.ctx("moe_tiny_gate_up")?;
+        if !crate::skip::skipped("moe_gate_up") {
+            // SAFETY: gate_up holds E · 2I · H elements (H a multiple of the 16-byte chunk); x holds
+            // n · H f32, 16-byte aligned; ids hold P <= 32 u32 (only ids < E index the weights); h
+            // holds P_max · I >= P · I f32.
+            unsafe { b.launch(cfg) }.ctx("moe_tiny_gate_up")?;
+        }
 
         let cfg = LaunchConfig {
             grid_dim: (blocks(w.hidden, TINY_DOWN_ROWS)?, c.tokens as u32, 1), // n <= 32
@@ -163,11 +165,13 @@ impl CudaDevice {
         let mut b = self.stream.launch_builder(&k.tiny_down[slot]);
         b.arg(&down).arg(&h).arg(&c.ids).arg(&c.weights).arg(&c.out);
         b.arg(&experts_i).arg(&hidden_i).arg(&inter_i).arg(&k_i);
-        // SAFETY: down holds E · H · I elements (I a multiple of the chunk); h was written above
-        // for every pair with an in-range id (the others are never read: their rows are NaN);
-        // ids and weights hold n · k <= 32 entries (k <= 32, the kernel's shared rows), out n · H
-        // f32.
-        unsafe { b.launch(cfg) }.ctx("moe_tiny_down")?;
+        if !crate::skip::skipped("moe_down") {
+            // SAFETY: down holds E · H · I elements (I a multiple of the chunk); h was written above
+            // for every pair with an in-range id (the others are never read: their rows are NaN);
+            // ids and weights hold n · k <= 32 entries (k <= 32, the kernel's shared rows), out n · H
+            // f32.
+            unsafe { b.launch(cfg) }.ctx("moe_tiny_down")?;
+        }
         Ok(())
     }
 
