@@ -506,6 +506,33 @@ fn cluster_plan(
     Some(ClusterPlan { clusters, min_keys })
 }
 
+/// Batches whose keys (tokens x context) number at most this many take their decode blocks in
+/// chunks of at most [`SMALL_BATCH_HEADS`] query heads: twice the blocks, half the registers and
+/// the per-warp chain of each. `ops_bench attention` (H200, Qwen3-30B-A3B's 32/4 heads of 128):
+/// batch 1 at 512 / 2048 / 8192 keys 12.5 / 18.4 / 48.4 µs with the whole group of 8 per block
+/// against 9.1 / 15.6 / 33.0 with 4; 8 sequences of 512 keys 28.9 against 19.7; but 8 of 4096
+/// keys 111.8 against 143.2 and 32 of 512 keys 60.2 against 67.5, where the device is full and
+/// reading each K/V row once per chunk costs more than the parallelism buys.
+const SMALL_BATCH_KEYS: usize = 8192;
+/// Query heads per decode block for batches of at most [`SMALL_BATCH_KEYS`] keys.
+const SMALL_BATCH_HEADS: usize = 4;
+
+/// The most query heads one decode block takes for `tokens` tokens of up to `context` keys, or
+/// `None` for the whole GQA group (up to 8). `MOERUN_CUDA_ATTN_HEADS` (1, 2, 4 or 8) overrides
+/// the rule, to measure it.
+fn decode_head_cap(tokens: usize, context: usize) -> Option<usize> {
+    static FORCED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let forced = *FORCED.get_or_init(|| {
+        std::env::var("MOERUN_CUDA_ATTN_HEADS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|c| GROUP_CLASSES.contains(c))
+    });
+    forced
+        .or((tokens.saturating_mul(context.max(1)) <= SMALL_BATCH_KEYS)
+            .then_some(SMALL_BATCH_HEADS))
+}
+
 /// Fewest key steps a cluster kernel block takes: 2, or `MOERUN_CUDA_CLUSTER_MIN_STEPS`.
 fn cluster_min_steps() -> usize {
     static STEPS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
@@ -905,8 +932,11 @@ impl CudaDevice {
         if d > MAX_TILED_HEAD_DIM {
             group_class = group_class.min(class_of(&GROUP_CLASSES, MAX_GROUP_D512));
         }
-        let head_chunks = group.div_ceil(GROUP_CLASSES[group_class]);
         let context = sliding_window.map_or(at.max_context, |w| w.min(at.max_context));
+        if let Some(cap) = decode_head_cap(n, context) {
+            group_class = group_class.min(class_of(&GROUP_CLASSES, cap));
+        }
+        let head_chunks = group.div_ceil(GROUP_CLASSES[group_class]);
         let per_split = n * num_heads;
         let capacity =
             (scratch.acc.len() / (per_split * d)).min(scratch.ml.len() / (per_split * 2));
