@@ -348,11 +348,10 @@ __device__ __forceinline__ void merge_splits(const AttnArgs& a, int i, int h0, i
 // EARLY (programmatic dependent launch, common.cuh): the kernel has not waited for the one before
 // it yet. Keys before `fresh` were written by earlier passes, so the first step's rows of those
 // load first; then the wait, and q and the fresh rows (the previous kernel writes them) after.
-template <int W, int L, int VPL, int GM, bool EARLY = false>
+template <int W, int L, int VPL, int GM, bool EARLY = false, int U = SPLIT_KEYS / VPL>
 __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, int h0, int gh, int ts,
                                             int k0, int k1, float* s_acc, float* s_ml,
                                             int fresh = 0) {
-    constexpr int U = SPLIT_KEYS / VPL;
     constexpr int GROUPS = 32 * W / L;
     using S = Scatter<L, GM>;
     constexpr int OWN = S::OWN;
@@ -531,7 +530,7 @@ __device__ __forceinline__ float combine_warps(const float* s_acc, const float* 
 
 // L lanes per key, VPL float4 of the head per lane (L * VPL * 4 >= head_dim), up to GM query
 // heads per block.
-template <int L, int VPL, int GM>
+template <int L, int VPL, int GM, int U = SPLIT_KEYS / VPL>
 __device__ __forceinline__ void attn_split(const AttnArgs& a) {
     extern __shared__ float4 split_smem4[];
     const int i = blockIdx.x;
@@ -563,7 +562,7 @@ __device__ __forceinline__ void attn_split(const AttnArgs& a) {
 
     float* s_acc = reinterpret_cast<float*>(split_smem4);
     float* s_ml = s_acc + SPLIT_WARPS * GM * d;
-    attend_keys<SPLIT_WARPS, L, VPL, GM>(a, i, kh, h0, gh, ts, k0, k1, s_acc, s_ml);
+    attend_keys<SPLIT_WARPS, L, VPL, GM, false, U>(a, i, kh, h0, gh, ts, k0, k1, s_acc, s_ml);
     for (int idx = threadIdx.x; idx < gh * d; idx += SPLIT_THREADS) {
         const int h = idx / d;
         const int e = idx - h * d;
@@ -625,6 +624,19 @@ ATTN_SPLIT(attn_split_d256_g1, 32, 2, 1)
 ATTN_SPLIT(attn_split_d256_g2, 32, 2, 2)
 ATTN_SPLIT(attn_split_d256_g4, 32, 2, 4)
 ATTN_SPLIT(attn_split_d256_g8, 32, 2, 8)
+// Lean variants (MOERUN_CUDA_ATTN_LEAN=1, being measured): 2 keys per group per step instead of
+// 4, so that four blocks fit an SM (128 registers, no spills) where the full kernel's 168 leave
+// three; more warps to hide the shuffle and exp2 chains, fewer bytes in flight per warp.
+#define ATTN_SPLIT_LEAN(NAME, L, VPL, GM)                                                        \
+    extern "C" __global__ void __launch_bounds__(SPLIT_THREADS, 4) NAME(const AttnArgs a) {     \
+        pdl_entry();                                                                             \
+        attn_split<L, VPL, GM, 2>(a);                                                            \
+    }
+
+ATTN_SPLIT_LEAN(attn_split_d128_g1_lean, 32, 1, 1)
+ATTN_SPLIT_LEAN(attn_split_d128_g2_lean, 32, 1, 2)
+ATTN_SPLIT_LEAN(attn_split_d128_g4_lean, 32, 1, 4)
+ATTN_SPLIT_LEAN(attn_split_d128_g8_lean, 32, 1, 8)
 // head_dim 512 (Gemma 4's full layers): four float4 per lane, one key per group per step, at most
 // 2 query heads per block (q and the accumulator of 8 heads would take 256 registers); larger
 // groups run in head chunks of 2.
