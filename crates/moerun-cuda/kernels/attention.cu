@@ -193,7 +193,8 @@ extern "C" __global__ void __launch_bounds__(128)
 
 #define SPLIT_WARPS 4
 #define SPLIT_THREADS (32 * SPLIT_WARPS)
-// Keys per group per step (rows of d <= 128: 4; of d = 256, two float4 per lane: 2).
+// Keys per group per step by default (rows of d <= 128: 4; of d = 256, two float4 per lane: 2;
+// the split kernels of d = 128 take 2, see ATTN_SPLIT_2KEYS).
 #define SPLIT_KEYS 4
 
 // Reduce-scatter of GM per-lane partial sums over a group of L lanes: each halving step sends
@@ -603,6 +604,16 @@ __device__ __forceinline__ void attn_split(const AttnArgs& a) {
         pdl_entry();                                                                             \
         attn_split<L, VPL, GM>(a);                                                               \
     }
+// head_dim 128 takes 2 keys per group per step instead of 4, so that four blocks fit an SM (128
+// registers, no spills) where the 4-key kernel's 168 left three: more warps to hide the shuffle
+// and exp2 chains that bound it, fewer bytes in flight per warp. ops_bench attention (H200):
+// 128 sequences of 512 / 4096 keys 179.5 / 1160.4 -> 130.7 / 833.2 µs, 8 of 4096 keys
+// 113.4 -> 65.9 µs; decode of 128 sequences 13.0k -> 14.2k tok/s (16 layers of Qwen3-30B-A3B).
+#define ATTN_SPLIT_2KEYS(NAME, L, VPL, GM)                                                       \
+    extern "C" __global__ void __launch_bounds__(SPLIT_THREADS, 4) NAME(const AttnArgs a) {     \
+        pdl_entry();                                                                             \
+        attn_split<L, VPL, GM, 2>(a);                                                            \
+    }
 
 ATTN_SPLIT(attn_split_d16_g1, 4, 1, 1)
 ATTN_SPLIT(attn_split_d16_g2, 4, 1, 2)
@@ -616,27 +627,14 @@ ATTN_SPLIT(attn_split_d64_g1, 16, 1, 1)
 ATTN_SPLIT(attn_split_d64_g2, 16, 1, 2)
 ATTN_SPLIT(attn_split_d64_g4, 16, 1, 4)
 ATTN_SPLIT(attn_split_d64_g8, 16, 1, 8)
-ATTN_SPLIT(attn_split_d128_g1, 32, 1, 1)
-ATTN_SPLIT(attn_split_d128_g2, 32, 1, 2)
-ATTN_SPLIT(attn_split_d128_g4, 32, 1, 4)
-ATTN_SPLIT(attn_split_d128_g8, 32, 1, 8)
+ATTN_SPLIT_2KEYS(attn_split_d128_g1, 32, 1, 1)
+ATTN_SPLIT_2KEYS(attn_split_d128_g2, 32, 1, 2)
+ATTN_SPLIT_2KEYS(attn_split_d128_g4, 32, 1, 4)
+ATTN_SPLIT_2KEYS(attn_split_d128_g8, 32, 1, 8)
 ATTN_SPLIT(attn_split_d256_g1, 32, 2, 1)
 ATTN_SPLIT(attn_split_d256_g2, 32, 2, 2)
 ATTN_SPLIT(attn_split_d256_g4, 32, 2, 4)
 ATTN_SPLIT(attn_split_d256_g8, 32, 2, 8)
-// Lean variants (MOERUN_CUDA_ATTN_LEAN=1, being measured): 2 keys per group per step instead of
-// 4, so that four blocks fit an SM (128 registers, no spills) where the full kernel's 168 leave
-// three; more warps to hide the shuffle and exp2 chains, fewer bytes in flight per warp.
-#define ATTN_SPLIT_LEAN(NAME, L, VPL, GM)                                                        \
-    extern "C" __global__ void __launch_bounds__(SPLIT_THREADS, 4) NAME(const AttnArgs a) {     \
-        pdl_entry();                                                                             \
-        attn_split<L, VPL, GM, 2>(a);                                                            \
-    }
-
-ATTN_SPLIT_LEAN(attn_split_d128_g1_lean, 32, 1, 1)
-ATTN_SPLIT_LEAN(attn_split_d128_g2_lean, 32, 1, 2)
-ATTN_SPLIT_LEAN(attn_split_d128_g4_lean, 32, 1, 4)
-ATTN_SPLIT_LEAN(attn_split_d128_g8_lean, 32, 1, 8)
 // head_dim 512 (Gemma 4's full layers): four float4 per lane, one key per group per step, at most
 // 2 query heads per block (q and the accumulator of 8 heads would take 256 registers); larger
 // groups run in head chunks of 2.

@@ -258,8 +258,6 @@ pub(crate) struct AttentionKernels {
     /// `[dim class][group class]`: head_dim <= 16, 32, 64, 128, 256, 512 x query heads per block
     /// 1, 2, 4, 8 (head_dim 512: 1 and 2 only; its row repeats the 2-head kernel).
     split: [[CudaFunction; 4]; 6],
-    /// head_dim 128's split kernels with 2 keys per step in 128 registers (`MOERUN_CUDA_ATTN_LEAN=1`).
-    split_lean_d128: [CudaFunction; 4],
     /// The cluster decode kernels, indexed as `split` (sm_90+ only; empty elsewhere).
     cluster: [[CudaFunction; 4]; 6],
     /// Whether each cluster kernel got the dynamic shared memory of its widest head.
@@ -385,12 +383,6 @@ impl AttentionKernels {
                     f("attn_split_d512_g2")?,
                     f("attn_split_d512_g2")?,
                 ],
-            ],
-            split_lean_d128: [
-                f("attn_split_d128_g1_lean")?,
-                f("attn_split_d128_g2_lean")?,
-                f("attn_split_d128_g4_lean")?,
-                f("attn_split_d128_g8_lean")?,
             ],
             cluster,
             cluster_smem_ok,
@@ -539,12 +531,6 @@ fn decode_head_cap(tokens: usize, context: usize) -> Option<usize> {
     forced
         .or((tokens.saturating_mul(context.max(1)) <= SMALL_BATCH_KEYS)
             .then_some(SMALL_BATCH_HEADS))
-}
-
-/// Whether head_dim 128 takes the lean split kernels (`MOERUN_CUDA_ATTN_LEAN=1`; being measured).
-fn lean_split_wanted() -> bool {
-    static LEAN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *LEAN.get_or_init(|| std::env::var_os("MOERUN_CUDA_ATTN_LEAN").is_some_and(|v| v == "1"))
 }
 
 /// Fewest key steps a cluster kernel block takes: 2, or `MOERUN_CUDA_CLUSTER_MIN_STEPS`.
@@ -1112,11 +1098,7 @@ impl CudaDevice {
             block_dim: (128, 1, 1),
             shared_mem_bytes: smem as u32,
         };
-        let func = if DIM_CLASSES[dim_class] == 128 && lean_split_wanted() {
-            &kernels.split_lean_d128[group_class]
-        } else {
-            &kernels.split[dim_class][group_class]
-        };
+        let func = &kernels.split[dim_class][group_class];
         let mut b = self.stream.launch_builder(func);
         b.arg(&args);
         // SAFETY: as above; with more than one split the partials of n x num_heads x splits rows
