@@ -24,6 +24,9 @@
 
 mod decode;
 mod prefill;
+mod wgmma;
+
+pub use wgmma::WgmmaTile;
 
 use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, DevicePtrMut};
 use moerun_core::{DType, MatRef};
@@ -61,6 +64,7 @@ pub(crate) struct MoeKernels {
     gather_bf16: CudaFunction,
     silu_mul_bf16: CudaFunction,
     combine_bf16: CudaFunction,
+    wgmma: wgmma::WgmmaKernels,
 }
 
 impl MoeKernels {
@@ -94,6 +98,7 @@ impl MoeKernels {
             gather_bf16: get("moe_prefill", "moe_gather_bf16")?,
             silu_mul_bf16: get("moe_prefill", "moe_silu_mul_bf16")?,
             combine_bf16: get("moe_prefill", "moe_combine_bf16")?,
+            wgmma: wgmma::WgmmaKernels::load(&get)?,
         })
     }
 }
@@ -103,9 +108,12 @@ impl MoeKernels {
 pub enum MoePath {
     /// CUDA cores, f32 activations, graph-capturable; any weight dtype.
     Decode,
-    /// cuBLAS grouped GEMMs on the tensor cores, bf16 activations; bf16 weights only.
+    /// Tensor cores, bf16 activations; bf16 weights only: our wgmma grouped GEMMs where the
+    /// device has them ([`CudaDevice::has_wgmma`], no host wait), else [`MoePath::PrefillCublas`].
     Prefill,
-    /// As [`MoePath::Prefill`], one cuBLAS call per expert with tokens (for comparison).
+    /// cuBLAS grouped GEMMs (one wait for the device per call); any tensor-core GPU.
+    PrefillCublas,
+    /// As [`MoePath::PrefillCublas`], one cuBLAS call per expert with tokens (for comparison).
     PrefillPerExpert,
 }
 
@@ -276,6 +284,7 @@ pub struct MoeScratch {
     top_k: usize,
     path: Option<MoePath>,
     pass: Option<DecodePass>,
+    wgmma_tile: WgmmaTile,
     /// `[E + 2]`: start of each group's pairs (group E: out-of-range ids), then the total.
     offsets: CudaSlice<u32>,
     /// `[P]`: pair indices `t * k + r` in group order.
@@ -318,6 +327,10 @@ impl MoeScratch {
     /// back.
     pub fn set_path(&mut self, path: Option<MoePath>) {
         self.path = path;
+    }
+    /// The tile width of the wgmma prefill GEMMs (benchmarks compare them; default N256).
+    pub fn set_wgmma_tile(&mut self, tile: WgmmaTile) {
+        self.wgmma_tile = tile;
     }
     /// Run the decode kernels in passes of `pass`, or `None` for [`DecodePass::for_pairs`]
     /// (benchmarks compare them; results are the same bit for bit).
@@ -476,6 +489,7 @@ impl CudaDevice {
             top_k,
             path: None,
             pass: None,
+            wgmma_tile: WgmmaTile::default(),
             offsets: self.zeros(e + 2)?,
             pairs: self.zeros(pairs)?,
             pos: self.zeros(pairs)?,
@@ -569,7 +583,12 @@ impl CudaDevice {
         })?;
         match self.moe_path(n, experts, scratch) {
             MoePath::Decode => self.moe_decode(&call, experts, scratch),
-            MoePath::Prefill => self.moe_prefill(&call, experts, scratch, false),
+            MoePath::Prefill if self.has_wgmma() && experts.dtype == DType::BF16 => {
+                self.moe_prefill_wgmma(&call, experts, scratch)
+            }
+            MoePath::Prefill | MoePath::PrefillCublas => {
+                self.moe_prefill(&call, experts, scratch, false)
+            }
             MoePath::PrefillPerExpert => self.moe_prefill(&call, experts, scratch, true),
         }
     }
