@@ -34,6 +34,11 @@
 #define WG_BK 64
 #define WG_THREADS 384
 
+// A CUtensorMap, passed by value as a __grid_constant__ kernel parameter.
+struct __align__(64) WgMap {
+    u64 v[16];
+};
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 __device__ __forceinline__ u32 smem_u32(const void* p) {
@@ -71,6 +76,52 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid)
 // The barrier's pending count drops by one when all of this thread's earlier cp.async are done.
 __device__ __forceinline__ void cp_async_arrive(u32 bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+
+// ---- pairs of CTAs (a cluster of 2) sharing B through TMA multicast ----
+
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+                 : "memory");
+}
+
+// Arrive on the barrier at the same shared offset in CTA `rank` of the cluster.
+__device__ __forceinline__ void mbar_arrive_cluster(u32 bar, u32 rank) {
+    asm volatile(
+        "{\n.reg .b32 ra;\n"
+        "mapa.shared::cluster.u32 ra, %0, %1;\n"
+        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra];\n}\n" ::"r"(bar),
+        "r"(rank)
+        : "memory");
+}
+
+// As mbar_wait, acquiring at cluster scope (the arrivals come from both CTAs of the pair).
+__device__ __forceinline__ void mbar_wait_cluster(u32 bar, u32 parity) {
+    asm volatile(
+        "{\n.reg .pred P1;\n"
+        "WG_CWAIT:\n"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 P1, [%0], %1;\n"
+        "@P1 bra WG_CDONE;\n"
+        "bra WG_CWAIT;\n"
+        "WG_CDONE:\n}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+
+// A box of the tensor map at (k, row) into `dst` of every CTA in `mask`, each completing its
+// bytes on the barrier at the same offset in its own shared memory.
+__device__ __forceinline__ void tma_multicast(u32 dst, const WgMap* map, int k, int row, u32 bar,
+                                              u16 mask) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        ".multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(dst),
+        "l"(reinterpret_cast<u64>(map)), "r"(k), "r"(row), "r"(bar), "h"(mask)
+        : "memory");
+}
+
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::
+                     : "memory");
 }
 
 // A K-major operand in the 128-byte swizzle: 8-row core groups 1024 bytes apart (SBO); the
@@ -149,6 +200,18 @@ __device__ __forceinline__ void wg_mma(float (&d)[128], u64 da, u64 db, int scal
         : "l"(da), "l"(db), "r"(scale_d));
 }
 
+// A consumer warp frees a stage: its own CTA's `empty`, or with pairs both CTAs' (the partner's
+// producer multicasts into this CTA's stage too).
+template <bool PAIR>
+__device__ __forceinline__ void wg_release(u32 empty) {
+    if (PAIR) {
+        mbar_arrive_cluster(empty, 0);
+        mbar_arrive_cluster(empty, 1);
+    } else {
+        mbar_arrive(empty);
+    }
+}
+
 // The m tile `t / n_tiles` of the tile list: expert e (the last whose first tile is <= it), its
 // rows m0 .. mend, and the first output column c0 of n tile `t % n_tiles`.
 struct WgTile {
@@ -157,8 +220,13 @@ struct WgTile {
     int c0;
 };
 
+// With pairs, entry m of the list is a pair of m tiles of one expert and CTA `rank` of the pair
+// takes the rank-th (its rows start past mend when the expert's tile count is odd: it then loads
+// no A, computes zeros and stores nothing, but still multicasts its half of B).
+template <bool PAIR>
 __device__ __forceinline__ WgTile wg_locate(u32 t, u32 n_tiles, int n_out, const u32* tstart,
-                                            const u32* __restrict__ offsets, int experts) {
+                                            const u32* __restrict__ offsets, int experts,
+                                            u32 rank) {
     const u32 m_tile = t / n_tiles;
     int lo = 0, hi = experts - 1;
     while (lo < hi) {
@@ -168,7 +236,8 @@ __device__ __forceinline__ WgTile wg_locate(u32 t, u32 n_tiles, int n_out, const
     }
     WgTile tile;
     tile.e = lo;
-    tile.m0 = offsets[lo] + (m_tile - tstart[lo]) * WG_BM;
+    const u32 local = PAIR ? 2 * (m_tile - tstart[lo]) + rank : m_tile - tstart[lo];
+    tile.m0 = offsets[lo] + local * WG_BM;
     tile.mend = offsets[lo + 1];
     tile.c0 = (int)(t % n_tiles) * n_out;
     return tile;
@@ -177,11 +246,17 @@ __device__ __forceinline__ WgTile wg_locate(u32 t, u32 n_tiles, int n_out, const
 // GATED: A = xb rows gathered through pairs[] (token = pair / top_k), W = gate_up [E][2I][K],
 // out = h [P][I] (n_rows = I), epilogue act(g) * u. Else: A = h [P][K] in group order,
 // W = down [E][H][K], out = y [P][H] (n_rows = H).
-template <int BN, int STAGES, bool GATED>
+// PAIR: CTAs 2c and 2c + 1 (a cluster) take the two m tiles of one pair entry with the same n
+// tile, so they need the same B tile: each loads half of it with TMA (gated: rank 0 the gate
+// rows, rank 1 the up rows; else rank r rows 128 r ..) and multicasts it to both. A stage is then
+// refilled only once the consumers of both CTAs released it (16 arrivals on `empty`); `full`
+// counts the 128 cp.async arrivals of A plus one expect_tx for the B bytes.
+template <int BN, int STAGES, bool GATED, bool PAIR>
 __device__ __forceinline__ void wg_grouped(const u16* __restrict__ a, const u32* __restrict__ pairs,
                                            const u32* __restrict__ offsets,
                                            const u16* __restrict__ w, u16* __restrict__ out,
-                                           int experts, int K, int n_rows, int top_k, int act) {
+                                           int experts, int K, int n_rows, int top_k, int act,
+                                           const WgMap* bmap) {
     constexpr u32 A_BYTES = WG_BM * 128;
     constexpr u32 B_BYTES = BN * 128;
     constexpr u32 STAGE = A_BYTES + B_BYTES;
@@ -192,19 +267,24 @@ __device__ __forceinline__ void wg_grouped(const u16* __restrict__ a, const u32*
     const u32 bars = base + STAGES * STAGE;   // full[s] at bars + 8 s, empty[s] after them
     u32* tstart = reinterpret_cast<u32*>(wg_smem + (base - raw) + STAGES * STAGE + 16 * STAGES);
     const int tid = threadIdx.x;
+    const u32 rank = PAIR ? (blockIdx.x & 1u) : 0u;
 
     if (tid == 0) {
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(bars + 8 * s, 128);                 // every producer thread, via cp.async
-            mbar_init(bars + 8 * (STAGES + s), 8);        // lane 0 of each consumer warp
+            // Every producer thread via cp.async (and the B expect_tx with pairs); lane 0 of each
+            // consumer warp (of both CTAs with pairs).
+            mbar_init(bars + 8 * s, PAIR ? 129 : 128);
+            mbar_init(bars + 8 * (STAGES + s), PAIR ? 16 : 8);
         }
+        if (PAIR) asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     if (tid < 32) {
         // First m tile of each expert: a running scan of ceil(rows / 128), 32 experts at a time.
         u32 carry = 0;
         for (int e0 = 0; e0 < experts; e0 += 32) {
             const int e = e0 + tid;
-            const u32 v = e < experts ? (offsets[e + 1] - offsets[e] + WG_BM - 1) / WG_BM : 0u;
+            u32 v = e < experts ? (offsets[e + 1] - offsets[e] + WG_BM - 1) / WG_BM : 0u;
+            if (PAIR) v = (v + 1) / 2;
             u32 inc = v;
 #pragma unroll
             for (int o = 1; o < 32; o <<= 1) {
@@ -217,6 +297,9 @@ __device__ __forceinline__ void wg_grouped(const u16* __restrict__ a, const u32*
         if (tid == 0) tstart[experts] = carry;
     }
     __syncthreads();
+    if (PAIR) cluster_sync();  // the partner's barriers exist before anything reaches them
+    const u32 first = PAIR ? blockIdx.x / 2 : blockIdx.x;
+    const u32 step = PAIR ? gridDim.x / 2 : gridDim.x;
 
     const u32 n_tiles = (u32)((n_rows + N_OUT - 1) / N_OUT);
     const u32 tiles = tstart[experts] * n_tiles;
@@ -229,21 +312,21 @@ __device__ __forceinline__ void wg_grouped(const u16* __restrict__ a, const u32*
         // ---- producer ----
         const int c = tid & 7, r0 = tid >> 3;      // 16-byte chunk of the row, first row
         const u32 sw = (u32)((c ^ (r0 & 7)) << 4);  // rows r0 + 16 i share r % 8
-        for (u32 t = blockIdx.x; t < tiles; t += gridDim.x) {
-            const WgTile tile = wg_locate(t, n_tiles, N_OUT, tstart, offsets, experts);
+        for (u32 t = first; t < tiles; t += step) {
+            const WgTile tile = wg_locate<PAIR>(t, n_tiles, N_OUT, tstart, offsets, experts, rank);
             u32 aoff[WG_BM / 16];
             u32 amask = 0;
 #pragma unroll
             for (int i = 0; i < WG_BM / 16; ++i) {
                 const u32 q = tile.m0 + r0 + 16 * i;
                 const bool ok = q < tile.mend;
-                const u32 qq = ok ? q : tile.m0;
-                aoff[i] = (GATED ? pairs[qq] / (u32)top_k : qq) * (u32)K;
+                aoff[i] = ok ? (GATED ? pairs[q] / (u32)top_k : q) * (u32)K : 0u;
                 amask |= (u32)ok << i;
             }
             const u16* wb = w + (u64)tile.e * (GATED ? 2 : 1) * n_rows * K;
             for (int kb = 0; kb < kblocks; ++kb) {
-                mbar_wait(bars + 8 * (STAGES + stage), phase ^ 1);
+                if (PAIR) mbar_wait_cluster(bars + 8 * (STAGES + stage), phase ^ 1);
+                else mbar_wait(bars + 8 * (STAGES + stage), phase ^ 1);
                 const int k = kb * WG_BK + c * 8;
                 const bool kok = k < K;
                 const u32 sa = base + stage * STAGE + r0 * 128 + sw;
@@ -253,6 +336,16 @@ __device__ __forceinline__ void wg_grouped(const u16* __restrict__ a, const u32*
                     const bool ok = kok && ((amask >> i) & 1u);
                     cp_async16(sa + i * 16 * 128, ok ? a + aoff[i] + k : a, ok);
                 }
+                if (PAIR) {
+                    if (tid == 0) {
+                        const u32 full = bars + 8 * stage;
+                        mbar_expect_tx(full, B_BYTES);
+                        const int row = GATED ? (tile.e * 2 + (int)rank) * n_rows + tile.c0
+                                              : tile.e * n_rows + tile.c0 + (int)rank * (BN / 2);
+                        tma_multicast(base + stage * STAGE + A_BYTES + rank * (B_BYTES / 2), bmap,
+                                      kb * WG_BK, row, full, (u16)3);
+                    }
+                } else {
 #pragma unroll
                 for (int i = 0; i < BN / 16; ++i) {
                     const int rr = r0 + 16 * i;
@@ -267,6 +360,7 @@ __device__ __forceinline__ void wg_grouped(const u16* __restrict__ a, const u32*
                     }
                     const bool ok = kok && j < n_rows;
                     cp_async16(sb + i * 16 * 128, ok ? wb + (u64)row * K + k : wb, ok);
+                }
                 }
                 cp_async_arrive(bars + 8 * stage);
                 if (++stage == STAGES) {
@@ -283,8 +377,8 @@ __device__ __forceinline__ void wg_grouped(const u16* __restrict__ a, const u32*
         float d[BN / 2];
 #pragma unroll
         for (int i = 0; i < BN / 2; ++i) d[i] = 0.0f;
-        for (u32 t = blockIdx.x; t < tiles; t += gridDim.x) {
-            const WgTile tile = wg_locate(t, n_tiles, N_OUT, tstart, offsets, experts);
+        for (u32 t = first; t < tiles; t += step) {
+            const WgTile tile = wg_locate<PAIR>(t, n_tiles, N_OUT, tstart, offsets, experts, rank);
             int prev = -1;
             for (int kb = 0; kb < kblocks; ++kb) {
                 mbar_wait(bars + 8 * stage, phase);
@@ -301,7 +395,7 @@ __device__ __forceinline__ void wg_grouped(const u16* __restrict__ a, const u32*
                 wg_commit();
                 wg_wait<1>();
                 fence_regs(d);
-                if (prev >= 0 && lane == 0) mbar_arrive(bars + 8 * (STAGES + prev));
+                if (prev >= 0 && lane == 0) wg_release<PAIR>(bars + 8 * (STAGES + prev));
                 prev = stage;
                 if (++stage == STAGES) {
                     stage = 0;
@@ -310,7 +404,7 @@ __device__ __forceinline__ void wg_grouped(const u16* __restrict__ a, const u32*
             }
             wg_wait<0>();
             fence_regs(d);
-            if (prev >= 0 && lane == 0) mbar_arrive(bars + 8 * (STAGES + prev));
+            if (prev >= 0 && lane == 0) wg_release<PAIR>(bars + 8 * (STAGES + prev));
 
             // Epilogue: thread (warp, lane) holds rows 16 warp + lane / 4 (+ 8) of its 64, columns
             // 8 j + 2 (lane % 4) (+ 1) of block j.
@@ -336,6 +430,9 @@ __device__ __forceinline__ void wg_grouped(const u16* __restrict__ a, const u32*
             }
         }
     }
+    // Neither CTA of a pair may leave while the other can still multicast into it or arrive on
+    // its barriers.
+    if (PAIR) cluster_sync();
 }
 
 #define WG_ENTRY(NAME, BN, STAGES, GATED)                                                         \
@@ -343,7 +440,19 @@ __device__ __forceinline__ void wg_grouped(const u16* __restrict__ a, const u32*
         NAME(const u16* __restrict__ a, const u32* __restrict__ pairs,                           \
              const u32* __restrict__ offsets, const u16* __restrict__ w, u16* __restrict__ out,  \
              int experts, int K, int n_rows, int top_k, int act) {                               \
-        wg_grouped<BN, STAGES, GATED>(a, pairs, offsets, w, out, experts, K, n_rows, top_k, act); \
+        wg_grouped<BN, STAGES, GATED, false>(a, pairs, offsets, w, out, experts, K, n_rows,      \
+                                             top_k, act, nullptr);                               \
+    }
+// Pairs: the B tile comes from `bmap` (a 2-D map of the stacked weights, rows x K, boxes of 128
+// rows x 64, 128-byte swizzle); `w` is unused.
+#define WG_PAIR_ENTRY(NAME, BN, STAGES, GATED)                                                    \
+    extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) __cluster_dims__(2, 1, 1)        \
+        NAME(const u16* __restrict__ a, const u32* __restrict__ pairs,                           \
+             const u32* __restrict__ offsets, const u16* __restrict__ w, u16* __restrict__ out,  \
+             int experts, int K, int n_rows, int top_k, int act,                                 \
+             const __grid_constant__ WgMap bmap) {                                               \
+        wg_grouped<BN, STAGES, GATED, true>(a, pairs, offsets, w, out, experts, K, n_rows,       \
+                                            top_k, act, &bmap);                                  \
     }
 
 #else  // not sm_90a: entry points that are never launched (ops/moe checks the architecture)
@@ -352,6 +461,10 @@ __device__ __forceinline__ void wg_grouped(const u16* __restrict__ a, const u32*
     extern "C" __global__ void NAME(const u16* a, const u32* pairs, const u32* offsets,          \
                                     const u16* w, u16* out, int experts, int K, int n_rows,      \
                                     int top_k, int act) {}
+#define WG_PAIR_ENTRY(NAME, BN, STAGES, GATED)                                                    \
+    extern "C" __global__ void NAME(const u16* a, const u32* pairs, const u32* offsets,          \
+                                    const u16* w, u16* out, int experts, int K, int n_rows,      \
+                                    int top_k, int act, const WgMap bmap) {}
 
 #endif
 
@@ -360,3 +473,5 @@ WG_ENTRY(moe_wgmma_gate_up_n128, 128, 5, true)
 WG_ENTRY(moe_wgmma_gate_up_n256, 256, 4, true)
 WG_ENTRY(moe_wgmma_down_n128, 128, 5, false)
 WG_ENTRY(moe_wgmma_down_n256, 256, 4, false)
+WG_PAIR_ENTRY(moe_wgmma_gate_up_pair, 256, 4, true)
+WG_PAIR_ENTRY(moe_wgmma_down_pair, 256, 4, false)

@@ -39,7 +39,10 @@ fn sm90a_files_compile_for_other_architectures() {
         println!("skipped: CUDA is unavailable: libnvrtc.so.13 not found");
         return;
     }
-    for file in KERNEL_FILES.iter().filter(|f| SM90A_FILES.contains(&f.name)) {
+    for file in KERNEL_FILES
+        .iter()
+        .filter(|f| SM90A_FILES.contains(&f.name))
+    {
         for arch in ["sm_80", "sm_89", "sm_100"] {
             let c = compile(file, arch, false).unwrap_or_else(|e| panic!("{e}"));
             assert!(!c.cubin.is_empty(), "{} for {arch}: empty cubin", file.name);

@@ -730,7 +730,7 @@ fn loaded_routing(r: &mut StdRng, loads: &[usize], k: usize) -> (Vec<u32>, Vec<f
     (ids, weights)
 }
 
-/// The wgmma prefill path (both tile widths) under uneven expert loads: experts with 0, 1, 63,
+/// The wgmma prefill path (every tile variant) under uneven expert loads: experts with 0, 1, 63,
 /// 64, 65 and 300 tokens (tiles of 128 rows: partial, exact, one past), one token, one expert
 /// taking every token, top-1 and top-8, SiLU and GELU-tanh, H and I that are not multiples of
 /// the 64-wide K blocks or of the tile widths, and Qwen3-30B-A3B's H 2048 x I 768 (32 K blocks).
@@ -779,7 +779,7 @@ fn wgmma_prefill_matches_cpu_for_uneven_expert_loads() {
         let steps = moe_cpu(&w, &x, &ids, &weights, k, Rounding::Wgmma);
         let mut scratch = dev.moe_scratch(&wd, n, k).unwrap();
         scratch.set_path(Some(MoePath::Prefill));
-        for tile in [WgmmaTile::N128, WgmmaTile::N256] {
+        for tile in [WgmmaTile::N128, WgmmaTile::N256, WgmmaTile::N256Pair] {
             scratch.set_wgmma_tile(tile);
             let got = run(dev, &wd, &mut scratch, &x, &ids, &weights, k).unwrap();
             let name = format!("moe wgmma {tile:?} {act:?} E{e} k{k} {h}x{i} n={n} loads");

@@ -136,10 +136,12 @@ pub fn rows(dev: &CudaDevice, rng: &mut XorShift) -> Result<Vec<Row>> {
         let distinct = routings.iter().map(|r| r.distinct).sum::<usize>() as f64 / ROUTINGS as f64;
         let bytes = distinct * per_expert as f64 + (2 * n * HIDDEN * 4) as f64;
         let flops = 2.0 * (n * TOP_K * 3 * HIDDEN * INTER) as f64;
-        // On sm_90 the prefill rows are the wgmma path: both tile widths from 1024 tokens on.
+        // On sm_90 the prefill rows are the wgmma path: N256 and pairs, and N128 from 1024 tokens.
         let wgmma = dev.has_wgmma();
         let tiles: &[WgmmaTile] = if wgmma && n >= 1024 {
-            &[WgmmaTile::N256, WgmmaTile::N128]
+            &[WgmmaTile::N256, WgmmaTile::N128, WgmmaTile::N256Pair]
+        } else if wgmma {
+            &[WgmmaTile::N256, WgmmaTile::N256Pair]
         } else {
             &[WgmmaTile::N256]
         };

@@ -20,8 +20,14 @@
 //! hold it to 1e-2 against the f32 reference and to 5e-4 against a reference that rounds at those
 //! three places.
 
-use cudarc::driver::sys::CUfunction_attribute;
-use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
+use std::ffi::c_void;
+use std::sync::OnceLock;
+
+use cudarc::driver::sys::{
+    self, CUfunction_attribute, CUtensorMap, CUtensorMapDataType, CUtensorMapFloatOOBfill,
+    CUtensorMapInterleave, CUtensorMapL2promotion, CUtensorMapSwizzle,
+};
+use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig, PushKernelArg};
 use moerun_core::DType;
 
 use super::{DeviceExperts, MoeCall, MoeScratch, MAX_EXPERTS};
@@ -40,9 +46,14 @@ const THREADS: u32 = 384;
 pub enum WgmmaTile {
     /// 128 x 128 tiles, 5 pipeline stages of 32 KiB.
     N128,
-    /// 128 x 256 tiles, 4 stages of 48 KiB: half the L2 traffic per FLOP of N128.
+    /// 128 x 256 tiles, 4 stages of 48 KiB: 3/4 of the L2 traffic per FLOP of N128.
     #[default]
     N256,
+    /// As N256, in clusters of two CTAs that take two m tiles of one expert and the same n tile:
+    /// each loads half of the shared B tile with TMA and multicasts it to both, so B crosses
+    /// from L2 once per pair (2/3 of N256's traffic). An expert with an odd tile count leaves one
+    /// CTA of its last pair computing nothing.
+    N256Pair,
 }
 
 impl WgmmaTile {
@@ -50,13 +61,14 @@ impl WgmmaTile {
         match self {
             WgmmaTile::N128 => 0,
             WgmmaTile::N256 => 1,
+            WgmmaTile::N256Pair => 2,
         }
     }
     fn bn(self) -> usize {
-        [128, 256][self.slot()]
+        [128, 256, 256][self.slot()]
     }
     fn stages(self) -> usize {
-        [5, 4][self.slot()]
+        [5, 4, 4][self.slot()]
     }
     /// Dynamic shared memory of a CTA for `experts` experts: 1 KiB of alignment slack, the
     /// stages, their two mbarriers each, the tile prefix of `experts + 1` u32.
@@ -67,9 +79,53 @@ impl WgmmaTile {
 
 /// Handles of `kernels/moe_wgmma.cu`, indexed by [`WgmmaTile::slot`].
 pub(crate) struct WgmmaKernels {
-    gate_up: [CudaFunction; 2],
-    down: [CudaFunction; 2],
+    gate_up: [CudaFunction; 3],
+    down: [CudaFunction; 3],
     combine: CudaFunction,
+    /// Clusters of two the device runs at once, for the pair kernels (`[gate_up, down]`,
+    /// queried on first use; 0: refused).
+    pair_clusters: [OnceLock<u32>; 2],
+}
+
+/// A `CUtensorMap` as the pair kernels take it (`WgMap`, by value, 64-byte aligned).
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+struct TmaMap([u64; 16]);
+
+// SAFETY: plain bytes, laid out as the kernel's `WgMap` parameter (128 bytes, 64-aligned).
+unsafe impl DeviceRepr for TmaMap {}
+
+/// A 2-D map of `rows` bf16 rows of `k` elements at `addr` (row-major, k a multiple of 8), read
+/// in boxes of 128 rows x 64 elements with the 128-byte swizzle wgmma expects; reads past either
+/// edge give zeros.
+fn weight_map(addr: u64, rows: usize, k: usize) -> Result<TmaMap> {
+    let dims: [u64; 2] = [k as u64, rows as u64];
+    let strides: [u64; 1] = [(k * 2) as u64];
+    let boxes: [u32; 2] = [64, 128];
+    let steps: [u32; 2] = [1, 1];
+    let mut map = std::mem::MaybeUninit::<CUtensorMap>::zeroed();
+    // SAFETY: every array holds the 2 (strides: 1) entries a rank-2 map reads; addr is a device
+    // allocation of rows · k bf16, 16-byte aligned, with a row stride that is a multiple of 16.
+    unsafe {
+        sys::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            2,
+            addr as *mut c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            steps.as_ptr(),
+            CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    }
+    .result()
+    .ctx("cuTensorMapEncodeTiled (MoE weights)")?;
+    // SAFETY: the call above succeeded, so it wrote the map.
+    Ok(TmaMap(unsafe { map.assume_init() }.opaque))
 }
 
 impl WgmmaKernels {
@@ -77,12 +133,14 @@ impl WgmmaKernels {
     /// devices without sm_90a the entries are empty and never launched, and a refused opt-in is
     /// not an error.
     pub(crate) fn load(get: &impl Fn(&str, &str) -> Result<CudaFunction>) -> Result<Self> {
-        let pair = |kind: &str| -> Result<[CudaFunction; 2]> {
+        let pair = |kind: &str| -> Result<[CudaFunction; 3]> {
             let f = [
                 get("moe_wgmma", &format!("moe_wgmma_{kind}_n128"))?,
                 get("moe_wgmma", &format!("moe_wgmma_{kind}_n256"))?,
+                get("moe_wgmma", &format!("moe_wgmma_{kind}_pair"))?,
             ];
-            for (func, tile) in f.iter().zip([WgmmaTile::N128, WgmmaTile::N256]) {
+            let tiles = [WgmmaTile::N128, WgmmaTile::N256, WgmmaTile::N256Pair];
+            for (func, tile) in f.iter().zip(tiles) {
                 let attr = CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
                 let _ = func.set_attribute(attr, tile.smem(MAX_EXPERTS) as i32);
             }
@@ -92,6 +150,7 @@ impl WgmmaKernels {
             gate_up: pair("gate_up")?,
             down: pair("down")?,
             combine: get("moe_prefill", "moe_combine_checked_bf16")?,
+            pair_clusters: Default::default(),
         })
     }
 }
@@ -151,10 +210,42 @@ impl CudaDevice {
 
         let tile = s.wgmma_tile;
         let kernels = &self.kernels.moe.wgmma;
-        let cfg = LaunchConfig {
-            grid_dim: (self.info().multiprocessors.max(1), 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: tile.smem(e) as u32, // < 227 KiB for E <= MAX_EXPERTS
+        let smem = tile.smem(e) as u32; // < 227 KiB for E <= MAX_EXPERTS
+        let sms = self.info().multiprocessors.max(1);
+        let pair = tile == WgmmaTile::N256Pair;
+        let cfg = |which: usize| -> Result<LaunchConfig> {
+            let mut grid = sms;
+            if pair {
+                let func = [&kernels.gate_up[2], &kernels.down[2]][which];
+                let clusters = *kernels.pair_clusters[which].get_or_init(|| {
+                    let one = LaunchConfig {
+                        grid_dim: (2, 1, 1),
+                        block_dim: (THREADS, 1, 1),
+                        shared_mem_bytes: smem,
+                    };
+                    func.occupancy_max_active_clusters(one, &self.stream)
+                        .map_or(0, |c| c as u32)
+                });
+                grid = 2 * clusters.min(sms / 2);
+                if grid == 0 {
+                    return Err(CudaError::Unsupported(
+                        "the wgmma pair kernels: the device runs no cluster of two".into(),
+                    ));
+                }
+            }
+            Ok(LaunchConfig {
+                grid_dim: (grid, 1, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: smem,
+            })
+        };
+        let maps = if pair {
+            Some((
+                weight_map(gate_up, e * 2 * inter, hidden)?,
+                weight_map(down, e * hidden, inter)?,
+            ))
+        } else {
+            None
         };
         let none = 0u64;
         let mut b = self.stream.launch_builder(&kernels.gate_up[tile.slot()]);
@@ -164,19 +255,27 @@ impl CudaDevice {
             .arg(&gate_up)
             .arg(&h);
         b.arg(&e_i).arg(&hidden_i).arg(&inter_i).arg(&k_i).arg(&act);
+        if let Some((up_map, _)) = &maps {
+            b.arg(up_map);
+        }
         // SAFETY: xb holds n rows of H bf16; pairs P indices t · k + r < n · k and offsets E + 2
         // group starts from moe_align (rows of group e < E are offsets[e]..offsets[e + 1] <= P);
         // gate_up holds E · 2I · H bf16; h has room for P_max · I bf16 (inner is P_max · I · 4
         // bytes). The kernel reads and writes nothing else; the argument list matches.
-        unsafe { b.launch(cfg) }.ctx("moe_wgmma_gate_up")?;
+        // With pairs, the map covers the same gate_up stack (E · 2I rows of H).
+        unsafe { b.launch(cfg(0)?) }.ctx("moe_wgmma_gate_up")?;
 
         let mut b = self.stream.launch_builder(&kernels.down[tile.slot()]);
         b.arg(&h).arg(&none).arg(&offsets).arg(&down).arg(&y);
         b.arg(&e_i).arg(&inter_i).arg(&hidden_i).arg(&k_i).arg(&act);
+        if let Some((_, down_map)) = &maps {
+            b.arg(down_map);
+        }
         // SAFETY: h holds the P rows of I bf16 written above (pairs is unused: A rows are h's
         // own); down holds E · H · I bf16; y has room for P_max · H bf16 (the second half of
         // outer, P_max · H · 4 bytes in all).
-        unsafe { b.launch(cfg) }.ctx("moe_wgmma_down")?;
+        // With pairs, the map covers the same down stack (E · H rows of I).
+        unsafe { b.launch(cfg(1)?) }.ctx("moe_wgmma_down")?;
 
         let mut b = self.stream.launch_builder(&kernels.combine);
         b.arg(&y).arg(&pos).arg(&offsets).arg(&e_i);
