@@ -328,7 +328,8 @@ impl MoeScratch {
     pub fn set_path(&mut self, path: Option<MoePath>) {
         self.path = path;
     }
-    /// The tile width of the wgmma prefill GEMMs (benchmarks compare them; default N256).
+    /// The tile variant of the wgmma prefill GEMMs (benchmarks compare them; default N256, or
+    /// `MOERUN_CUDA_MOE_TILE`).
     pub fn set_wgmma_tile(&mut self, tile: WgmmaTile) {
         self.wgmma_tile = tile;
     }
@@ -489,7 +490,7 @@ impl CudaDevice {
             top_k,
             path: None,
             pass: None,
-            wgmma_tile: WgmmaTile::default(),
+            wgmma_tile: WgmmaTile::from_env(),
             offsets: self.zeros(e + 2)?,
             pairs: self.zeros(pairs)?,
             pos: self.zeros(pairs)?,

@@ -57,6 +57,15 @@ pub enum WgmmaTile {
 }
 
 impl WgmmaTile {
+    /// `MOERUN_CUDA_MOE_TILE` (`n128`, `n256`, `pair`) if set to one of those, else the default:
+    /// lets `moerun bench` compare the variants end to end.
+    pub(super) fn from_env() -> WgmmaTile {
+        match std::env::var("MOERUN_CUDA_MOE_TILE").as_deref() {
+            Ok("n128") => WgmmaTile::N128,
+            Ok("pair") => WgmmaTile::N256Pair,
+            _ => WgmmaTile::default(),
+        }
+    }
     fn slot(self) -> usize {
         match self {
             WgmmaTile::N128 => 0,
