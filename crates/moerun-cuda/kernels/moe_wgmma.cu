@@ -21,7 +21,9 @@
 // - warpgroups 1 and 2, the consumers: each owns 64 rows x BN; per K block it
 //   waits on `full`, issues 4 wgmma m64nBNk16 (descriptors advanced 32 bytes per k16 inside the
 //   swizzled rows), and once the previous block's wgmma group has retired (wait_group 1) frees
-//   that stage on its `empty` barrier. The epilogue writes straight from the accumulators.
+//   that stage on its `empty` barrier. The epilogue writes straight from the accumulators. A
+//   consumer whose 64 rows all lie past the expert's end skips its wgmma (partial last tiles).
+// - moe_wgmma_*_pair: clusters of two CTAs share each B tile through TMA multicast (see PAIR).
 // No setmaxnreg: 384 threads get 168 registers each, and the BN 256 consumers (128 accumulators)
 // fit in that without spilling (ptxas: 161-164); cutting the producer to 40 made it spill.
 // The tile order keeps one expert's weights and one A tile hot in L2 across neighbouring CTAs.
@@ -380,21 +382,27 @@ __device__ __forceinline__ void wg_grouped(const u16* __restrict__ a, const u32*
         for (u32 t = first; t < tiles; t += step) {
             const WgTile tile = wg_locate<PAIR>(t, n_tiles, N_OUT, tstart, offsets, experts, rank);
             int prev = -1;
+            // A warpgroup whose 64 rows are all past the expert's end (the last tile of an
+            // expert holds 1-64 rows, or a pair's idle CTA) issues no wgmma: the tensor cores
+            // are the bottleneck, and zero rows are pure waste. It still waits and frees stages.
+            const bool busy = tile.m0 + cw * 64 < tile.mend;
             for (int kb = 0; kb < kblocks; ++kb) {
                 mbar_wait(bars + 8 * stage, phase);
-                // cp.async wrote the stage through the generic proxy; wgmma reads it through the
-                // async proxy.
-                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-                const u32 sa = base + stage * STAGE + cw * 64 * 128;
-                const u32 sb = base + stage * STAGE + A_BYTES;
-                fence_regs(d);
-                wg_fence();
+                if (busy) {
+                    // cp.async wrote the stage through the generic proxy; wgmma reads it through
+                    // the async proxy.
+                    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+                    const u32 sa = base + stage * STAGE + cw * 64 * 128;
+                    const u32 sb = base + stage * STAGE + A_BYTES;
+                    fence_regs(d);
+                    wg_fence();
 #pragma unroll
-                for (int kk = 0; kk < WG_BK / 16; ++kk)
-                    wg_mma(d, wg_desc(sa + 32 * kk), wg_desc(sb + 32 * kk), (kb | kk) != 0);
-                wg_commit();
-                wg_wait<1>();
-                fence_regs(d);
+                    for (int kk = 0; kk < WG_BK / 16; ++kk)
+                        wg_mma(d, wg_desc(sa + 32 * kk), wg_desc(sb + 32 * kk), (kb | kk) != 0);
+                    wg_commit();
+                    wg_wait<1>();
+                    fence_regs(d);
+                }
                 if (prev >= 0 && lane == 0) wg_release<PAIR>(bars + 8 * (STAGES + prev));
                 prev = stage;
                 if (++stage == STAGES) {
@@ -405,6 +413,7 @@ __device__ __forceinline__ void wg_grouped(const u16* __restrict__ a, const u32*
             wg_wait<0>();
             fence_regs(d);
             if (prev >= 0 && lane == 0) wg_release<PAIR>(bars + 8 * (STAGES + prev));
+            if (!busy) continue;
 
             // Epilogue: thread (warp, lane) holds rows 16 warp + lane / 4 (+ 8) of its 64, columns
             // 8 j + 2 (lane % 4) (+ 1) of block j.

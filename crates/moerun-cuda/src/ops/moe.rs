@@ -12,12 +12,16 @@
 //!   three launches on the CUDA cores with f32 activations, no host synchronisation and no
 //!   allocation, so a decode step can be captured in a CUDA graph. Batch invariant, bit for bit
 //!   (see `decode`).
-//! - [`MoePath::Prefill`] (bf16 weights, more tokens): tensor cores through one cuBLAS grouped GEMM
-//!   per projection. It waits for the device once per call, to learn each expert's token count,
-//!   and rounds the activations, the gate/up outputs, `silu · up` and the expert outputs to bf16
-//!   (2⁻⁹ relative each): ~3e-3 from the f32 result, against 1e-7 for the decode path (see
-//!   `prefill`). [`MoePath::PrefillPerExpert`] is the same with one GEMM call per expert, kept to
-//!   measure what grouping buys.
+//! - [`MoePath::Prefill`] (bf16 weights, more tokens): tensor cores. On sm_90
+//!   ([`CudaDevice::has_wgmma`]) our own wgmma grouped GEMMs (`wgmma`, `kernels/moe_wgmma.cu`):
+//!   the gather of x rows and the activation are folded into the GEMMs, the tile schedule comes
+//!   from the device offsets, and nothing waits for the device. It rounds x, `act(g) · u` and the
+//!   expert outputs to bf16 (2⁻⁹ relative each): ~3e-3 from the f32 result, against 1e-7 for the
+//!   decode path. Elsewhere it is [`MoePath::PrefillCublas`].
+//! - [`MoePath::PrefillCublas`]: one cuBLAS grouped GEMM per projection (see `prefill`). It waits
+//!   for the device once per call, to learn each expert's token count, and also rounds the gate/up
+//!   outputs to bf16. [`MoePath::PrefillPerExpert`] is the same with one GEMM call per expert,
+//!   kept to measure what grouping buys.
 //!
 //! All scratch (pair lists, intermediates, arrival counters) is allocated once by
 //! [`CudaDevice::moe_scratch`] for a largest batch and passed to every call.
@@ -517,9 +521,10 @@ impl CudaDevice {
     /// out[t] = Σ_{r=0..k} weights[t,r] · expert_{ids[t,r]}(x[t]), summed in rank order
     /// (out is overwritten, not accumulated). x, out: [n, H] f32; ids, weights: [n, k].
     ///
-    /// An id `>= E` is a caller bug: the decode path makes that token's output NaN, the prefill
-    /// path fails with [`CudaError::InvalidArgument`]. The decode path only enqueues work; the
-    /// prefill path waits for the device once (see the module doc).
+    /// An id `>= E` is a caller bug: the decode and wgmma prefill paths make that token's output
+    /// NaN (such pairs are never computed), the cuBLAS prefill paths fail with
+    /// [`CudaError::InvalidArgument`]. The decode and wgmma paths only enqueue work; the cuBLAS
+    /// paths wait for the device once (see the module doc).
     #[allow(clippy::too_many_arguments)] // the API the model is wired against (7 + self)
     pub fn moe_experts(
         &self,

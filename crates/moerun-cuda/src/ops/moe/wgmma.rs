@@ -15,6 +15,12 @@
 //! The GEMMs find their tiles from the device offsets, so the path needs no host sizes and never
 //! waits for the device: it can be captured in a CUDA graph (sizes are host upper bounds).
 //!
+//! Tiles are 128 rows x BN columns ([`WgmmaTile`]); each of the two consumer warpgroups owns 64
+//! rows and skips its wgmma when all of them lie past its expert's end. N256 is the default:
+//! at 4096 tokens of Qwen3-30B-A3B it beat N128 (less L2 traffic per FLOP) and N256Pair (TMA
+//! multicast of B across a cluster of two, which loses the parallelism of experts with one or an
+//! odd number of m tiles); docs/perf/cuda-ops.md has the figures.
+//!
 //! Rounding against the f32 reference: x, h and the expert outputs y are rounded to bf16 (2⁻⁹
 //! relative each); g and u stay f32 into the activation (the cuBLAS path rounds them too). Tests
 //! hold it to 1e-2 against the f32 reference and to 5e-4 against a reference that rounds at those
