@@ -172,9 +172,13 @@ impl WgmmaKernels {
 
 impl CudaDevice {
     /// Whether the wgmma prefill path runs here: compute capability 9.0 (H100, H200), the one
-    /// architecture with an `sm_90a` target.
+    /// architecture with an `sm_90a` target, unless `MOERUN_CUDA_MOE_WGMMA=0` turns it off (then
+    /// [`super::MoePath::Prefill`] is the cuBLAS path everywhere: an A/B switch without a rebuild).
     pub fn has_wgmma(&self) -> bool {
-        self.info().compute_capability == (9, 0)
+        static ALLOWED: OnceLock<bool> = OnceLock::new();
+        let allowed = *ALLOWED
+            .get_or_init(|| std::env::var_os("MOERUN_CUDA_MOE_WGMMA").is_none_or(|v| v != "0"));
+        allowed && self.info().compute_capability == (9, 0)
     }
 
     pub(super) fn moe_prefill_wgmma(
