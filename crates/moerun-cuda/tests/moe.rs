@@ -766,6 +766,8 @@ fn wgmma_prefill_matches_cpu_for_uneven_expert_loads() {
         (16, 256, 128, 8, first_all, gelu),
         (16, 192, 328, 8, all_one, silu),
         (128, 2048, 768, 8, qwen, silu),
+        // The hd128_long fixture's expert shape (one K block each way) with rows in every warp.
+        (8, 64, 32, 2, vec![10, 37, 70, 140, 5, 17, 1, 20], silu),
     ];
     for (e, h, i, k, loads, act) in &cases {
         let (e, h, i, k, act) = (*e, *h, *i, *k, *act);

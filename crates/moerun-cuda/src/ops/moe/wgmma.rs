@@ -243,7 +243,7 @@ impl CudaDevice {
                         shared_mem_bytes: smem,
                     };
                     func.occupancy_max_active_clusters(one, &self.stream)
-                        .map_or(0, |c| c as u32)
+                        .unwrap_or(0)
                 });
                 grid = 2 * clusters.min(sms / 2);
                 if grid == 0 {
