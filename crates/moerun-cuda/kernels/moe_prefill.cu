@@ -9,6 +9,8 @@
 //   for Gemma 4; expert_act in common.cuh), so the down GEMM reads h with ldb = 2I.
 // - moe_combine_bf16: grid n, block 256. out[t] = sum_r weights[t, r] * y[pos[t k + r]] in rank
 //   order r = 0..k, f32.
+// - moe_combine_checked_bf16: the same for the wgmma path (ops/moe/wgmma.rs), which reads no
+//   offsets on the host: a token with a pair of id >= E gets NaN.
 
 extern "C" __global__ void moe_gather_bf16(const float* __restrict__ x, const u32* __restrict__ pairs,
                                            u16* __restrict__ xg, int hidden, int top_k) {
@@ -43,5 +45,30 @@ extern "C" __global__ void moe_combine_bf16(const u16* __restrict__ y, const u32
         float s = 0.0f;
         for (int r = 0; r < top_k; ++r) s = fmaf(tw[r], bf16_to_f32(y[(u64)tp[r] * hidden + c]), s);
         out[t * hidden + c] = s;
+    }
+}
+
+// As moe_combine_bf16, for the sync-free wgmma path (ops/moe/wgmma.rs), which never checks the
+// ids on the host: a pair whose place is in group E (id >= E, offsets[E] .. offsets[E + 1]) had
+// no expert run, so its token's output becomes NaN (as on the decode path), never a sum that
+// silently drops a term.
+extern "C" __global__ void moe_combine_checked_bf16(const u16* __restrict__ y,
+                                                    const u32* __restrict__ pos,
+                                                    const u32* __restrict__ offsets, int experts,
+                                                    const float* __restrict__ weights,
+                                                    float* __restrict__ out, int hidden,
+                                                    int top_k) {
+    const u64 t = blockIdx.x;
+    const u32* tp = pos + t * top_k;
+    const float* tw = weights + t * top_k;
+    const u32 invalid = offsets[experts];
+    bool bad = false;
+    for (int r = 0; r < top_k; ++r) bad |= tp[r] >= invalid;
+    for (int c = threadIdx.x; c < hidden; c += blockDim.x) {
+        float s = 0.0f;
+        for (int r = 0; r < top_k; ++r) {
+            if (tp[r] < invalid) s = fmaf(tw[r], bf16_to_f32(y[(u64)tp[r] * hidden + c]), s);
+        }
+        out[t * hidden + c] = bad ? __int_as_float(0x7fc00000) : s;
     }
 }

@@ -76,6 +76,10 @@ pub const KERNEL_FILES: &[KernelFile] = &[
         source: include_str!("../kernels/moe_prefill.cu"),
     },
     KernelFile {
+        name: "moe_wgmma",
+        source: include_str!("../kernels/moe_wgmma.cu"),
+    },
+    KernelFile {
         name: "gemma",
         source: include_str!("../kernels/gemma.cu"),
     },
@@ -92,6 +96,22 @@ pub const KERNEL_FILES: &[KernelFile] = &[
         source: include_str!("../kernels/gated_delta.cu"),
     },
 ];
+
+/// Kernel files built for the architecture-specific target `sm_90a` on compute capability 9.0
+/// devices (wgmma, setmaxnreg exist only there). Each guards its bodies with
+/// `__CUDA_ARCH_FEAT_SM90_ALL`, so on any other architecture it compiles to entry points that are
+/// never launched.
+pub const SM90A_FILES: &[&str] = &["moe_wgmma"];
+
+/// The target `file` is compiled for on a device whose plain target is `arch`: `sm_90a` (or
+/// `compute_90a`) for the files of [`SM90A_FILES`] on sm_90, else `arch` itself.
+pub fn target_arch(file: &KernelFile, arch: &str) -> String {
+    let specific = SM90A_FILES.contains(&file.name);
+    match arch {
+        "sm_90" | "compute_90" if specific => format!("{arch}a"),
+        _ => arch.to_string(),
+    }
+}
 
 /// The NVRTC target name of a compute capability, e.g. `sm_90` for (9, 0).
 pub fn arch_name(major: u32, minor: u32) -> String {
@@ -139,6 +159,7 @@ pub fn nvrtc_version() -> Result<(i32, i32)> {
 /// library, no GPU: tests use it to check every kernel compiles. `verbose` adds ptxas' register
 /// and spill report to the log.
 pub fn compile(file: &KernelFile, arch: &str, verbose: bool) -> Result<Compiled> {
+    let arch = &target_arch(file, arch);
     let full = format!("{PRELUDE}\n{}", file.source);
     let fail = |source, log: String| CudaError::Compile {
         file: format!("{}.cu", file.name),
@@ -173,6 +194,11 @@ pub fn compile(file: &KernelFile, arch: &str, verbose: bool) -> Result<Compiled>
 /// The PTX of one kernel file for the virtual architecture `arch` (say `compute_90`), as NVRTC
 /// writes it before assembly. Tests read it to check what each kernel entry does (no GPU needed).
 pub fn compile_ptx(file: &KernelFile, arch: &'static str) -> Result<String> {
+    let arch = if target_arch(file, arch) == "compute_90a" {
+        "compute_90a"
+    } else {
+        arch
+    };
     let full = format!("{PRELUDE}\n{}", file.source);
     let opts = cudarc::nvrtc::CompileOptions {
         arch: Some(arch),
@@ -224,6 +250,7 @@ pub fn cache_dir() -> Option<PathBuf> {
 
 /// The cache file name of `file` for `arch`: the hash covers everything that shapes the cubin.
 pub fn cache_file_name(file: &KernelFile, arch: &str, nvrtc: (i32, i32)) -> String {
+    let arch = &target_arch(file, arch);
     let mut h = Fnv64::new();
     for part in [PRELUDE, file.source, arch, &options(arch, false).join(" ")] {
         h.write(part.as_bytes());
@@ -302,5 +329,15 @@ mod tests {
         assert_ne!(a, cache_file_name(&f, "sm_90", (13, 1)));
         assert_eq!(a, cache_file_name(&f, "sm_90", (13, 0)), "stable");
         assert!(a.starts_with("norm-sm_90-") && a.ends_with(".cubin"));
+    }
+
+    #[test]
+    fn only_the_listed_files_get_sm90a_and_only_on_sm90() {
+        let wgmma = KERNEL_FILES.iter().find(|f| f.name == "moe_wgmma").unwrap();
+        assert_eq!(target_arch(wgmma, "sm_90"), "sm_90a");
+        assert_eq!(target_arch(wgmma, "compute_90"), "compute_90a");
+        assert_eq!(target_arch(wgmma, "sm_100"), "sm_100");
+        assert_eq!(target_arch(&KERNEL_FILES[0], "sm_90"), "sm_90");
+        assert!(cache_file_name(wgmma, "sm_90", (13, 0)).starts_with("moe_wgmma-sm_90a-"));
     }
 }

@@ -31,6 +31,6 @@ pub use graph::DeviceGraph;
 pub use ops::{
     AttentionPrefill, AttentionScratch, AttentionShape, BatchKvBf16, DeviceKvPool, TokenPlacement,
 };
-pub use ops::{DecodePass, DeviceExperts, ExpertActivation, MoePath, MoeScratch};
+pub use ops::{DecodePass, DeviceExperts, ExpertActivation, MoePath, MoeScratch, WgmmaTile};
 pub use ops::{DeltaSeqs, DeltaShape};
 pub use ops::{DeviceRope, GemmOut, GemvLayout, QkvShape, RouterShape, FUSED_MAX_HEAD_DIM};

@@ -2,7 +2,7 @@
 //! only the NVRTC library, no GPU: it runs wherever `libnvrtc.so.13` can be loaded and skips
 //! elsewhere.
 
-use moerun_cuda::compile::{compile, compile_ptx, KERNEL_FILES};
+use moerun_cuda::compile::{compile, compile_ptx, KERNEL_FILES, SM90A_FILES};
 use moerun_cuda::graph::{is_pdl_kernel, pdl_entry_names, PDL_KERNELS};
 use moerun_cuda::probe::nvrtc_available;
 
@@ -27,6 +27,25 @@ fn every_kernel_file_compiles_for_sm90_without_spills() {
                 "{}: {line}",
                 file.name
             );
+        }
+    }
+}
+
+/// The files built for `sm_90a` on Hopper (`compile::SM90A_FILES`) still compile for other
+/// architectures, to entry points that are never launched (their bodies are guarded).
+#[test]
+fn sm90a_files_compile_for_other_architectures() {
+    if !nvrtc_available() {
+        println!("skipped: CUDA is unavailable: libnvrtc.so.13 not found");
+        return;
+    }
+    for file in KERNEL_FILES
+        .iter()
+        .filter(|f| SM90A_FILES.contains(&f.name))
+    {
+        for arch in ["sm_80", "sm_89", "sm_100"] {
+            let c = compile(file, arch, false).unwrap_or_else(|e| panic!("{e}"));
+            assert!(!c.cubin.is_empty(), "{} for {arch}: empty cubin", file.name);
         }
     }
 }

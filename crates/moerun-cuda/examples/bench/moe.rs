@@ -11,6 +11,7 @@ use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use moerun_core::DType;
 use moerun_cuda::{
     CudaDevice, CudaError, CudaSlice, DecodePass, DeviceExperts, MoePath, MoeScratch, Result,
+    WgmmaTile,
 };
 
 use super::{time, Row, XorShift};
@@ -92,7 +93,7 @@ pub fn rows(dev: &CudaDevice, rng: &mut XorShift) -> Result<Vec<Row>> {
     let shape = format!("E{EXPERTS} k{TOP_K} {HIDDEN}x{INTER}");
     let mut rows = Vec::new();
     use DecodePass::{Eight, Four, One, Tiny};
-    use MoePath::{Decode, Prefill, PrefillPerExpert};
+    use MoePath::{Decode, Prefill, PrefillCublas, PrefillPerExpert};
     let plan: [(usize, &[Run]); 9] = [
         (1, &[(Decode, Some(Tiny)), (Decode, Some(One))]),
         (4, &[(Decode, Some(Tiny)), (Decode, Some(One))]),
@@ -108,12 +109,23 @@ pub fn rows(dev: &CudaDevice, rng: &mut XorShift) -> Result<Vec<Row>> {
                 (Decode, Some(Four)),
                 (Decode, Some(Eight)),
                 (Prefill, None),
+                (PrefillCublas, None),
                 (PrefillPerExpert, None),
             ],
         ),
-        (512, &[(Decode, Some(Four)), (Prefill, None)]),
-        (1024, &[(Prefill, None)]),
-        (4096, &[(Prefill, None), (PrefillPerExpert, None)]),
+        (
+            512,
+            &[(Decode, Some(Four)), (Prefill, None), (PrefillCublas, None)],
+        ),
+        (1024, &[(Prefill, None), (PrefillCublas, None)]),
+        (
+            4096,
+            &[
+                (Prefill, None),
+                (PrefillCublas, None),
+                (PrefillPerExpert, None),
+            ],
+        ),
     ];
     for (n, runs) in plan {
         let x = dev.upload(&rng.f32s(n * HIDDEN))?;
@@ -124,9 +136,23 @@ pub fn rows(dev: &CudaDevice, rng: &mut XorShift) -> Result<Vec<Row>> {
         let distinct = routings.iter().map(|r| r.distinct).sum::<usize>() as f64 / ROUTINGS as f64;
         let bytes = distinct * per_expert as f64 + (2 * n * HIDDEN * 4) as f64;
         let flops = 2.0 * (n * TOP_K * 3 * HIDDEN * INTER) as f64;
-        for &(path, pass) in runs {
+        // On sm_90 the prefill rows are the wgmma path: N256 and pairs, and N128 from 1024 tokens.
+        let wgmma = dev.has_wgmma();
+        let tiles: &[WgmmaTile] = if wgmma && n >= 1024 {
+            &[WgmmaTile::N256, WgmmaTile::N128, WgmmaTile::N256Pair]
+        } else if wgmma {
+            &[WgmmaTile::N256, WgmmaTile::N256Pair]
+        } else {
+            &[WgmmaTile::N256]
+        };
+        let runs = runs.iter().flat_map(|&(path, pass)| {
+            let each = if path == Prefill { tiles } else { &tiles[..1] };
+            each.iter().map(move |&tile| (path, pass, tile))
+        });
+        for (path, pass, tile) in runs {
             scratch.set_path(Some(path));
             scratch.set_decode_pass(pass);
+            scratch.set_wgmma_tile(tile);
             let mut call = 0usize;
             let ms = time(dev, || {
                 let r = &routings[call % ROUTINGS];
@@ -138,7 +164,8 @@ pub fn rows(dev: &CudaDevice, rng: &mut XorShift) -> Result<Vec<Row>> {
                 (Decode, Some(Tiny)) => format!("moe decode n={n} tiny"),
                 (Decode, Some(p)) => format!("moe decode n={n} pass={}", p.tokens()),
                 (Decode, None) => format!("moe decode n={n}"),
-                (Prefill, _) => format!("moe prefill grouped n={n}"),
+                (Prefill, _) if wgmma => format!("moe prefill wgmma {tile:?} n={n}"),
+                (Prefill | PrefillCublas, _) => format!("moe prefill grouped n={n}"),
                 (PrefillPerExpert, _) => format!("moe prefill per-expert n={n}"),
             };
             rows.push(Row {

@@ -32,7 +32,7 @@ pub use gemm::GemmOut;
 pub(crate) use gemma::GemmaKernels;
 pub use gemv::GemvLayout;
 pub(crate) use moe::MoeKernels;
-pub use moe::{DecodePass, DeviceExperts, ExpertActivation, MoePath, MoeScratch};
+pub use moe::{DecodePass, DeviceExperts, ExpertActivation, MoePath, MoeScratch, WgmmaTile};
 pub use rope::DeviceRope;
 pub use router::RouterShape;
 

@@ -12,18 +12,25 @@
 //!   three launches on the CUDA cores with f32 activations, no host synchronisation and no
 //!   allocation, so a decode step can be captured in a CUDA graph. Batch invariant, bit for bit
 //!   (see `decode`).
-//! - [`MoePath::Prefill`] (bf16 weights, more tokens): tensor cores through one cuBLAS grouped GEMM
-//!   per projection. It waits for the device once per call, to learn each expert's token count,
-//!   and rounds the activations, the gate/up outputs, `silu · up` and the expert outputs to bf16
-//!   (2⁻⁹ relative each): ~3e-3 from the f32 result, against 1e-7 for the decode path (see
-//!   `prefill`). [`MoePath::PrefillPerExpert`] is the same with one GEMM call per expert, kept to
-//!   measure what grouping buys.
+//! - [`MoePath::Prefill`] (bf16 weights, more tokens): tensor cores. On sm_90
+//!   ([`CudaDevice::has_wgmma`]) our own wgmma grouped GEMMs (`wgmma`, `kernels/moe_wgmma.cu`):
+//!   the gather of x rows and the activation are folded into the GEMMs, the tile schedule comes
+//!   from the device offsets, and nothing waits for the device. It rounds x, `act(g) · u` and the
+//!   expert outputs to bf16 (2⁻⁹ relative each): ~3e-3 from the f32 result, against 1e-7 for the
+//!   decode path. Elsewhere it is [`MoePath::PrefillCublas`].
+//! - [`MoePath::PrefillCublas`]: one cuBLAS grouped GEMM per projection (see `prefill`). It waits
+//!   for the device once per call, to learn each expert's token count, and also rounds the gate/up
+//!   outputs to bf16. [`MoePath::PrefillPerExpert`] is the same with one GEMM call per expert,
+//!   kept to measure what grouping buys.
 //!
 //! All scratch (pair lists, intermediates, arrival counters) is allocated once by
 //! [`CudaDevice::moe_scratch`] for a largest batch and passed to every call.
 
 mod decode;
 mod prefill;
+mod wgmma;
+
+pub use wgmma::WgmmaTile;
 
 use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, DevicePtrMut};
 use moerun_core::{DType, MatRef};
@@ -61,6 +68,7 @@ pub(crate) struct MoeKernels {
     gather_bf16: CudaFunction,
     silu_mul_bf16: CudaFunction,
     combine_bf16: CudaFunction,
+    wgmma: wgmma::WgmmaKernels,
 }
 
 impl MoeKernels {
@@ -94,6 +102,7 @@ impl MoeKernels {
             gather_bf16: get("moe_prefill", "moe_gather_bf16")?,
             silu_mul_bf16: get("moe_prefill", "moe_silu_mul_bf16")?,
             combine_bf16: get("moe_prefill", "moe_combine_bf16")?,
+            wgmma: wgmma::WgmmaKernels::load(&get)?,
         })
     }
 }
@@ -103,9 +112,12 @@ impl MoeKernels {
 pub enum MoePath {
     /// CUDA cores, f32 activations, graph-capturable; any weight dtype.
     Decode,
-    /// cuBLAS grouped GEMMs on the tensor cores, bf16 activations; bf16 weights only.
+    /// Tensor cores, bf16 activations; bf16 weights only: our wgmma grouped GEMMs where the
+    /// device has them ([`CudaDevice::has_wgmma`], no host wait), else [`MoePath::PrefillCublas`].
     Prefill,
-    /// As [`MoePath::Prefill`], one cuBLAS call per expert with tokens (for comparison).
+    /// cuBLAS grouped GEMMs (one wait for the device per call); any tensor-core GPU.
+    PrefillCublas,
+    /// As [`MoePath::PrefillCublas`], one cuBLAS call per expert with tokens (for comparison).
     PrefillPerExpert,
 }
 
@@ -276,6 +288,7 @@ pub struct MoeScratch {
     top_k: usize,
     path: Option<MoePath>,
     pass: Option<DecodePass>,
+    wgmma_tile: WgmmaTile,
     /// `[E + 2]`: start of each group's pairs (group E: out-of-range ids), then the total.
     offsets: CudaSlice<u32>,
     /// `[P]`: pair indices `t * k + r` in group order.
@@ -318,6 +331,11 @@ impl MoeScratch {
     /// back.
     pub fn set_path(&mut self, path: Option<MoePath>) {
         self.path = path;
+    }
+    /// The tile variant of the wgmma prefill GEMMs (benchmarks compare them; default N256, or
+    /// `MOERUN_CUDA_MOE_TILE`).
+    pub fn set_wgmma_tile(&mut self, tile: WgmmaTile) {
+        self.wgmma_tile = tile;
     }
     /// Run the decode kernels in passes of `pass`, or `None` for [`DecodePass::for_pairs`]
     /// (benchmarks compare them; results are the same bit for bit).
@@ -476,6 +494,7 @@ impl CudaDevice {
             top_k,
             path: None,
             pass: None,
+            wgmma_tile: WgmmaTile::from_env(),
             offsets: self.zeros(e + 2)?,
             pairs: self.zeros(pairs)?,
             pos: self.zeros(pairs)?,
@@ -502,9 +521,10 @@ impl CudaDevice {
     /// out[t] = Σ_{r=0..k} weights[t,r] · expert_{ids[t,r]}(x[t]), summed in rank order
     /// (out is overwritten, not accumulated). x, out: [n, H] f32; ids, weights: [n, k].
     ///
-    /// An id `>= E` is a caller bug: the decode path makes that token's output NaN, the prefill
-    /// path fails with [`CudaError::InvalidArgument`]. The decode path only enqueues work; the
-    /// prefill path waits for the device once (see the module doc).
+    /// An id `>= E` is a caller bug: the decode and wgmma prefill paths make that token's output
+    /// NaN (such pairs are never computed), the cuBLAS prefill paths fail with
+    /// [`CudaError::InvalidArgument`]. The decode and wgmma paths only enqueue work; the cuBLAS
+    /// paths wait for the device once (see the module doc).
     #[allow(clippy::too_many_arguments)] // the API the model is wired against (7 + self)
     pub fn moe_experts(
         &self,
@@ -569,7 +589,12 @@ impl CudaDevice {
         })?;
         match self.moe_path(n, experts, scratch) {
             MoePath::Decode => self.moe_decode(&call, experts, scratch),
-            MoePath::Prefill => self.moe_prefill(&call, experts, scratch, false),
+            MoePath::Prefill if self.has_wgmma() && experts.dtype == DType::BF16 => {
+                self.moe_prefill_wgmma(&call, experts, scratch)
+            }
+            MoePath::Prefill | MoePath::PrefillCublas => {
+                self.moe_prefill(&call, experts, scratch, false)
+            }
             MoePath::PrefillPerExpert => self.moe_prefill(&call, experts, scratch, true),
         }
     }

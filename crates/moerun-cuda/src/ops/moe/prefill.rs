@@ -1,4 +1,6 @@
-//! The prefill path of [`CudaDevice::moe_experts`]: tensor-core GEMMs over each expert's tokens,
+//! The cuBLAS prefill paths of [`CudaDevice::moe_experts`] ([`super::MoePath::PrefillCublas`],
+//! [`super::MoePath::PrefillPerExpert`], and [`super::MoePath::Prefill`] where the device has no
+//! wgmma; on sm_90 `Prefill` is `wgmma`'s kernels): tensor-core GEMMs over each expert's tokens,
 //! bf16 weights only. With P = n · k pairs listed in expert order q by `moe_align`:
 //!
 //! 1. `moe_align` (as in decode), then one wait for the device: the host reads the offsets, i.e.
