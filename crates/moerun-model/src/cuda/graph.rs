@@ -12,6 +12,9 @@
 //! - A graph bakes in the addresses of the KV pools and scratch it was captured over, so the
 //!   graphs live in the [`DeviceKv`] and are dropped when its MoE scratch is replaced.
 //! - Gemma 4 (`crate::gemma4::cuda`) is captured the same way, its own flow inside the capture.
+//! - Buckets whose MoE layers would wait for the device (the cuBLAS prefill path past 32 tokens,
+//!   off Hopper) run eagerly; on Hopper the wgmma prefill path needs no wait, so every bucket up to
+//!   128 is captured.
 //! - If a capture fails, graphs are switched off for this cache with the reason on stderr and
 //!   every step runs eagerly (same kernels, same results). `MOERUN_CUDA_GRAPHS=0` switches them
 //!   off too, to measure what they buy.
@@ -22,7 +25,7 @@
 
 use std::collections::HashMap;
 
-use moerun_core::{Error, Result};
+use moerun_core::{DType, Error, Result};
 use moerun_cuda::{CudaDevice, CudaSlice, CudaView, DeviceGraph, MoePath};
 
 use super::deltanet::LinearPlacement;
@@ -103,10 +106,15 @@ pub(crate) fn try_decode<'k>(
         return Ok(None);
     }
     let moe = first_moe(m, cfg, w);
-    // The bucket's MoE must take the op's decode path: its prefill path groups tokens on the
-    // host, which a graph cannot hold.
-    let graph_safe =
-        |b: usize| moe.is_none_or(|(e, _)| MoePath::for_batch(b, e.dtype()) == MoePath::Decode);
+    // The bucket's MoE must not wait for the device: the decode path never does, nor does the
+    // prefill path on Hopper (wgmma, its tile list read on the device); the cuBLAS prefill path
+    // reads each expert's token count on the host, which a graph cannot hold.
+    let graph_safe = |b: usize| {
+        moe.is_none_or(|(e, _)| {
+            MoePath::for_batch(b, e.dtype()) == MoePath::Decode
+                || (e.dtype() == DType::BF16 && m.dev.has_wgmma())
+        })
+    };
     let Some(&bucket) = BUCKETS.iter().find(|&&b| b >= n && graph_safe(b)) else {
         return Ok(None);
     };
