@@ -1109,7 +1109,9 @@ ATTN_TILE_F32(attn_tile_f32_c4, 4)
 // by ldmatrix per 16-dim step), and keeps the rows' visible ranges and its load state in shared
 // memory too (255 registers, no spills). Per row the arithmetic is the same (same fragments, same
 // mma order over dims and over keys, same softmax steps), so every build gives the same bits
-// (tests/attention.rs tensor_core_prefill_builds_are_bitwise_equal). h2 (4 warps, 2 heads) keeps
+// (tests/attention.rs tensor_core_prefill_builds_are_bitwise_equal). All builds take softmax
+// weights and rescale factors by ex2.approx.ftz (one instruction; exp2f was four): results under
+// 2^-126 are 0 instead of subnormal, the one difference from the kernel before the builds. h2 (4 warps, 2 heads) keeps
 // two blocks per SM by taking 2 stages (q: 34 KiB + 2 x 34 KiB): a copy tile then loads one tile
 // ahead, and a pool tile lands as two halves of 32 keys (f32 K and V rows) in stage 0, each
 // rounded into stage 1 (one of the two loads waited for in the open). h4 (8 warps, 4 heads)
@@ -1133,6 +1135,15 @@ __device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1)
         "{%8, %9}, {%0, %1, %2, %3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// 2^x by one MUFU.EX2, subnormal results flushed to 0. exp2f compiles (without --ftz) to four
+// instructions, a range test and two multiplies around it that keep 2^x for x < -126 subnormal:
+// weights under 2^-126 of a row's max, which change neither the row's sum nor its output.
+__device__ __forceinline__ float ex2_ftz(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
 }
 
 // Four 8x8 bf16 blocks; lanes 8m .. 8m + 7 give the row addresses of block m, which lands in r[m].
@@ -1360,17 +1371,17 @@ __device__ __forceinline__ void attn_tile_bf16(const AttnArgs& a) {
                 make_uint2(pack_bf16(y.x, y.y), pack_bf16(y.z, y.w));
         }
     };
-    // Copy tile i (tile npool + i) into stage i % ST; always one commit group, so the waits
-    // count tiles.
-    auto load_copy = [&](int i) {
-        if (npool + i < ntiles) copy_tile(i % ST, kmin + (npool + i) * TILE_N);
+    // Copy tile i (tile npool + i) into stage st (i % ST); always one commit group, so the
+    // waits count tiles.
+    auto load_copy = [&](int i, int st) {
+        if (npool + i < ntiles) copy_tile(st, kmin + (npool + i) * TILE_N);
         cp_async_commit();
     };
     if (npool > 0) {
         pool_fetch(kmin);
     } else {
 #pragma unroll
-        for (int i = 0; i < ST - 1; ++i) load_copy(i);
+        for (int i = 0; i < ST - 1; ++i) load_copy(i, i);
     }
 
     const int pa = a.positions[t0 + ra], pb = a.positions[t0 + rb];
@@ -1502,7 +1513,7 @@ __device__ __forceinline__ void attn_tile_bf16(const AttnArgs& a) {
             mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 1));
             mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 2));
             const float refa = softmax_ref(mxa), refb = softmax_ref(mxb);
-            const float ca = exp2f(ma[hw] - refa), cb = exp2f(mb[hw] - refb);
+            const float ca = ex2_ftz(ma[hw] - refa), cb = ex2_ftz(mb[hw] - refb);
             la[hw] *= ca;
             lb[hw] *= cb;
             // Past the first tiles a row's max rarely moves: then every factor is exactly 1 and
@@ -1520,10 +1531,10 @@ __device__ __forceinline__ void attn_tile_bf16(const AttnArgs& a) {
             mb[hw] = mxb;
 #pragma unroll
             for (int nt = 0; nt < TILE_N / 8; ++nt) {
-                s[hw][nt][0] = exp2f(s[hw][nt][0] - refa);
-                s[hw][nt][1] = exp2f(s[hw][nt][1] - refa);
-                s[hw][nt][2] = exp2f(s[hw][nt][2] - refb);
-                s[hw][nt][3] = exp2f(s[hw][nt][3] - refb);
+                s[hw][nt][0] = ex2_ftz(s[hw][nt][0] - refa);
+                s[hw][nt][1] = ex2_ftz(s[hw][nt][1] - refa);
+                s[hw][nt][2] = ex2_ftz(s[hw][nt][2] - refb);
+                s[hw][nt][3] = ex2_ftz(s[hw][nt][3] - refb);
                 la[hw] += s[hw][nt][0] + s[hw][nt][1];
                 lb[hw] += s[hw][nt][2] + s[hw][nt][3];
             }
@@ -1574,7 +1585,7 @@ __device__ __forceinline__ void attn_tile_bf16(const AttnArgs& a) {
         } else {
             // The copy phase's first tiles load into the other stages meanwhile.
 #pragma unroll
-            for (int i = 0; i < ST - 1; ++i) load_copy(i);
+            for (int i = 0; i < ST - 1; ++i) load_copy(i, i);
         }
         attend(bf + PS * STAGE, kt);
     }
@@ -1582,11 +1593,12 @@ __device__ __forceinline__ void attn_tile_bf16(const AttnArgs& a) {
 
     // Copy phase, one barrier per tile: [wait for tile i's copies; barrier; start tile
     // i + ST - 1 into the stage tile i - 1 left; compute tile i].
-    for (int i = 0; npool + i < ntiles; ++i) {
+    for (int i = 0, st = 0; npool + i < ntiles; ++i) {  // st = i % ST
         cp_async_wait<ST - 2>();
         __syncthreads();
-        load_copy(i + ST - 1);
-        attend(bf + (i % ST) * STAGE, kmin + (npool + i) * TILE_N);
+        load_copy(i + ST - 1, st == 0 ? ST - 1 : st - 1);
+        attend(bf + st * STAGE, kmin + (npool + i) * TILE_N);
+        st = st == ST - 1 ? 0 : st + 1;
     }
     cp_async_wait<0>();  // no copy may land in shared memory after the block exits
 
