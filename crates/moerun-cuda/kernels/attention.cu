@@ -1139,7 +1139,8 @@ __device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1)
 
 // 2^x by one MUFU.EX2, subnormal results flushed to 0. exp2f compiles (without --ftz) to four
 // instructions, a range test and two multiplies around it that keep 2^x for x < -126 subnormal:
-// weights under 2^-126 of a row's max, which change neither the row's sum nor its output.
+// softmax weights under 2^-126 of their row's max, far below the f32 resolution of the row's
+// sum (which holds the max's weight 1).
 __device__ __forceinline__ float ex2_ftz(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
