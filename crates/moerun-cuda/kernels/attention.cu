@@ -1109,13 +1109,15 @@ ATTN_TILE_F32(attn_tile_f32_c4, 4)
 // by ldmatrix per 16-dim step), and keeps the rows' visible ranges and its load state in shared
 // memory too (255 registers, no spills). Per row the arithmetic is the same (same fragments, same
 // mma order over dims and over keys, same softmax steps), so every build gives the same bits
-// (tests/attention.rs tensor_core_prefill_builds_are_bitwise_equal). All builds take softmax
-// weights and rescale factors by ex2.approx.ftz (one instruction; exp2f was four): results under
-// 2^-126 are 0 instead of subnormal, the one difference from the kernel before the builds. h2 (4 warps, 2 heads) keeps
+// (tests/attention.rs tensor_core_prefill_builds_are_bitwise_equal). h2 (4 warps, 2 heads) keeps
 // two blocks per SM by taking 2 stages (q: 34 KiB + 2 x 34 KiB): a copy tile then loads one tile
 // ahead, and a pool tile lands as two halves of 32 keys (f32 K and V rows) in stage 0, each
 // rounded into stage 1 (one of the two loads waited for in the open). h4 (8 warps, 4 heads)
 // keeps 3 stages and the pool pipeline above (q: 68 KiB; 170 KiB per block, one per SM).
+//
+// All builds take the softmax weights and rescale factors by ex2.approx.ftz (ex2_ftz: one
+// instruction; exp2f was four): results under 2^-126 are 0 instead of subnormal, the one
+// numerical difference from the kernel before the builds.
 
 #define TC_WARPS 4
 #define TC_THREADS (32 * TC_WARPS)
@@ -1426,7 +1428,8 @@ __device__ __forceinline__ void attn_tile_bf16(const AttnArgs& a) {
 #pragma unroll
     for (int hw = 0; hw < HW; ++hw)
 #pragma unroll
-        for (int dt = 0; dt < D / 8; ++dt) o[hw][dt][0] = o[hw][dt][1] = o[hw][dt][2] = o[hw][dt][3] = 0.0f;
+        for (int dt = 0; dt < D / 8; ++dt)
+            o[hw][dt][0] = o[hw][dt][1] = o[hw][dt][2] = o[hw][dt][3] = 0.0f;
     float ma[HW], mb[HW], la[HW], lb[HW];
 #pragma unroll
     for (int hw = 0; hw < HW; ++hw) {
@@ -1439,7 +1442,8 @@ __device__ __forceinline__ void attn_tile_bf16(const AttnArgs& a) {
     const int lr = lane & 7;
     // QS: this lane's row address in the q tile of head hw0 (blocks: (rows +0, dims +0),
     // (rows +8, dims +0), (rows +0, dims +8), (+8, +8): a0..a3 of the A fragment).
-    const u16* const qrow = qs + (hw0 * TC_M + (warp % TC_WARPS) * 16 + (lm & 1) * 8 + lr) * BS + (lm >> 1) * 8;
+    const u16* const qrow =
+        qs + (hw0 * TC_M + (warp % TC_WARPS) * 16 + (lm & 1) * 8 + lr) * BS + (lm >> 1) * 8;
 
     // S = Q K^T, online softmax and O += P V for the bf16 key tile at kb (V rows after K's),
     // keys kt .. kt + 63, for each of the warp's HW heads (one m16 tile each: same tokens, so the
@@ -1450,7 +1454,8 @@ __device__ __forceinline__ void attn_tile_bf16(const AttnArgs& a) {
 #pragma unroll
         for (int hw = 0; hw < HW; ++hw)
 #pragma unroll
-            for (int nt = 0; nt < TILE_N / 8; ++nt) s[hw][nt][0] = s[hw][nt][1] = s[hw][nt][2] = s[hw][nt][3] = 0.0f;
+            for (int nt = 0; nt < TILE_N / 8; ++nt)
+                s[hw][nt][0] = s[hw][nt][1] = s[hw][nt][2] = s[hw][nt][3] = 0.0f;
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
             u32 qa[HW][4];

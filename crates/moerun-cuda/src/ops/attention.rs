@@ -850,8 +850,9 @@ impl CudaDevice {
     }
 
     /// Query heads per block of the tensor-core prefill kernel: 1, 2 or 4 (`None`:
-    /// `MOERUN_ATTN_TC_HEADS`, else the default, 1). A group that does not divide by it takes the widest that
-    /// it does. Every choice gives the same bits; this exists to measure them against each other.
+    /// `MOERUN_ATTN_TC_HEADS`, else the default, 1). A group that does not divide by it takes the
+    /// widest build that it does. Every choice gives the same bits; this exists to measure them
+    /// against each other. Other values are refused.
     pub fn set_tensor_core_attention_heads(&self, heads: Option<usize>) -> Result<()> {
         let h = heads.unwrap_or(0);
         ensure(
