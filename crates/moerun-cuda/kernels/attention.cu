@@ -1322,16 +1322,35 @@ __device__ __forceinline__ void attn_tile_bf16(const AttnArgs& a) {
         ld_state(kend, c, kh, ts);
         u16* kb = bf + st * STAGE;
         u16* vb = kb + TILE_N * BS;
-#pragma unroll(QS ? 1 : TILE_N * CH8 / NT)
-        for (int it = 0; it < TILE_N * CH8 / NT; ++it) {
-            const int idx = tid + it * NT;
-            const int r = idx / CH8;
-            const int ch = idx - r * CH8;
-            const int kp = kt + r;
-            const bool ok = kp < kend;
-            const u64 off = ok ? ((u64)(kp - c) * a.kv_heads + kh) * D + 8 * ch : 0;
-            cp_async16(kb + r * BS + 8 * ch, a.copy_k + off, ok ? 16 : 0);
-            cp_async16(vb + r * BS + 8 * ch, a.copy_v + off, ok ? 16 : 0);
+        if constexpr (QS) {
+            // Pass `it` takes row r0 + it * RPI: one offset per tile, then a fixed stride per
+            // pass (an add and a compare, where the offset from scratch cost ~20 instructions).
+            constexpr int RPI = NT / CH8;
+            static_assert(NT % CH8 == 0, "a pass covers whole rows");
+            const int r0 = tid / CH8;
+            const int ch = tid % CH8;
+            const int lim = kend - kt - r0;  // pass `it` is a real key while it * RPI < lim
+            const long long step = (long long)RPI * a.kv_heads * D;
+            long long off = ((long long)(kt + r0 - c) * a.kv_heads + kh) * D + 8 * ch;
+            u16* dk = kb + r0 * BS + 8 * ch;
+#pragma unroll 1
+            for (int it = 0; it < TILE_N / RPI; ++it, off += step, dk += RPI * BS) {
+                const bool ok = it * RPI < lim;
+                cp_async16(dk, a.copy_k + (ok ? off : 0), ok ? 16 : 0);
+                cp_async16(dk + TILE_N * BS, a.copy_v + (ok ? off : 0), ok ? 16 : 0);
+            }
+        } else {
+#pragma unroll
+            for (int it = 0; it < TILE_N * CH8 / NT; ++it) {
+                const int idx = tid + it * NT;
+                const int r = idx / CH8;
+                const int ch = idx - r * CH8;
+                const int kp = kt + r;
+                const bool ok = kp < kend;
+                const u64 off = ok ? ((u64)(kp - c) * a.kv_heads + kh) * D + 8 * ch : 0;
+                cp_async16(kb + r * BS + 8 * ch, a.copy_k + off, ok ? 16 : 0);
+                cp_async16(vb + r * BS + 8 * ch, a.copy_v + off, ok ? 16 : 0);
+            }
         }
     };
     // Pool tiles: f32 rows of keys by cp.async into the landing stages (rows past kend or out of
