@@ -9,7 +9,8 @@
 //! k, v and the softmax weights are rounded to bf16 (relative 2^-9 each; measured <= 2.3e-3).
 //! Outputs start as NaN, so an element no kernel wrote fails. The tensor-core path reading the
 //! batch's own K/V from a bf16 batch copy must equal the same kernel reading them from the f32
-//! pool bit for bit (both round the same f32 values to bf16).
+//! pool bit for bit (both round the same f32 values to bf16), and each build of the kernel (1, 2
+//! or 4 query heads per block) must equal the others bit for bit (the same arithmetic per row).
 //! Without a GPU every test prints "skipped: CUDA is unavailable: <reason>" and passes.
 
 mod common;
@@ -675,7 +676,7 @@ fn tensor_core_prefill_builds_are_bitwise_equal() {
     let mixed = [(300, 200), (10, 1), (0, 130), (2000, 1), (77, 64)];
     let split_a = [(0, 128), (0, 64)];
     let a_b_a: Vec<usize> = (0..64).chain(128..192).chain(64..128).collect();
-    let cases: [(CopyCase, bool); 8] = [
+    let cases: [(CopyCase, bool); 9] = [
         (((32, 4, 128), &fresh[..], None, None), true),
         (((32, 4, 128), &fresh[..], None, None), false),
         (((8, 2, 128), &cached_odd[..], Some(700), None), true),
@@ -683,6 +684,7 @@ fn tensor_core_prefill_builds_are_bitwise_equal() {
         (((16, 2, 64), &mixed[..], Some(100), None), true),
         (((4, 1, 64), &cached_odd[..], None, None), true),
         (((6, 3, 128), &fresh[..], Some(250), None), true),
+        (((4, 4, 64), &fresh[..], Some(250), None), true),
         (((8, 2, 128), &split_a[..], None, Some(a_b_a)), true),
     ];
     for ((shape, seqs, window, order), batch_copy) in cases {
