@@ -39,7 +39,11 @@
 //   blocks per SM; dynamic shared: 3 stages of the bf16 K and V tiles, [64][D + 8] each, which
 //   ldmatrix(.trans) reads. Key tiles of the batch's own positions are cp.async-copied from the
 //   batch copy (AttnArgs.copy_k/v); the others are read from the f32 pool and rounded (see the
-//   section below).
+//   section below). attn_tile_bf16_h2_d<D> and _h4_d<D>: the same tiles and arithmetic (the same
+//   bits), each warp 16 tokens of two query heads of one kv head (32 rows sharing every K and V
+//   fragment); blocks of 2 heads (grid (n / 64, num_heads / 2), block 128, 2 stages + a bf16 q
+//   tile, two blocks per SM) or 4 heads (grid (n / 64, num_heads / 4), block 256, 3 stages + q,
+//   one block per SM).
 //
 // Which kernel owns a token (the tile rule, `tile_owned`): when the host launches a tiled kernel
 // (n >= tile_m, AttnArgs.tiled), a tile of tile_m consecutive tokens that lies wholly inside the
@@ -1103,6 +1107,27 @@ ATTN_TILE_F32(attn_tile_f32_c4, 4)
 // barrier; start tile i + 2 into the stage tile i - 1 left; S, softmax and P V of tile i]. Blocks
 // are 4 warps (64 query rows of one head) so two run on an SM (~104 KiB of shared memory each for
 // D = 128): one block's softmax and loads overlap the other's tensor-core work.
+//
+// Builds (template <D, HW, WG, ST>, ops/attention.rs TC_VARIANTS). Each K or V fragment a warp
+// loads by ldmatrix serves 16 rows with one head per warp (HW = 1): ~64 ldmatrix.x4 per 128 mma
+// per key tile, and each K/V tile in shared memory serves one head's 64 rows while the group's
+// heads read the same K/V. With HW = 2 a warp holds two m16 tiles, the same 16 tokens of two
+// query heads (so one mask, one key range): every K and V fragment feeds 4 mma instead of 2 and a
+// K/V tile serves 2 (or, WG = 2 warp groups, 4) heads. Two heads' accumulators (O 128 + S 64
+// registers for D = 128) leave no room for q in registers: the block stages its q rows, scaled
+// and rounded to bf16 as the one-head build rounds them, in shared memory ([HB][64][D + 8], read
+// by ldmatrix per 16-dim step), and keeps the rows' visible ranges and its load state in shared
+// memory too (255 registers, no spills). Per row the arithmetic is the same (same fragments, same
+// mma order over dims and over keys, same softmax steps), so every build gives the same bits
+// (tests/attention.rs tensor_core_prefill_builds_are_bitwise_equal). h2 (4 warps, 2 heads) keeps
+// two blocks per SM by taking 2 stages (q: 34 KiB + 2 x 34 KiB): a copy tile then loads one tile
+// ahead, and a pool tile lands as two halves of 32 keys (f32 K and V rows) in stage 0, each
+// rounded into stage 1 (one of the two loads waited for in the open). h4 (8 warps, 4 heads)
+// keeps 3 stages and the pool pipeline above (q: 68 KiB; 170 KiB per block, one per SM).
+//
+// All builds take the softmax weights and rescale factors by ex2.approx.ftz (ex2_ftz: one
+// instruction; exp2f was four): results under 2^-126 are 0 instead of subnormal, the one
+// numerical difference from the kernel before the builds.
 
 #define TC_WARPS 4
 #define TC_THREADS (32 * TC_WARPS)
@@ -1122,6 +1147,16 @@ __device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1)
         "{%8, %9}, {%0, %1, %2, %3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// 2^x by one MUFU.EX2, subnormal results flushed to 0. exp2f compiles (without --ftz) to four
+// instructions, a range test and two multiplies around it that keep 2^x for x < -126 subnormal:
+// softmax weights under 2^-126 of their row's max, far below the f32 resolution of the row's
+// sum (which holds the max's weight 1).
+__device__ __forceinline__ float ex2_ftz(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
 }
 
 // Four 8x8 bf16 blocks; lanes 8m .. 8m + 7 give the row addresses of block m, which lands in r[m].
@@ -1157,7 +1192,7 @@ __device__ __forceinline__ void batch_copy_start(const AttnArgs& a, int t0, int 
     const int4* p4 = reinterpret_cast<const int4*>(a.positions);
     const int4* s4 = reinterpret_cast<const int4*>(a.table_start);
 #pragma unroll 8
-    for (int q = (lo >> 2) + threadIdx.x; q < (hi >> 2); q += TC_THREADS) {
+    for (int q = (lo >> 2) + threadIdx.x; q < (hi >> 2); q += blockDim.x) {
         const int4 p = p4[q];
         const int4 s = s4[q];
         const int pv[4] = {p.x, p.y, p.z, p.w};
@@ -1178,47 +1213,92 @@ __device__ __forceinline__ void batch_copy_start(const AttnArgs& a, int t0, int 
     __syncthreads();
 }
 
-template <int D>
+// HW: query heads per warp (1: 16 rows, q fragments in registers; 2: 32 rows, two m16 tiles of
+// the same 16 tokens for two heads, sharing every K and V fragment, q fragments by ldmatrix from
+// a bf16 q tile in shared memory, which 255 registers need). WG: warp groups of 4 warps (64
+// tokens each); the block's HB = HW x WG query heads all read one kv head. ST: pipeline stages of
+// bf16 K/V tiles (3: pool tiles land as f32 in two stages and are rounded into the third; 2: a
+// pool tile lands as two halves of 32 keys in one stage, each rounded into the other).
+template <int D, int HW, int WG, int ST>
 __device__ __forceinline__ void attn_tile_bf16(const AttnArgs& a) {
-    constexpr int BS = D + 8;               // bf16 row stride of K and V
+    constexpr int NT = TC_THREADS * WG;     // threads of the block
+    constexpr int HB = HW * WG;             // query heads of the block
+    constexpr bool QS = HW > 1;             // q fragments from shared memory
+    constexpr int BS = D + 8;               // bf16 row stride of K, V (and q)
     constexpr int STAGE = 2 * TILE_N * BS;  // one stage: K rows, then V rows (u16)
     constexpr int FS = D + 4;               // f32 row stride of a pool tile's K or V in a stage
     constexpr int CH8 = D / 8;              // 16-byte chunks of a bf16 row
     constexpr int CH4 = D / 4;              // 16-byte chunks of an f32 row
-    static_assert(TILE_N * FS * 4 <= STAGE * 2, "an f32 K (or V) tile fits one stage");
+    constexpr int PS = ST - 1;              // the stage a pool tile is rounded into
+    static_assert(ST == 2 || ST == 3, "two or three stages");
+    static_assert(ST == 2 || TILE_N * FS * 4 <= STAGE * 2, "an f32 K (or V) tile fits one stage");
+    static_assert(ST == 3 || TILE_N * FS * 4 <= STAGE * 2, "f32 K and V of 32 keys fit one stage");
     extern __shared__ float4 tc_smem4[];
     u16* bf = reinterpret_cast<u16*>(tc_smem4);
+    u16* const qs = bf + ST * STAGE;  // QS: the block's q, [HB][TC_M][BS] bf16, pre-scaled
     __shared__ int s_kmin, s_kend, s_kloc, s_bad;
     // Later tiles see more keys: launch them first so the grid does not end on a long one.
     const int t0 = (gridDim.x - 1 - blockIdx.x) * TC_M;
-    const int h = blockIdx.y;
-    const int H = a.num_heads;
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
+    const int hw0 = (warp / TC_WARPS) * HW;  // this warp's first head within the block's
+    const int h0 = blockIdx.y * HB;
+    const int H = a.num_heads;
     const int g = lane >> 2;
     const int t = lane & 3;
-    const int ra = warp * 16 + g;  // this thread's two rows of the tile
+    const int ra = (warp % TC_WARPS) * 16 + g;  // this thread's two rows of the tile
     const int rb = ra + 8;
 
-    // This thread's q values, loaded first: their latency overlaps the block's set-up below
-    // (the tile is inside the batch whether or not this kernel owns it).
-    float2 qv[D / 16][4];
-    if (t0 + TC_M <= a.n) {
-        const float* qa = a.q + ((u64)(t0 + ra) * H + h) * D;
-        const float* qb = a.q + ((u64)(t0 + rb) * H + h) * D;
+    // This thread's q values (HW == 1), loaded first: their latency overlaps the block's set-up
+    // below (the tile is inside the batch whether or not this kernel owns it).
+    float2 qv[QS ? 1 : D / 16][4];
+    if constexpr (!QS) {
+        if (t0 + TC_M <= a.n) {
+            const float* qa = a.q + ((u64)(t0 + ra) * H + h0 + hw0) * D;
+            const float* qb = a.q + ((u64)(t0 + rb) * H + h0 + hw0) * D;
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            const int cc = kk * 16 + 2 * t;
-            qv[kk][0] = *reinterpret_cast<const float2*>(qa + cc);
-            qv[kk][1] = *reinterpret_cast<const float2*>(qb + cc);
-            qv[kk][2] = *reinterpret_cast<const float2*>(qa + cc + 8);
-            qv[kk][3] = *reinterpret_cast<const float2*>(qb + cc + 8);
+            for (int kk = 0; kk < D / 16; ++kk) {
+                const int cc = kk * 16 + 2 * t;
+                qv[kk][0] = *reinterpret_cast<const float2*>(qa + cc);
+                qv[kk][1] = *reinterpret_cast<const float2*>(qb + cc);
+                qv[kk][2] = *reinterpret_cast<const float2*>(qa + cc + 8);
+                qv[kk][3] = *reinterpret_cast<const float2*>(qb + cc + 8);
+            }
         }
     }
     if (!tile_owned(a, t0)) return;
-    const int kh = h / a.group;
+    if constexpr (QS) {
+        // The block's q rows, scaled and rounded as the register path rounds them (the same
+        // bits), into shared memory; the pipeline's first barrier publishes them. The HB heads of
+        // a token are contiguous in q, so consecutive threads read consecutive 16 bytes.
+        const float sl = a.scale_log2;
+#pragma unroll 8
+        for (int it = 0; it < TC_M * HB * CH4 / NT; ++it) {
+            const int idx = tid + it * NT;
+            const int rh = idx / CH4;
+            const int ch = idx - rh * CH4;
+            const int r = rh / HB;
+            const int hh = rh - r * HB;
+            const float4 x = ld4(a.q + ((u64)(t0 + r) * H + h0 + hh) * D + 4 * ch);
+            *reinterpret_cast<uint2*>(qs + (hh * TC_M + r) * BS + 4 * ch) =
+                make_uint2(pack_bf16(x.x * sl, x.y * sl), pack_bf16(x.z * sl, x.w * sl));
+        }
+    }
+    const int kh = h0 / a.group;
     const int ts = a.table_start[t0];
+    const int c = a.positions[t0] - t0;  // key p of the checked run is batch row p - c
+    // QS: what the loads need, re-read from shared memory at each tile (volatile: not kept in
+    // registers across the tile's products, where two heads' accumulators fill the file);
+    // tile_key_range's barriers publish them.
+    __shared__ int s_c, s_kh, s_ts;
+    if constexpr (QS) {
+        if (tid == 0) {
+            s_c = c;
+            s_kh = kh;
+            s_ts = ts;
+        }
+    }
     tile_key_range(a, t0, &s_kmin, &s_kend);
     const int kmin = s_kmin, kend = s_kend;
     const int ntiles = kmin < kend ? (kend - kmin + TILE_N - 1) / TILE_N : 0;
@@ -1227,38 +1307,75 @@ __device__ __forceinline__ void attn_tile_bf16(const AttnArgs& a) {
         batch_copy_start(a, t0, kmin, &s_kloc, &s_bad);
         kloc = s_kloc;
     }
-    const int c = a.positions[t0] - t0;  // key p of the checked run is batch row p - c
     // Tiles 0 .. npool - 1 start before the copy's first key: they come from the pool (all of
     // them without a copy: kloc is then INT_MAX, compared, never offset).
     const int npool = kloc <= kmin   ? 0
                       : kloc >= kend ? ntiles
                                      : min(ntiles, (kloc - kmin + TILE_N - 1) / TILE_N);
 
-    // Stage `st` <- keys kt .. kt + 63 from the batch copy, by cp.async (rows past kend: zeros).
-    auto copy_tile = [&](int st, int kt) {
-        u16* kb = bf + st * STAGE;
-        u16* vb = kb + TILE_N * BS;
-#pragma unroll
-        for (int it = 0; it < TILE_N * CH8 / TC_THREADS; ++it) {
-            const int idx = tid + it * TC_THREADS;
-            const int r = idx / CH8;
-            const int ch = idx - r * CH8;
-            const int kp = kt + r;
-            const bool ok = kp < kend;
-            const u64 off = ok ? ((u64)(kp - c) * a.kv_heads + kh) * D + 8 * ch : 0;
-            cp_async16(kb + r * BS + 8 * ch, a.copy_k + off, ok ? 16 : 0);
-            cp_async16(vb + r * BS + 8 * ch, a.copy_v + off, ok ? 16 : 0);
+    auto ld_state = [&](int& kend_, int& c_, int& kh_, int& ts_) {
+        if constexpr (QS) {
+            kend_ = *(volatile int*)&s_kend;
+            c_ = *(volatile int*)&s_c;
+            kh_ = *(volatile int*)&s_kh;
+            ts_ = *(volatile int*)&s_ts;
+        } else {
+            kend_ = kend;
+            c_ = c;
+            kh_ = kh;
+            ts_ = ts;
         }
     };
-    // Pool tiles: the f32 K rows of keys kt .. kt + 63 into stage 0 and the V rows into stage 1
-    // by cp.async (rows past kend or out of range: zeros), then `pool_round` rounds both into
-    // stage 2 as bf16.
+    // Stage `st` <- keys kt .. kt + 63 from the batch copy, by cp.async (rows past kend: zeros).
+    auto copy_tile = [&](int st, int kt) {
+        int kend, c, kh, ts;
+        ld_state(kend, c, kh, ts);
+        u16* kb = bf + st * STAGE;
+        u16* vb = kb + TILE_N * BS;
+        if constexpr (QS) {
+            // Pass `it` takes row r0 + it * RPI: one offset per tile, then a fixed stride per
+            // pass (an add and a compare, where the offset from scratch cost ~20 instructions).
+            constexpr int RPI = NT / CH8;
+            static_assert(NT % CH8 == 0, "a pass covers whole rows");
+            const int r0 = tid / CH8;
+            const int ch = tid % CH8;
+            const int lim = kend - kt - r0;  // pass `it` is a real key while it * RPI < lim
+            const long long step = (long long)RPI * a.kv_heads * D;
+            long long off = ((long long)(kt + r0 - c) * a.kv_heads + kh) * D + 8 * ch;
+            u16* dk = kb + r0 * BS + 8 * ch;
+#pragma unroll 1
+            for (int it = 0; it < TILE_N / RPI; ++it, off += step, dk += RPI * BS) {
+                const bool ok = it * RPI < lim;
+                cp_async16(dk, a.copy_k + (ok ? off : 0), ok ? 16 : 0);
+                cp_async16(dk + TILE_N * BS, a.copy_v + (ok ? off : 0), ok ? 16 : 0);
+            }
+        } else {
+#pragma unroll
+            for (int it = 0; it < TILE_N * CH8 / NT; ++it) {
+                const int idx = tid + it * NT;
+                const int r = idx / CH8;
+                const int ch = idx - r * CH8;
+                const int kp = kt + r;
+                const bool ok = kp < kend;
+                const u64 off = ok ? ((u64)(kp - c) * a.kv_heads + kh) * D + 8 * ch : 0;
+                cp_async16(kb + r * BS + 8 * ch, a.copy_k + off, ok ? 16 : 0);
+                cp_async16(vb + r * BS + 8 * ch, a.copy_v + off, ok ? 16 : 0);
+            }
+        }
+    };
+    // Pool tiles: f32 rows of keys by cp.async into the landing stages (rows past kend or out of
+    // range: zeros), then rounded to bf16 into stage PS. ST == 3: K rows of the whole tile into
+    // stage 0, V rows into stage 1. ST == 2: K rows of keys kt + 32 half .. + 31, then their V
+    // rows, into stage 0.
     float* const kf = reinterpret_cast<float*>(bf);
-    float* const vf = reinterpret_cast<float*>(bf + STAGE);
+    float* const vf = ST == 3 ? reinterpret_cast<float*>(bf + STAGE) : kf + (TILE_N / 2) * FS;
+    constexpr int PR = ST == 3 ? TILE_N : TILE_N / 2;  // key rows per fetch
     auto pool_fetch = [&](int kt) {
-#pragma unroll 4
-        for (int it = 0; it < TILE_N * CH4 / TC_THREADS; ++it) {
-            const int idx = tid + it * TC_THREADS;
+        int kend, c, kh, ts;
+        ld_state(kend, c, kh, ts);
+#pragma unroll(QS ? 1 : 4)
+        for (int it = 0; it < PR * CH4 / NT; ++it) {
+            const int idx = tid + it * NT;
             const int r = idx / CH4;
             const int ch = idx - r * CH4;
             const int kp = kt + r;
@@ -1269,12 +1386,13 @@ __device__ __forceinline__ void attn_tile_bf16(const AttnArgs& a) {
         }
         cp_async_commit();
     };
-    auto pool_round = [&]() {
-        u16* kb = bf + 2 * STAGE;
+    // The landed rows into rows r0 .. r0 + PR - 1 of stage PS.
+    auto pool_round = [&](int r0) {
+        u16* kb = bf + PS * STAGE + r0 * BS;
         u16* vb = kb + TILE_N * BS;
-#pragma unroll
-        for (int it = 0; it < TILE_N * CH4 / TC_THREADS; ++it) {
-            const int idx = tid + it * TC_THREADS;
+#pragma unroll(QS ? 1 : PR * CH4 / NT)
+        for (int it = 0; it < PR * CH4 / NT; ++it) {
+            const int idx = tid + it * NT;
             const int r = idx / CH4;
             const int ch = idx - r * CH4;
             const float4 x = ld4(kf + r * FS + 4 * ch);
@@ -1285,21 +1403,32 @@ __device__ __forceinline__ void attn_tile_bf16(const AttnArgs& a) {
                 make_uint2(pack_bf16(y.x, y.y), pack_bf16(y.z, y.w));
         }
     };
-    // Copy tile i (tile npool + i) into stage i % TC_STAGES; always one commit group, so the
+    // Copy tile i (tile npool + i) into stage st (i % ST); always one commit group, so the
     // waits count tiles.
-    auto load_copy = [&](int i) {
-        if (npool + i < ntiles) copy_tile(i % TC_STAGES, kmin + (npool + i) * TILE_N);
+    auto load_copy = [&](int i, int st) {
+        if (npool + i < ntiles) copy_tile(st, kmin + (npool + i) * TILE_N);
         cp_async_commit();
     };
     if (npool > 0) {
         pool_fetch(kmin);
     } else {
-        load_copy(0);
-        load_copy(1);
+#pragma unroll
+        for (int i = 0; i < ST - 1; ++i) load_copy(i, i);
     }
 
     const int pa = a.positions[t0 + ra], pb = a.positions[t0 + rb];
     const int loa = window_lo(a, pa), lob = window_lo(a, pb);
+    // QS: the rows' visible ranges wait in shared memory for the (few) masked tiles: every
+    // register counts with two heads' accumulators.
+    __shared__ int s_p[QS ? TC_M : 1], s_lo[QS ? TC_M : 1];
+    if constexpr (QS) {
+        if (warp < TC_WARPS && t == 0) {
+            s_p[ra] = pa;
+            s_p[rb] = pb;
+            s_lo[ra] = loa;
+            s_lo[rb] = lob;
+        }
+    }
     // A key tile every row of this warp sees whole needs no mask (all but the diagonal tiles
     // and, under a window, its lower edge).
     int wmin_p = min(pa, pb), wmax_lo = max(loa, lob);
@@ -1308,156 +1437,252 @@ __device__ __forceinline__ void attn_tile_bf16(const AttnArgs& a) {
         wmin_p = min(wmin_p, __shfl_xor_sync(0xffffffffu, wmin_p, o));
         wmax_lo = max(wmax_lo, __shfl_xor_sync(0xffffffffu, wmax_lo, o));
     }
+    __shared__ int s_wmin[QS ? TC_WARPS * WG : 1], s_wmax[QS ? TC_WARPS * WG : 1];
+    if constexpr (QS) {
+        if (lane == 0) {
+            s_wmin[warp] = wmin_p;
+            s_wmax[warp] = wmax_lo;
+        }
+    }
 
-    u32 qf[D / 16][4];
-    {
+    u32 qf[QS ? 1 : D / 16][4];
+    if constexpr (!QS) {
         const float sl = a.scale_log2;
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk)
 #pragma unroll
             for (int e = 0; e < 4; ++e) qf[kk][e] = pack_bf16(qv[kk][e].x * sl, qv[kk][e].y * sl);
     }
-    float o[D / 8][4];
+    float o[HW][D / 8][4];
 #pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.0f;
-    float ma = NEG_INF, mb = NEG_INF, la = 0.0f, lb = 0.0f;
+    for (int hw = 0; hw < HW; ++hw)
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt)
+            o[hw][dt][0] = o[hw][dt][1] = o[hw][dt][2] = o[hw][dt][3] = 0.0f;
+    float ma[HW], mb[HW], la[HW], lb[HW];
+#pragma unroll
+    for (int hw = 0; hw < HW; ++hw) {
+        ma[hw] = mb[hw] = NEG_INF;
+        la[hw] = lb[hw] = 0.0f;
+    }
 
     // This lane's row of the 8x8 blocks it addresses for ldmatrix: block lane / 8, row lane % 8.
     const int lm = lane >> 3;
     const int lr = lane & 7;
+    // QS: this lane's row address in the q tile of head hw0 (blocks: (rows +0, dims +0),
+    // (rows +8, dims +0), (rows +0, dims +8), (+8, +8): a0..a3 of the A fragment).
+    const u16* const qrow =
+        qs + (hw0 * TC_M + (warp % TC_WARPS) * 16 + (lm & 1) * 8 + lr) * BS + (lm >> 1) * 8;
 
     // S = Q K^T, online softmax and O += P V for the bf16 key tile at kb (V rows after K's),
-    // keys kt .. kt + 63.
+    // keys kt .. kt + 63, for each of the warp's HW heads (one m16 tile each: same tokens, so the
+    // same mask; every K and V fragment serves all of them).
     auto attend = [&](const u16* kb, int kt) {
         const u16* vb = kb + TILE_N * BS;
-        float s[TILE_N / 8][4];
+        float s[HW][TILE_N / 8][4];
 #pragma unroll
-        for (int nt = 0; nt < TILE_N / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+        for (int hw = 0; hw < HW; ++hw)
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk)
+            for (int nt = 0; nt < TILE_N / 8; ++nt)
+                s[hw][nt][0] = s[hw][nt][1] = s[hw][nt][2] = s[hw][nt][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            u32 qa[HW][4];
+            if constexpr (QS) {
+#pragma unroll
+                for (int hw = 0; hw < HW; ++hw) ldmatrix4(qa[hw], qrow + hw * TC_M * BS + kk * 16);
+            } else {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) qa[0][e] = qf[kk][e];
+            }
 #pragma unroll
             for (int np = 0; np < TILE_N / 16; ++np) {
                 // Blocks: (keys +0, dims +0), (keys +0, dims +8), (keys +8, dims +0), (+8, +8).
                 u32 b[4];
                 ldmatrix4(b, kb + (np * 16 + (lm >> 1) * 8 + lr) * BS + kk * 16 + (lm & 1) * 8);
-                mma_bf16(s[2 * np], qf[kk], b[0], b[1]);
-                mma_bf16(s[2 * np + 1], qf[kk], b[2], b[3]);
-            }
-
-        if (!(kt + TILE_N - 1 <= wmin_p && kt >= wmax_lo)) {
 #pragma unroll
-            for (int nt = 0; nt < TILE_N / 8; ++nt)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int kp = kt + nt * 8 + 2 * t + e;
-                    if (kp < loa || kp > pa) s[nt][e] = NEG_INF;
-                    if (kp < lob || kp > pb) s[nt][2 + e] = NEG_INF;
+                for (int hw = 0; hw < HW; ++hw) {
+                    mma_bf16(s[hw][2 * np], qa[hw], b[0], b[1]);
+                    mma_bf16(s[hw][2 * np + 1], qa[hw], b[2], b[3]);
                 }
-        }
-        float mxa = ma, mxb = mb;
-#pragma unroll
-        for (int nt = 0; nt < TILE_N / 8; ++nt) {
-            mxa = fmaxf(mxa, fmaxf(s[nt][0], s[nt][1]));
-            mxb = fmaxf(mxb, fmaxf(s[nt][2], s[nt][3]));
-        }
-        // A row's 64 keys are spread over the 4 lanes of its quad.
-        mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 1));
-        mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 2));
-        mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 1));
-        mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 2));
-        const float refa = softmax_ref(mxa), refb = softmax_ref(mxb);
-        const float ca = exp2f(ma - refa), cb = exp2f(mb - refb);
-        la *= ca;
-        lb *= cb;
-        // Past the first tiles a row's max rarely moves: then every factor is exactly 1 and the
-        // warp skips the rescale (the same bits as multiplying by 1).
-        if (__any_sync(0xffffffffu, ca != 1.0f || cb != 1.0f)) {
-#pragma unroll
-            for (int dt = 0; dt < D / 8; ++dt) {
-                o[dt][0] *= ca;
-                o[dt][1] *= ca;
-                o[dt][2] *= cb;
-                o[dt][3] *= cb;
             }
         }
-        ma = mxa;
-        mb = mxb;
+
+        int wmin = wmin_p, wmax = wmax_lo;
+        if constexpr (QS) {
+            wmin = *(volatile int*)&s_wmin[warp];
+            wmax = *(volatile int*)&s_wmax[warp];
+        }
+        if (!(kt + TILE_N - 1 <= wmin && kt >= wmax)) {
+            int mpa = pa, mpb = pb, mloa = loa, mlob = lob;
+            if constexpr (QS) {
+                const int r = (warp % TC_WARPS) * 16 + g;
+                mpa = s_p[r];
+                mpb = s_p[r + 8];
+                mloa = s_lo[r];
+                mlob = s_lo[r + 8];
+            }
 #pragma unroll
-        for (int nt = 0; nt < TILE_N / 8; ++nt) {
-            s[nt][0] = exp2f(s[nt][0] - refa);
-            s[nt][1] = exp2f(s[nt][1] - refa);
-            s[nt][2] = exp2f(s[nt][2] - refb);
-            s[nt][3] = exp2f(s[nt][3] - refb);
-            la += s[nt][0] + s[nt][1];
-            lb += s[nt][2] + s[nt][3];
+            for (int hw = 0; hw < HW; ++hw)
+#pragma unroll
+                for (int nt = 0; nt < TILE_N / 8; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int kp = kt + nt * 8 + 2 * t + e;
+                        if (kp < mloa || kp > mpa) s[hw][nt][e] = NEG_INF;
+                        if (kp < mlob || kp > mpb) s[hw][nt][2 + e] = NEG_INF;
+                    }
+        }
+        u32 pf[HW][TILE_N / 16][4];
+#pragma unroll
+        for (int hw = 0; hw < HW; ++hw) {
+            float mxa = ma[hw], mxb = mb[hw];
+#pragma unroll
+            for (int nt = 0; nt < TILE_N / 8; ++nt) {
+                mxa = fmaxf(mxa, fmaxf(s[hw][nt][0], s[hw][nt][1]));
+                mxb = fmaxf(mxb, fmaxf(s[hw][nt][2], s[hw][nt][3]));
+            }
+            // A row's 64 keys are spread over the 4 lanes of its quad.
+            mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 1));
+            mxa = fmaxf(mxa, __shfl_xor_sync(0xffffffffu, mxa, 2));
+            mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 1));
+            mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 2));
+            const float refa = softmax_ref(mxa), refb = softmax_ref(mxb);
+            const float ca = ex2_ftz(ma[hw] - refa), cb = ex2_ftz(mb[hw] - refb);
+            la[hw] *= ca;
+            lb[hw] *= cb;
+            // Past the first tiles a row's max rarely moves: then every factor is exactly 1 and
+            // the warp skips the rescale (the same bits as multiplying by 1).
+            if (__any_sync(0xffffffffu, ca != 1.0f || cb != 1.0f)) {
+#pragma unroll
+                for (int dt = 0; dt < D / 8; ++dt) {
+                    o[hw][dt][0] *= ca;
+                    o[hw][dt][1] *= ca;
+                    o[hw][dt][2] *= cb;
+                    o[hw][dt][3] *= cb;
+                }
+            }
+            ma[hw] = mxa;
+            mb[hw] = mxb;
+#pragma unroll
+            for (int nt = 0; nt < TILE_N / 8; ++nt) {
+                s[hw][nt][0] = ex2_ftz(s[hw][nt][0] - refa);
+                s[hw][nt][1] = ex2_ftz(s[hw][nt][1] - refa);
+                s[hw][nt][2] = ex2_ftz(s[hw][nt][2] - refb);
+                s[hw][nt][3] = ex2_ftz(s[hw][nt][3] - refb);
+                la[hw] += s[hw][nt][0] + s[hw][nt][1];
+                lb[hw] += s[hw][nt][2] + s[hw][nt][3];
+            }
+            // S's accumulators as P's A fragments (two 8-key tiles per 16-key step).
+#pragma unroll
+            for (int kk = 0; kk < TILE_N / 16; ++kk) {
+                pf[hw][kk][0] = pack_bf16(s[hw][2 * kk][0], s[hw][2 * kk][1]);
+                pf[hw][kk][1] = pack_bf16(s[hw][2 * kk][2], s[hw][2 * kk][3]);
+                pf[hw][kk][2] = pack_bf16(s[hw][2 * kk + 1][0], s[hw][2 * kk + 1][1]);
+                pf[hw][kk][3] = pack_bf16(s[hw][2 * kk + 1][2], s[hw][2 * kk + 1][3]);
+            }
         }
 
 #pragma unroll
         for (int kk = 0; kk < TILE_N / 16; ++kk) {
-            const u32 pf[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]),
-                               pack_bf16(s[2 * kk][2], s[2 * kk][3]),
-                               pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                               pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
 #pragma unroll
             for (int dp = 0; dp < D / 16; ++dp) {
                 // Blocks: (keys +0, dims +0), (keys +8, dims +0), (keys +0, dims +8), (+8, +8).
                 u32 b[4];
                 ldmatrix4_trans(b, vb + (kk * 16 + (lm & 1) * 8 + lr) * BS + (2 * dp + (lm >> 1)) * 8);
-                mma_bf16(o[2 * dp], pf, b[0], b[1]);
-                mma_bf16(o[2 * dp + 1], pf, b[2], b[3]);
+#pragma unroll
+                for (int hw = 0; hw < HW; ++hw) {
+                    mma_bf16(o[hw][2 * dp], pf[hw][kk], b[0], b[1]);
+                    mma_bf16(o[hw][2 * dp + 1], pf[hw][kk], b[2], b[3]);
+                }
             }
         }
     };
 
-    // Pool phase: tile j + 1's f32 rows load while tile j computes; two barriers per tile
-    // (rounding reads everyone's rows, and rewrites the stage the previous tile computed from).
+    // Pool phase: tile j + 1's f32 rows load while tile j computes from stage PS.
     for (int j = 0; j < npool; ++j) {
+        const int kt = kmin + j * TILE_N;
         cp_async_wait<0>();
-        __syncthreads();  // tile j's f32 rows have landed; everyone is done with stage 2
-        pool_round();
-        __syncthreads();  // stage 2 holds tile j; stages 0 and 1 are free
-        if (j + 1 < npool) {
-            pool_fetch(kmin + (j + 1) * TILE_N);
-        } else {
-            // The copy phase's first two tiles load into stages 0 and 1 meanwhile.
-            load_copy(0);
-            load_copy(1);
+        __syncthreads();  // tile j's (first) f32 rows have landed; everyone is done with stage PS
+        pool_round(0);
+        __syncthreads();  // the landing stages are free
+        if constexpr (ST == 2) {
+            // The second half of the tile: its latency is not hidden (the other block on the SM
+            // computes meanwhile).
+            pool_fetch(kt + TILE_N / 2);
+            cp_async_wait<0>();
+            __syncthreads();
+            pool_round(TILE_N / 2);
+            __syncthreads();
         }
-        attend(bf + 2 * STAGE, kmin + j * TILE_N);
+        if (j + 1 < npool) {
+            pool_fetch(kt + TILE_N);
+        } else {
+            // The copy phase's first tiles load into the other stages meanwhile.
+#pragma unroll
+            for (int i = 0; i < ST - 1; ++i) load_copy(i, i);
+        }
+        attend(bf + PS * STAGE, kt);
     }
-    if (npool > 0) __syncthreads();  // everyone is done with stage 2 before the ring reuses it
+    if (npool > 0) __syncthreads();  // everyone is done with stage PS before the ring reuses it
 
-    // Copy phase, one barrier per tile: [wait for tile i's copies; barrier; start tile i + 2
-    // into the stage tile i - 1 left; compute tile i].
-    for (int i = 0; npool + i < ntiles; ++i) {
-        cp_async_wait<1>();
+    // Copy phase, one barrier per tile: [wait for tile i's copies; barrier; start tile
+    // i + ST - 1 into the stage tile i - 1 left; compute tile i].
+    for (int i = 0, st = 0; npool + i < ntiles; ++i) {  // st = i % ST
+        cp_async_wait<ST - 2>();
         __syncthreads();
-        load_copy(i + 2);
-        attend(bf + (i % TC_STAGES) * STAGE, kmin + (npool + i) * TILE_N);
+        load_copy(i + ST - 1, st == 0 ? ST - 1 : st - 1);
+        attend(bf + st * STAGE, kmin + (npool + i) * TILE_N);
+        st = st == ST - 1 ? 0 : st + 1;
     }
     cp_async_wait<0>();  // no copy may land in shared memory after the block exits
 
-    la += __shfl_xor_sync(0xffffffffu, la, 1);
-    la += __shfl_xor_sync(0xffffffffu, la, 2);
-    lb += __shfl_xor_sync(0xffffffffu, lb, 1);
-    lb += __shfl_xor_sync(0xffffffffu, lb, 2);
-    const float ia = la > 0.0f ? 1.0f / la : 0.0f;
-    const float ib = lb > 0.0f ? 1.0f / lb : 0.0f;
-    float* oa = a.out + ((u64)(t0 + ra) * H + h) * D;
-    float* ob = a.out + ((u64)(t0 + rb) * H + h) * D;
+    // QS: the output rows' addresses from the block and thread indices read again (volatile), not
+    // values held in registers through the loop.
+    int ot0 = t0, oh = h0 + hw0, ora = ra;
+    if constexpr (QS) {
+        u32 bx, by, tx;
+        asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(bx));
+        asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(by));
+        asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tx));
+        ot0 = (gridDim.x - 1 - bx) * TC_M;
+        oh = by * HB + (tx / 32 / TC_WARPS) * HW;
+        ora = (tx / 32 % TC_WARPS) * 16 + (tx & 31) / 4;
+    }
 #pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt) {
-        const int cc = dt * 8 + 2 * t;
-        *reinterpret_cast<float2*>(oa + cc) = make_float2(o[dt][0] * ia, o[dt][1] * ia);
-        *reinterpret_cast<float2*>(ob + cc) = make_float2(o[dt][2] * ib, o[dt][3] * ib);
+    for (int hw = 0; hw < HW; ++hw) {
+        float sa = la[hw], sb = lb[hw];
+        sa += __shfl_xor_sync(0xffffffffu, sa, 1);
+        sa += __shfl_xor_sync(0xffffffffu, sa, 2);
+        sb += __shfl_xor_sync(0xffffffffu, sb, 1);
+        sb += __shfl_xor_sync(0xffffffffu, sb, 2);
+        const float ia = sa > 0.0f ? 1.0f / sa : 0.0f;
+        const float ib = sb > 0.0f ? 1.0f / sb : 0.0f;
+        const int h = oh + hw;
+        float* oa = a.out + ((u64)(ot0 + ora) * H + h) * D;
+        float* ob = a.out + ((u64)(ot0 + ora + 8) * H + h) * D;
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) {
+            const int cc = dt * 8 + 2 * t;
+            *reinterpret_cast<float2*>(oa + cc) = make_float2(o[hw][dt][0] * ia, o[hw][dt][1] * ia);
+            *reinterpret_cast<float2*>(ob + cc) = make_float2(o[hw][dt][2] * ib, o[hw][dt][3] * ib);
+        }
     }
 }
 
-// Two blocks per SM: 128 threads x 2 leaves each thread up to 255 registers.
-#define ATTN_TILE_BF16(NAME, D)                                                                  \
-    extern "C" __global__ void __launch_bounds__(TC_THREADS, 2) NAME(const AttnArgs a) {        \
-        attn_tile_bf16<D>(a);                                                                    \
+// attn_tile_bf16_d<D>: one head per warp, 4 warps, 3 stages; two blocks per SM (128 threads x 2
+// leaves each thread up to 255 registers).
+// attn_tile_bf16_h2_d<D>: two heads per warp, 4 warps, 2 stages plus the q tile; two blocks per SM.
+// attn_tile_bf16_h4_d<D>: two heads per warp, 8 warps (4 heads), 3 stages plus the q tile; one
+// block per SM.
+#define ATTN_TILE_BF16(NAME, D, HW, WG, ST, MINB)                                                \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS * WG, MINB) NAME(const AttnArgs a) { \
+        attn_tile_bf16<D, HW, WG, ST>(a);                                                        \
     }
 
-ATTN_TILE_BF16(attn_tile_bf16_d64, 64)
-ATTN_TILE_BF16(attn_tile_bf16_d128, 128)
+ATTN_TILE_BF16(attn_tile_bf16_d64, 64, 1, 1, 3, 2)
+ATTN_TILE_BF16(attn_tile_bf16_d128, 128, 1, 1, 3, 2)
+ATTN_TILE_BF16(attn_tile_bf16_h2_d64, 64, 2, 1, 2, 2)
+ATTN_TILE_BF16(attn_tile_bf16_h2_d128, 128, 2, 1, 2, 2)
+ATTN_TILE_BF16(attn_tile_bf16_h4_d64, 64, 2, 2, 3, 1)
+ATTN_TILE_BF16(attn_tile_bf16_h4_d128, 128, 2, 2, 3, 1)

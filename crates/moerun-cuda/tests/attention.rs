@@ -9,7 +9,8 @@
 //! k, v and the softmax weights are rounded to bf16 (relative 2^-9 each; measured <= 2.3e-3).
 //! Outputs start as NaN, so an element no kernel wrote fails. The tensor-core path reading the
 //! batch's own K/V from a bf16 batch copy must equal the same kernel reading them from the f32
-//! pool bit for bit (both round the same f32 values to bf16).
+//! pool bit for bit (both round the same f32 values to bf16), and each build of the kernel (1, 2
+//! or 4 query heads per block) must equal the others bit for bit (the same arithmetic per row).
 //! Without a GPU every test prints "skipped: CUDA is unavailable: <reason>" and passes.
 
 mod common;
@@ -54,6 +55,9 @@ struct Case<'a> {
     /// Batch rows in this order of the grouped (or interleaved) list: `order[i]` is the index
     /// there of row i.
     order: Option<Vec<usize>>,
+    /// Also run the tensor-core kernel with 1, 2 and 4 query heads per block (each from the pool
+    /// and, with `batch_copy`, from the copy); every run must equal the default's bit for bit.
+    variants: bool,
 }
 
 impl Case<'_> {
@@ -72,6 +76,7 @@ impl Case<'_> {
             max_context: None,
             batch_copy: false,
             order: None,
+            variants: false,
         }
     }
 }
@@ -242,6 +247,52 @@ fn run_case(dev: &CudaDevice, r: &mut StdRng, case: &Case) -> f64 {
     )
     .unwrap();
     let mut got = dev.download(&out).unwrap();
+    if case.variants {
+        let differ = |a: &[f32]| {
+            a.iter()
+                .zip(&got)
+                .filter(|(x, y)| x.to_bits() != y.to_bits())
+                .count()
+        };
+        for heads in [1, 2, 4] {
+            dev.set_tensor_core_attention_heads(Some(heads)).unwrap();
+            let mut out = dev.upload(&poison(n * h * d)).unwrap();
+            dev.paged_attention_with(
+                case.prefill,
+                &qd,
+                &gpu_pool,
+                &at,
+                &shape,
+                &mut out,
+                &mut scratch,
+            )
+            .unwrap();
+            let mut differing = differ(&dev.download(&out).unwrap());
+            if let Some(copy) = &copy {
+                let mut out = dev.upload(&poison(n * h * d)).unwrap();
+                dev.paged_attention_batch_copy(
+                    &qd,
+                    &gpu_pool,
+                    copy,
+                    &at,
+                    &shape,
+                    &mut out,
+                    &mut scratch,
+                )
+                .unwrap();
+                differing += differ(&dev.download(&out).unwrap());
+            }
+            check(
+                &format!(
+                    "attention {} {heads} heads per block vs default (elements differing)",
+                    case.name
+                ),
+                differing as f64,
+                0.0,
+            );
+        }
+        dev.set_tensor_core_attention_heads(None).unwrap();
+    }
     if let Some(copy) = &copy {
         let mut out = dev.upload(&poison(n * h * d)).unwrap();
         dev.paged_attention_batch_copy(&qd, &gpu_pool, copy, &at, &shape, &mut out, &mut scratch)
@@ -610,6 +661,48 @@ fn tensor_core_prefill_from_the_batch_copy_equals_the_pool_path_bitwise() {
     }
 }
 
+/// The tensor-core kernel's builds (1 head per warp; 2 heads per warp in blocks of 2 or 4 heads,
+/// q from shared memory, 2 or 3 stages) do the same arithmetic per row, so each must give the
+/// default's bits: fresh prefills, chunked prefills whose cached prefix comes from the pool (the
+/// 2-stage build lands those tiles in halves), windows, head_dim 64 and 128, GQA groups of 1, 2,
+/// 4 and 8 (a group the asked heads per block do not divide takes a narrower build), decode
+/// tokens and reordered rows in the batch, and every tile from the pool (no copy).
+#[test]
+fn tensor_core_prefill_builds_are_bitwise_equal() {
+    let Some(dev) = device() else { return };
+    let mut r = rng("attention bf16 builds");
+    let fresh = [(0, 600)];
+    let cached_odd = [(1500, 400)];
+    let mixed = [(300, 200), (10, 1), (0, 130), (2000, 1), (77, 64)];
+    let split_a = [(0, 128), (0, 64)];
+    let a_b_a: Vec<usize> = (0..64).chain(128..192).chain(64..128).collect();
+    let cases: [(CopyCase, bool); 9] = [
+        (((32, 4, 128), &fresh[..], None, None), true),
+        (((32, 4, 128), &fresh[..], None, None), false),
+        (((8, 2, 128), &cached_odd[..], Some(700), None), true),
+        (((8, 2, 128), &cached_odd[..], None, None), false),
+        (((16, 2, 64), &mixed[..], Some(100), None), true),
+        (((4, 1, 64), &cached_odd[..], None, None), true),
+        (((6, 3, 128), &fresh[..], Some(250), None), true),
+        (((4, 4, 64), &fresh[..], Some(250), None), true),
+        (((8, 2, 128), &split_a[..], None, Some(a_b_a)), true),
+    ];
+    for ((shape, seqs, window, order), batch_copy) in cases {
+        let mut case = Case::new(
+            format!("bf16 builds {shape:?} {seqs:?} window {window:?} copy {batch_copy}"),
+            shape,
+        );
+        case.seqs = seqs;
+        case.window = window;
+        case.order = order;
+        case.prefill = AttentionPrefill::TensorCoreBf16;
+        case.batch_copy = batch_copy;
+        case.variants = true;
+        case.q_range = 2.0;
+        run_and_check(dev, &mut r, &case);
+    }
+}
+
 /// The q/k/v prologue's batch copy holds exactly its k and v outputs rounded to bf16 (what the
 /// pool path rounds), with and without a pool to write.
 #[test]
@@ -782,4 +875,13 @@ fn bad_shapes_and_unsupported_paths_are_refused() {
         matches!(err, CudaError::Unsupported(ref m) if m.contains("48")),
         "{err}"
     );
+    for heads in [0, 3, 8] {
+        let err = dev
+            .set_tensor_core_attention_heads(Some(heads))
+            .unwrap_err();
+        assert!(
+            matches!(err, CudaError::InvalidArgument(ref m) if m.contains("heads per block")),
+            "{heads}: {err}"
+        );
+    }
 }

@@ -10,6 +10,10 @@
 //!   chunk's rows: 4 · heads · head_dim · sum of keys seen), whose cached keys always come from
 //!   the pool.
 //!
+//! The tensor-core rows run once per build of the kernel (1, 2 or 4 query heads per block, see
+//! `CudaDevice::set_tensor_core_attention_heads`); `MOERUN_ATTN_BENCH_NO_EXACT=1` leaves out the
+//! (slow) exact f32 row.
+//!
 //! `MOERUN_ATTN_BENCH=decode` (or `prefill`) runs only those rows; `MOERUN_ATTN_BENCH_NCU=1`
 //! times each decode row on one pool copy, for Nsight Compute: it flushes the caches before every
 //! profiled kernel anyway, and 64 copies would mean over a thousand profiled launches per row.
@@ -126,6 +130,7 @@ fn prefill_row(
     (cached, n): (usize, usize),
     prefill: AttentionPrefill,
     keys: Keys,
+    tc_heads: Option<usize>,
 ) -> Result<Row> {
     let total = cached + n;
     let blocks = total.div_ceil(BLOCK);
@@ -151,6 +156,7 @@ fn prefill_row(
     let q = dev.upload(&rng.f32s(n * HEADS * HEAD_DIM))?;
     let mut out = dev.zeros::<f32>(n * HEADS * HEAD_DIM)?;
     let mut scratch = dev.attention_scratch(n, HEADS, HEAD_DIM, total)?;
+    dev.set_tensor_core_attention_heads(tc_heads)?;
     let ms = time(dev, || match keys {
         Keys::Pool => {
             dev.paged_attention_with(prefill, &q, &pool, &at, &shape(), &mut out, &mut scratch)
@@ -158,7 +164,9 @@ fn prefill_row(
         Keys::BatchCopy => {
             dev.paged_attention_batch_copy(&q, &pool, &copy, &at, &shape(), &mut out, &mut scratch)
         }
-    })?;
+    });
+    dev.set_tensor_core_attention_heads(None)?;
+    let ms = ms?;
     // Row i sees cached + i + 1 keys.
     let seen = (n * cached) as f64 + (n * (n + 1)) as f64 / 2.0;
     let flops = 4.0 * seen * (HEADS * HEAD_DIM) as f64;
@@ -166,8 +174,9 @@ fn prefill_row(
         Keys::Pool => "",
         Keys::BatchCopy => " + batch copy",
     };
+    let heads = tc_heads.map_or(String::new(), |h| format!(", {h} heads/block"));
     Ok(Row {
-        op: format!("attention prefill {prefill:?}{source}"),
+        op: format!("attention prefill {prefill:?}{source}{heads}"),
         shape: format!("n={n} after {cached} 32/4x128"),
         us: ms * 1e3,
         gbs: None,
@@ -202,14 +211,19 @@ pub fn rows(dev: &CudaDevice, rng: &mut XorShift) -> Result<Vec<Row>> {
     }
     if only.is_empty() || only == "prefill" {
         let (exact, tensor) = (AttentionPrefill::ExactF32, AttentionPrefill::TensorCoreBf16);
-        for (chunk, prefill, keys) in [
-            ((0, 4096), exact, Keys::Pool),
-            ((0, 4096), tensor, Keys::Pool),
-            ((0, 4096), tensor, Keys::BatchCopy),
-            ((3072, 1024), tensor, Keys::Pool),
-            ((3072, 1024), tensor, Keys::BatchCopy),
+        if std::env::var_os("MOERUN_ATTN_BENCH_NO_EXACT").is_none() {
+            rows.push(prefill_row(dev, rng, (0, 4096), exact, Keys::Pool, None)?);
+        }
+        // The tensor-core rows with each build of the kernel (query heads per block).
+        for (chunk, keys) in [
+            ((0, 4096), Keys::Pool),
+            ((0, 4096), Keys::BatchCopy),
+            ((3072, 1024), Keys::Pool),
+            ((3072, 1024), Keys::BatchCopy),
         ] {
-            rows.push(prefill_row(dev, rng, chunk, prefill, keys)?);
+            for heads in [1, 2, 4] {
+                rows.push(prefill_row(dev, rng, chunk, tensor, keys, Some(heads))?);
+            }
         }
     }
     Ok(rows)

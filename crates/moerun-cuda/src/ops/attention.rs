@@ -14,8 +14,12 @@
 //!   [`AttentionPrefill::ExactF32`] (the default) runs it on CUDA cores in f32, tile_m 64;
 //!   [`AttentionPrefill::TensorCoreBf16`] on tensor cores (`mma.sync` m16n8k16, bf16 operands
 //!   read by `ldmatrix`, f32 accumulation, tile_m 64, blocks of 128 threads, two per SM, a
-//!   3-stage pipeline of bf16 K/V tiles; head_dim 64 or 128). Keys of the batch's own positions
-//!   come, already bf16, from a [`BatchKvBf16`] copy when the caller passes one
+//!   3-stage pipeline of bf16 K/V tiles; head_dim 64 or 128). Builds with two query heads per
+//!   warp (blocks of 2 or 4 heads of one kv head, grid (n / 64, num_heads / heads), q staged in
+//!   shared memory) do the same per-row arithmetic with each K/V fragment load serving twice the
+//!   products, so they give the same bits; [`CudaDevice::set_tensor_core_attention_heads`] or
+//!   `MOERUN_ATTN_TC_HEADS` picks one. Keys of the batch's own positions come, already bf16,
+//!   from a [`BatchKvBf16`] copy when the caller passes one
 //!   ([`CudaDevice::paged_attention_batch_copy`]; the q/k/v prologue or
 //!   [`CudaDevice::kv_write_with_copy`] fill it), by `cp.async`; keys of earlier positions (a
 //!   cached prefix) are read from the f32 pool (cp.async a tile ahead) and rounded in shared
@@ -42,6 +46,7 @@
 //! The exact f32 paths agree with the CPU within f32 rounding (~1e-6 relative); results are not
 //! bitwise batch invariant (which path a token takes and its splits depend on the batch).
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 use cudarc::driver::sys::CUfunction_attribute;
@@ -57,12 +62,52 @@ use crate::CudaDevice;
 const TILE_M: usize = 64;
 /// Query tokens per tile of the tensor-core kernel (`TC_M`: 4 warps of 16 rows).
 const TC_M: usize = 64;
-/// Threads per block of the tensor-core kernel (`TC_THREADS`).
-const TC_THREADS: u32 = 128;
 /// Threads per block of the exact f32 tiled kernel (`TF_THREADS`).
 const TF_THREADS: u32 = 256;
-/// Stages of bf16 K/V tiles in the tensor-core kernel's pipeline (`TC_STAGES`).
-const TC_STAGES: usize = 3;
+/// One build of the tensor-core kernel, `attn_tile_bf16{suffix}_d<D>`: `heads` query heads (of
+/// one kv head) per block over the same 64 tokens, `threads` per block, `stages` bf16 K/V tiles
+/// in its pipeline, `q_heads` heads of bf16 q staged in shared memory. All give the same bits.
+#[derive(Clone, Copy, Debug)]
+struct TcVariant {
+    heads: usize,
+    threads: u32,
+    stages: usize,
+    q_heads: usize,
+    suffix: &'static str,
+}
+
+/// One head per warp (16 rows, q in registers), 4 warps, 3 stages, two blocks per SM; two heads
+/// per warp (32 rows: each K/V fragment serves both), 4 warps, 2 stages + q, two blocks per SM;
+/// two heads per warp, 8 warps (4 heads), 3 stages + q, one block per SM.
+const TC_VARIANTS: [TcVariant; 3] = [
+    TcVariant {
+        heads: 1,
+        threads: 128,
+        stages: 3,
+        q_heads: 0,
+        suffix: "",
+    },
+    TcVariant {
+        heads: 2,
+        threads: 128,
+        stages: 2,
+        q_heads: 2,
+        suffix: "_h2",
+    },
+    TcVariant {
+        heads: 4,
+        threads: 256,
+        stages: 3,
+        q_heads: 4,
+        suffix: "_h4",
+    },
+];
+
+/// Query heads per tensor-core block when neither [`CudaDevice::set_tensor_core_attention_heads`]
+/// nor `MOERUN_ATTN_TC_HEADS` says otherwise (where the kv group divides by it). 1, the build
+/// measured so far, until the 2- and 4-head builds have run on a GPU (branch `pattn2` could not:
+/// no device time was left to it); `ops_bench attention` times all three.
+const DEFAULT_TC_HEADS: usize = 1;
 /// Fewest keys a split of the decode kernel takes: fewer would cost more in partials than the
 /// parallelism gains.
 const MIN_SPLIT_KEYS: usize = 16;
@@ -268,10 +313,12 @@ pub(crate) struct AttentionKernels {
     tile_f32: [CudaFunction; 3],
     /// The dynamic shared memory each `tile_f32` kernel was allowed (0: the device refused).
     tile_f32_smem: [usize; 3],
-    /// head_dim 64, 128.
-    tile_bf16: [CudaFunction; 2],
+    /// `[TC_VARIANTS index][head_dim 64, 128]`.
+    tile_bf16: [[CudaFunction; 2]; 3],
     /// The dynamic shared memory each `tile_bf16` kernel was allowed (as for `tile_f32_smem`).
-    tile_bf16_smem: [usize; 2],
+    tile_bf16_smem: [[usize; 2]; 3],
+    /// Query heads per tensor-core block asked for by `set_tensor_core_attention_heads` (0: none).
+    tc_heads: AtomicUsize,
 }
 
 const DIM_CLASSES: [usize; 6] = [16, 32, 64, 128, 256, 512];
@@ -284,10 +331,36 @@ fn tile_f32_smem(head_dim: usize) -> usize {
     (3 * TILE_M * (head_dim + 4) + TILE_M * (TILE_M + 1)) * 4
 }
 
-/// Dynamic shared memory of the tensor-core kernel: three stages of the bf16 tile, K and V
-/// [64][head_dim + 8] each.
-fn tile_bf16_smem(head_dim: usize) -> usize {
-    TC_STAGES * 2 * 64 * (head_dim + 8) * 2
+/// Dynamic shared memory of a tensor-core kernel: its stages of the bf16 tile, K and V
+/// [64][head_dim + 8] each, then its bf16 q tile, [q_heads][64][head_dim + 8].
+fn tile_bf16_smem(head_dim: usize, v: &TcVariant) -> usize {
+    (v.stages * 2 + v.q_heads) * TC_M * (head_dim + 8) * 2
+}
+
+/// `MOERUN_ATTN_TC_HEADS` (1, 2 or 4), read once; anything else is ignored.
+fn env_tc_heads() -> Option<usize> {
+    static HEADS: OnceLock<Option<usize>> = OnceLock::new();
+    *HEADS.get_or_init(|| {
+        std::env::var("MOERUN_ATTN_TC_HEADS")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .filter(|h| TC_VARIANTS.iter().any(|v| v.heads == *h))
+    })
+}
+
+/// The tensor-core variant for a kv group of `group` query heads when `want` heads per block are
+/// asked for: the widest at most `want` that divides the group and whose shared memory `granted`
+/// (by variant) covers; the one-head kernel otherwise (its own shortfall is refused at launch).
+fn pick_tc_variant(want: usize, group: usize, granted: [usize; 3], head_dim: usize) -> usize {
+    (1..TC_VARIANTS.len())
+        .rev()
+        .find(|&i| {
+            let v = &TC_VARIANTS[i];
+            v.heads <= want
+                && group.is_multiple_of(v.heads)
+                && granted[i] >= tile_bf16_smem(head_dim, v)
+        })
+        .unwrap_or(0)
 }
 
 /// Dynamic shared memory of the cluster kernel for `group` (class) query heads of `head_dim`: the
@@ -359,14 +432,30 @@ impl AttentionKernels {
             f("attn_tile_f32_c2")?,
             f("attn_tile_f32_c4")?,
         ];
-        let tile_bf16 = [f("attn_tile_bf16_d64")?, f("attn_tile_bf16_d128")?];
+        let mut tile_bf16 = Vec::with_capacity(TC_VARIANTS.len());
+        for v in &TC_VARIANTS {
+            let s = v.suffix;
+            tile_bf16.push([
+                f(&format!("attn_tile_bf16{s}_d64"))?,
+                f(&format!("attn_tile_bf16{s}_d128"))?,
+            ]);
+        }
+        let tile_bf16: [[CudaFunction; 2]; 3] = tile_bf16
+            .try_into()
+            .map_err(|_| CudaError::InvalidArgument("tensor-core variants".into()))?;
         let f32_smem = [0, 1, 2].map(|i| allow_smem(&tile_f32[i], tile_f32_smem(TILE_F32_DIMS[i])));
-        let bf16_smem =
-            [0, 1].map(|i| allow_smem(&tile_bf16[i], tile_bf16_smem(TILE_BF16_DIMS[i])));
+        let bf16_smem = std::array::from_fn(|v| {
+            std::array::from_fn(|c| {
+                allow_smem(
+                    &tile_bf16[v][c],
+                    tile_bf16_smem(TILE_BF16_DIMS[c], &TC_VARIANTS[v]),
+                )
+            })
+        });
         // Two tensor-core blocks share an SM only if the SM gives shared memory its largest
         // share; a hint (a device that ignores it runs one block per SM, as fast as before).
         let carveout = CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT;
-        for f in &tile_bf16 {
+        for f in tile_bf16.iter().flatten() {
             let _ = f.set_attribute(carveout, 100);
         }
         Ok(AttentionKernels {
@@ -391,6 +480,7 @@ impl AttentionKernels {
             tile_f32_smem: f32_smem,
             tile_bf16,
             tile_bf16_smem: bf16_smem,
+            tc_heads: AtomicUsize::new(0),
         })
     }
 }
@@ -786,6 +876,20 @@ impl CudaDevice {
         })
     }
 
+    /// Query heads per block of the tensor-core prefill kernel: 1, 2 or 4 (`None`:
+    /// `MOERUN_ATTN_TC_HEADS`, else the default, 1). A group that does not divide by it takes the
+    /// widest build that it does. Every choice gives the same bits; this exists to measure them
+    /// against each other. Other values are refused.
+    pub fn set_tensor_core_attention_heads(&self, heads: Option<usize>) -> Result<()> {
+        let h = heads.unwrap_or(0);
+        ensure(
+            heads.is_none() || TC_VARIANTS.iter().any(|v| v.heads == h),
+            || format!("tensor-core attention: {h} heads per block (1, 2 or 4 are built)"),
+        )?;
+        self.kernels.attention.tc_heads.store(h, Ordering::Relaxed);
+        Ok(())
+    }
+
     /// `out[n, num_heads * head_dim] = softmax(q · Kᵀ · scale) · V` over each token's visible
     /// keys, with [`AttentionPrefill::ExactF32`] prefill tiles. The pool must already hold the
     /// K/V of every visible position, the tokens' own included (call [`CudaDevice::kv_write`]
@@ -902,19 +1006,30 @@ impl CudaDevice {
             format!("paged_attention: head_dim {d} must be a multiple of 4 in 4..={MAX_HEAD_DIM}")
         })?;
         let kernels = &self.kernels.attention;
-        // The tiled kernel of this call, its tile height and its dynamic shared memory.
-        let (tile_func, tile_m, smem, allowed) = match prefill {
+        let group = num_heads / num_kv_heads;
+        // The tiled kernel of this call, its tile height, dynamic shared memory, threads and
+        // query heads per block.
+        let (tile_func, tile_m, smem, allowed, threads, tile_heads) = match prefill {
             // No tiles for the widest heads: every token takes the split-K kernel.
-            _ if d > MAX_TILED_HEAD_DIM => (&kernels.tile_f32[0], TILE_M, 0, 0),
+            _ if d > MAX_TILED_HEAD_DIM => (&kernels.tile_f32[0], TILE_M, 0, 0, TF_THREADS, 1),
             AttentionPrefill::ExactF32 => {
                 let c = class_of(&TILE_F32_DIMS, d);
                 let smem = tile_f32_smem(d);
-                (&kernels.tile_f32[c], TILE_M, smem, kernels.tile_f32_smem[c])
+                let allowed = kernels.tile_f32_smem[c];
+                (&kernels.tile_f32[c], TILE_M, smem, allowed, TF_THREADS, 1)
             }
             AttentionPrefill::TensorCoreBf16 => {
                 let c = usize::from(d == 128);
-                let smem = tile_bf16_smem(d);
-                (&kernels.tile_bf16[c], TC_M, smem, kernels.tile_bf16_smem[c])
+                let want = match kernels.tc_heads.load(Ordering::Relaxed) {
+                    0 => env_tc_heads().unwrap_or(DEFAULT_TC_HEADS),
+                    h => h,
+                };
+                let granted = [0, 1, 2].map(|v| kernels.tile_bf16_smem[v][c]);
+                let vi = pick_tc_variant(want, group, granted, d);
+                let v = &TC_VARIANTS[vi];
+                let smem = tile_bf16_smem(d, v);
+                let func = &kernels.tile_bf16[vi][c];
+                (func, TC_M, smem, granted[vi], v.threads, v.heads)
             }
         };
         if smem > allowed {
@@ -927,7 +1042,6 @@ impl CudaDevice {
             return Ok(());
         }
 
-        let group = num_heads / num_kv_heads;
         let mut group_class = class_of(&GROUP_CLASSES, group);
         if d > MAX_TILED_HEAD_DIM {
             group_class = group_class.min(class_of(&GROUP_CLASSES, MAX_GROUP_D512));
@@ -1029,15 +1143,12 @@ impl CudaDevice {
             })?;
             Ok(v as u32)
         };
-        let heads_y = grid_yz(num_heads, "num_heads")?;
+        // The tiled kernel's blocks each take `tile_heads` query heads (a divisor of the group).
+        let tile_y = grid_yz(num_heads / tile_heads, "num_heads")?;
 
         if tiled {
-            let threads = match prefill {
-                AttentionPrefill::ExactF32 => TF_THREADS,
-                AttentionPrefill::TensorCoreBf16 => TC_THREADS,
-            };
             let cfg = LaunchConfig {
-                grid_dim: ((n / tile_m) as u32, heads_y, 1),
+                grid_dim: ((n / tile_m) as u32, tile_y, 1),
                 block_dim: (threads, 1, 1),
                 shared_mem_bytes: smem as u32,
             };
@@ -1178,6 +1289,25 @@ mod tests {
     }
 
     #[test]
+    fn tensor_core_variants_divide_the_group_and_fit_what_was_granted() {
+        let all = [usize::MAX; 3];
+        assert_eq!(pick_tc_variant(4, 8, all, 128), 2);
+        assert_eq!(pick_tc_variant(2, 8, all, 128), 1);
+        assert_eq!(pick_tc_variant(1, 8, all, 128), 0);
+        assert_eq!(
+            pick_tc_variant(4, 2, all, 128),
+            1,
+            "a group of 2 takes 2 heads"
+        );
+        assert_eq!(pick_tc_variant(4, 6, all, 64), 1);
+        assert_eq!(pick_tc_variant(4, 1, all, 128), 0);
+        assert_eq!(pick_tc_variant(4, 3, all, 128), 0);
+        // A device that refused the 4-head kernel its shared memory.
+        let small = [usize::MAX, usize::MAX, 48 << 10];
+        assert_eq!(pick_tc_variant(4, 8, small, 128), 1);
+    }
+
+    #[test]
     fn split_plan_never_exceeds_the_scratch() {
         for capacity in [0usize, 1, 3, 7] {
             let plan = split_plan(1, 4096, 132, capacity);
@@ -1197,10 +1327,12 @@ mod tests {
         assert_eq!(class_of(&GROUP_CLASSES, 16), 3);
         assert!(tile_f32_smem(256) <= 227 << 10, "fits an H100/H200 block");
         // Two tensor-core blocks per SM: 228 KiB per SM, 1 KiB of it reserved per block.
-        assert!(
-            2 * (tile_bf16_smem(128) + 1024) <= 228 << 10,
-            "two blocks per H100/H200 SM"
-        );
+        for (v, blocks) in TC_VARIANTS.iter().zip([2, 2, 1]) {
+            assert!(
+                blocks * (tile_bf16_smem(128, v) + 1024) <= 228 << 10,
+                "{blocks} blocks of {v:?} per H100/H200 SM"
+            );
+        }
         assert!(AttentionPrefill::TensorCoreBf16.takes_batch_copy(64, 128));
         assert!(!AttentionPrefill::TensorCoreBf16.takes_batch_copy(63, 128));
         assert!(!AttentionPrefill::TensorCoreBf16.takes_batch_copy(4096, 256));
