@@ -104,10 +104,12 @@ const TC_VARIANTS: [TcVariant; 3] = [
 ];
 
 /// Query heads per tensor-core block when neither [`CudaDevice::set_tensor_core_attention_heads`]
-/// nor `MOERUN_ATTN_TC_HEADS` says otherwise (where the kv group divides by it). 1, the build
-/// measured so far, until the 2- and 4-head builds have run on a GPU (branch `pattn2` could not:
-/// no device time was left to it); `ops_bench attention` times all three.
-const DEFAULT_TC_HEADS: usize = 1;
+/// nor `MOERUN_ATTN_TC_HEADS` says otherwise (where the kv group divides by it). 2: `ops_bench
+/// attention` on the H200 (Qwen3-30B-A3B's 32/4 heads of 128), 4096 tokens from the batch copy
+/// 619.2 / 581.0 / 584.5 µs with 1 / 2 / 4 heads per block, from the f32 pool 1,569 / 1,180 /
+/// 863; `moerun bench --like qwen3-30b-a3b --device cuda --prompt 4096 --gen 8` 46.0k (1 head)
+/// against 47.3k tok/s (2 heads).
+const DEFAULT_TC_HEADS: usize = 2;
 /// Fewest keys a split of the decode kernel takes: fewer would cost more in partials than the
 /// parallelism gains.
 const MIN_SPLIT_KEYS: usize = 16;
@@ -877,7 +879,7 @@ impl CudaDevice {
     }
 
     /// Query heads per block of the tensor-core prefill kernel: 1, 2 or 4 (`None`:
-    /// `MOERUN_ATTN_TC_HEADS`, else the default, 1). A group that does not divide by it takes the
+    /// `MOERUN_ATTN_TC_HEADS`, else the default, 2). A group that does not divide by it takes the
     /// widest build that it does. Every choice gives the same bits; this exists to measure them
     /// against each other. Other values are refused.
     pub fn set_tensor_core_attention_heads(&self, heads: Option<usize>) -> Result<()> {
