@@ -11,6 +11,8 @@
 #   bash scripts/gpu-check.sh            # tests, op bench, memcheck, model bench
 #   bash scripts/gpu-check.sh tests      # tests and memcheck only
 #   bash scripts/gpu-check.sh bench      # model bench only
+# GPU_CHECK_MEMCHECK=0, GPU_CHECK_OPS_BENCH=0 skip memcheck and the op bench; GPU_CHECK_SHORT=1
+# skips the Qwen3.5 and Gemma 4 prefill benches (to fit a short device budget).
 # Exit status 0 only if every test passed on the GPU.
 #
 # The CUDA toolkit's libraries (NVRTC, cuBLAS) are found through LD_LIBRARY_PATH.
@@ -51,7 +53,12 @@ for t in "$bin"/test-*; do
 done
 
 echo "== bench"
-"$bin/ops_bench" >"$out/bench.log" 2>&1 || { status=1; tail -5 "$out/bench.log"; }
+if [ "${GPU_CHECK_OPS_BENCH:-1}" = 0 ]; then
+    echo "skipped (GPU_CHECK_OPS_BENCH=0)"
+    : >"$out/bench.log"
+else
+    "$bin/ops_bench" >"$out/bench.log" 2>&1 || { status=1; tail -5 "$out/bench.log"; }
+fi
 
 echo "== compute-sanitizer memcheck (ops, matmul, tensor-core prefill attention)"
 if [ "${GPU_CHECK_MEMCHECK:-1}" = 0 ]; then
@@ -93,9 +100,11 @@ if [ "$mode" != tests ]; then
     bench qwen3-prefill --like qwen3-30b-a3b --prompt 4096 --gen 8
     bench qwen3-concurrent --like qwen3-30b-a3b --prompt 512 --gen 64 --concurrency 8,32,128
     bench qwen3.5-decode --like qwen3.5-35b-a3b --prompt 512 --gen 256
-    bench qwen3.5-prefill --like qwen3.5-35b-a3b --prompt 4096 --gen 8
+    [ "${GPU_CHECK_SHORT:-0}" = 1 ] ||
+        bench qwen3.5-prefill --like qwen3.5-35b-a3b --prompt 4096 --gen 8
     bench gemma4-decode --like gemma-4-26b-a4b --prompt 512 --gen 256
-    bench gemma4-prefill --like gemma-4-26b-a4b --prompt 4096 --gen 8
+    [ "${GPU_CHECK_SHORT:-0}" = 1 ] ||
+        bench gemma4-prefill --like gemma-4-26b-a4b --prompt 4096 --gen 8
     # All runs in one file (the device tool brings back at most 8).
     python3 - "$runs" "$out/bench-models.json" <<'PY'
 import json, os, sys
