@@ -235,18 +235,14 @@ fn run_case(dev: &CudaDevice, r: &mut StdRng, case: &Case) -> f64 {
     };
     let mut scratch = dev.attention_scratch(n, h, d, max_context).unwrap();
     let qd = dev.upload(&q).unwrap();
-    let mut out = dev.upload(&poison(n * h * d)).unwrap();
-    dev.paged_attention_with(
-        case.prefill,
-        &qd,
-        &gpu_pool,
-        &at,
-        &shape,
-        &mut out,
-        &mut scratch,
-    )
-    .unwrap();
-    let mut got = dev.download(&out).unwrap();
+    // The case's prefill path from the pool into a poisoned output, downloaded.
+    let from_pool = |scratch: &mut AttentionScratch| {
+        let mut out = dev.upload(&poison(n * h * d)).unwrap();
+        dev.paged_attention_with(case.prefill, &qd, &gpu_pool, &at, &shape, &mut out, scratch)
+            .unwrap();
+        dev.download(&out).unwrap()
+    };
+    let mut got = from_pool(&mut scratch);
     if case.variants {
         let differ = |a: &[f32]| {
             a.iter()
@@ -256,18 +252,7 @@ fn run_case(dev: &CudaDevice, r: &mut StdRng, case: &Case) -> f64 {
         };
         for heads in [1, 2, 4] {
             dev.set_tensor_core_attention_heads(Some(heads)).unwrap();
-            let mut out = dev.upload(&poison(n * h * d)).unwrap();
-            dev.paged_attention_with(
-                case.prefill,
-                &qd,
-                &gpu_pool,
-                &at,
-                &shape,
-                &mut out,
-                &mut scratch,
-            )
-            .unwrap();
-            let mut differing = differ(&dev.download(&out).unwrap());
+            let mut differing = differ(&from_pool(&mut scratch));
             if let Some(copy) = &copy {
                 let mut out = dev.upload(&poison(n * h * d)).unwrap();
                 dev.paged_attention_batch_copy(
