@@ -14,7 +14,7 @@
 //! - Gemma 4 (`crate::gemma4::cuda`) is captured the same way, its own flow inside the capture.
 //! - Buckets whose MoE layers would wait for the device (the cuBLAS prefill path past 32 tokens,
 //!   off Hopper) run eagerly; on Hopper the wgmma prefill path needs no wait, so every bucket up to
-//!   128 is captured.
+//!   128 is captured (the standard flow only: hybrid and Gemma 4 models stay eager past 32).
 //! - If a capture fails, graphs are switched off for this cache with the reason on stderr and
 //!   every step runs eagerly (same kernels, same results). `MOERUN_CUDA_GRAPHS=0` switches them
 //!   off too, to measure what they buy.
@@ -108,11 +108,14 @@ pub(crate) fn try_decode<'k>(
     let moe = first_moe(m, cfg, w);
     // The bucket's MoE must not wait for the device: the decode path never does, nor does the
     // prefill path on Hopper (wgmma, its tile list read on the device); the cuBLAS prefill path
-    // reads each expert's token count on the host, which a graph cannot hold.
+    // reads each expert's token count on the host, which a graph cannot hold. The hybrid and
+    // Gemma 4 flows keep eager steps past the decode path's batches until their graphs have been
+    // tested there (only the standard flow's have, on the H200).
+    let standard_flow = cfg.linear_attention.is_none() && w.gemma4.is_none();
     let graph_safe = |b: usize| {
         moe.is_none_or(|(e, _)| {
             MoePath::for_batch(b, e.dtype()) == MoePath::Decode
-                || (e.dtype() == DType::BF16 && m.dev.has_wgmma())
+                || (standard_flow && e.dtype() == DType::BF16 && m.dev.has_wgmma())
         })
     };
     let Some(&bucket) = BUCKETS.iter().find(|&&b| b >= n && graph_safe(b)) else {
