@@ -280,6 +280,16 @@ fn check_steps(name: &str, got: &[f32], (want, flips): &(Vec<f64>, Vec<f64>)) {
     );
 }
 
+/// The device, if it runs the wgmma prefill path; else `None` after printing why the test skips.
+fn wgmma_device() -> Option<&'static CudaDevice> {
+    let dev = device()?;
+    if !dev.has_wgmma() {
+        println!("skipped: no wgmma (compute capability 9.0) on this device");
+        return None;
+    }
+    Some(dev)
+}
+
 /// Run `moe_experts` on the given inputs (output poisoned first) and download the result.
 fn run(
     dev: &CudaDevice,
@@ -514,11 +524,7 @@ fn decode_path_replays_from_a_cuda_graph() {
 /// inputs at replay, tiles and all (the GEMMs find their tiles from the device offsets).
 #[test]
 fn wgmma_prefill_path_replays_from_a_cuda_graph() {
-    let Some(dev) = device() else { return };
-    if !dev.has_wgmma() {
-        println!("skipped: no wgmma (compute capability 9.0) on this device");
-        return;
-    }
+    let Some(dev) = wgmma_device() else { return };
     let mut r = rng("moe_wgmma_graph");
     let (e, h, i) = (64usize, 256usize, 128usize);
     let w = HostExperts::random(&mut r, DType::BF16, e, h, i);
@@ -813,11 +819,7 @@ fn loaded_routing(r: &mut StdRng, loads: &[usize], k: usize) -> (Vec<u32>, Vec<f
 /// the 64-wide K blocks or of the tile widths, and Qwen3-30B-A3B's H 2048 x I 768 (32 K blocks).
 #[test]
 fn wgmma_prefill_matches_cpu_for_uneven_expert_loads() {
-    let Some(dev) = device() else { return };
-    if !dev.has_wgmma() {
-        println!("skipped: no wgmma (compute capability 9.0) on this device");
-        return;
-    }
+    let Some(dev) = wgmma_device() else { return };
     let mut r = rng("moe_wgmma_loads");
     // (experts, H, I, k, per-expert first-rank loads, activation)
     let silu = ExpertActivation::Silu;
@@ -876,11 +878,7 @@ fn wgmma_prefill_matches_cpu_for_uneven_expert_loads() {
 /// reference and against the cuBLAS path on the same inputs.
 #[test]
 fn wgmma_prefill_matches_on_the_hd128_long_fixture_shape() {
-    let Some(dev) = device() else { return };
-    if !dev.has_wgmma() {
-        println!("skipped: no wgmma (compute capability 9.0) on this device");
-        return;
-    }
+    let Some(dev) = wgmma_device() else { return };
     let mut r = rng("moe_wgmma_fixture_shape");
     let (e, k, h, i, n) = (8usize, 2usize, 64usize, 32usize, 150usize);
     let std = 0.02f32 * 3f32.sqrt(); // uniform(-a, a) has std a / sqrt(3)
