@@ -17,7 +17,8 @@ mod reference;
 use std::path::Path;
 
 use moerun_core::Device;
-use moerun_model::Model;
+use moerun_engine::{run_step, Sequence, SequenceKv};
+use moerun_model::{LogitsFor, Model};
 use reference::{
     batched_and_alone, chunked_logits, fixture_names, fixtures_dir, greedy, incremental_logits,
     load_reference, model_picks_and_logit_argmax, prefill_logits, relative_error,
@@ -209,4 +210,58 @@ fn windowed_kv_gives_the_logits_of_the_full_cache_on_the_gpu() {
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Decode steps of more than 32 sequences run from CUDA graphs on Hopper: the MoE layers take the
+/// wgmma prefill path there, which never waits for the host. 40 sequences decoding together (a
+/// first step that captures the bucket's graph, a second that replays it) give each sequence's
+/// logits as the same steps alone give them, within the bf16 prefill bar: the batch's MoE rounds
+/// to bf16 around the tensor cores, a lone decode step's does not.
+#[test]
+fn forty_sequences_decode_from_a_graph_as_each_alone_on_the_gpu() {
+    let name = "mixtral_bf16_swa_llama3_v4";
+    let dir = fixtures_dir().join(name);
+    let Some(model) = on_gpu(&dir) else { return };
+    let model = model.unwrap();
+    let t = load_reference(&dir).tokens;
+    assert!(t.len() >= 6, "{name}: {} tokens", t.len());
+    // Prompts of 4.. tokens from three starts, so the contexts differ; each ends with the two
+    // tokens the decode steps feed.
+    let prompts: Vec<Vec<u32>> = (0..40)
+        .map(|i| {
+            let start = i % 3;
+            let len = 4 + i % (t.len() - 5);
+            t[start..start + len].to_vec()
+        })
+        .collect();
+    // Prefill all but the last two tokens, then two single-token steps; the decode logits.
+    let decode = |seqs: &mut Vec<Sequence>| -> Vec<Vec<f32>> {
+        let total: usize = seqs.iter().map(|s| s.tokens.len()).sum();
+        let mut kv = SequenceKv::for_model(&model, total + 16 * seqs.len()).unwrap();
+        let mut refs: Vec<&mut Sequence> = seqs.iter_mut().collect();
+        let heads: Vec<usize> = refs.iter().map(|s| s.tokens.len() - 2).collect();
+        run_step(&model, &mut kv, &mut refs, &heads, LogitsFor::LastOfEachSeq).unwrap();
+        let ones = vec![1; refs.len()];
+        (0..2)
+            .map(|_| {
+                run_step(&model, &mut kv, &mut refs, &ones, LogitsFor::LastOfEachSeq)
+                    .unwrap()
+                    .logits
+            })
+            .collect()
+    };
+    let mut batch: Vec<Sequence> = prompts.iter().map(|p| Sequence::new(p.clone())).collect();
+    let batched = decode(&mut batch);
+    let v = model.config.vocab_size;
+    for (i, p) in prompts.iter().enumerate() {
+        let alone = decode(&mut vec![Sequence::new(p.clone())]);
+        for (step, (b, a)) in batched.iter().zip(&alone).enumerate() {
+            let e = relative_error(&b[i * v..(i + 1) * v], a);
+            println!(
+                "RESULT|gpu {name} 40 decoding, seq {i} step {step} vs alone|{e:.2e}|2e-2|{}",
+                if e <= 2e-2 { "ok" } else { "FAIL" }
+            );
+            assert!(e <= 2e-2, "{name} sequence {i} step {step}: {e:.3e}");
+        }
+    }
 }
