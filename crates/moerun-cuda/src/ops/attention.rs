@@ -604,7 +604,8 @@ fn cluster_plan(
 /// batch 1 at 512 / 2048 / 8192 keys 12.5 / 18.4 / 48.4 µs with the whole group of 8 per block
 /// against 9.1 / 15.6 / 33.0 with 4; 8 sequences of 512 keys 28.9 against 19.7; but 8 of 4096
 /// keys 111.8 against 143.2 and 32 of 512 keys 60.2 against 67.5, where the device is full and
-/// reading each K/V row once per chunk costs more than the parallelism buys.
+/// reading each K/V row once per chunk costs more than the parallelism buys. (Measured with the
+/// 4-key split kernel; the 2-key one that replaced it for head_dim 128 may move the crossover.)
 const SMALL_BATCH_KEYS: usize = 8192;
 /// Query heads per decode block for batches of at most [`SMALL_BATCH_KEYS`] keys.
 const SMALL_BATCH_HEADS: usize = 4;
