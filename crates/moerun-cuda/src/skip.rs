@@ -12,6 +12,17 @@ use std::sync::OnceLock;
 
 /// Whether `op` is in `MOERUN_CUDA_SKIP` (read once per process).
 pub(crate) fn skipped(op: &str) -> bool {
+    list().iter().any(|s| s == op)
+}
+
+/// Whether the GEMVs of `rows` output rows are skipped (`gemv` or `gemv:<rows>`); formats the
+/// name only when something is skipped at all.
+pub(crate) fn gemv_skipped(rows: usize) -> bool {
+    let list = list();
+    !list.is_empty() && (skipped("gemv") || skipped(&format!("gemv:{rows}")))
+}
+
+fn list() -> &'static [String] {
     static LIST: OnceLock<Vec<String>> = OnceLock::new();
     LIST.get_or_init(|| {
         let list: Vec<String> = std::env::var("MOERUN_CUDA_SKIP")
@@ -25,6 +36,4 @@ pub(crate) fn skipped(op: &str) -> bool {
         }
         list
     })
-    .iter()
-    .any(|s| s == op)
 }
