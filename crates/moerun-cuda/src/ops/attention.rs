@@ -339,14 +339,26 @@ fn tile_bf16_smem(head_dim: usize, v: &TcVariant) -> usize {
     (v.stages * 2 + v.q_heads) * TC_M * (head_dim + 8) * 2
 }
 
+/// The count environment variable `name` sets, read once into `cell`, if `allowed` takes it;
+/// anything else is ignored. The attention kernels' measuring knobs.
+fn env_count(
+    cell: &'static OnceLock<Option<usize>>,
+    name: &str,
+    allowed: impl Fn(usize) -> bool,
+) -> Option<usize> {
+    *cell.get_or_init(|| {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .filter(|&c| allowed(c))
+    })
+}
+
 /// `MOERUN_ATTN_TC_HEADS` (1, 2 or 4), read once; anything else is ignored.
 fn env_tc_heads() -> Option<usize> {
     static HEADS: OnceLock<Option<usize>> = OnceLock::new();
-    *HEADS.get_or_init(|| {
-        std::env::var("MOERUN_ATTN_TC_HEADS")
-            .ok()
-            .and_then(|v| v.trim().parse().ok())
-            .filter(|h| TC_VARIANTS.iter().any(|v| v.heads == *h))
+    env_count(&HEADS, "MOERUN_ATTN_TC_HEADS", |h| {
+        TC_VARIANTS.iter().any(|v| v.heads == h)
     })
 }
 
@@ -614,28 +626,20 @@ const SMALL_BATCH_HEADS: usize = 4;
 /// `None` for the whole GQA group (up to 8). `MOERUN_CUDA_ATTN_HEADS` (1, 2, 4 or 8) overrides
 /// the rule, to measure it.
 fn decode_head_cap(tokens: usize, context: usize) -> Option<usize> {
-    static FORCED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    let forced = *FORCED.get_or_init(|| {
-        std::env::var("MOERUN_CUDA_ATTN_HEADS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|c| GROUP_CLASSES.contains(c))
-    });
-    forced
-        .or((tokens.saturating_mul(context.max(1)) <= SMALL_BATCH_KEYS)
-            .then_some(SMALL_BATCH_HEADS))
+    static FORCED: OnceLock<Option<usize>> = OnceLock::new();
+    env_count(&FORCED, "MOERUN_CUDA_ATTN_HEADS", |c| {
+        GROUP_CLASSES.contains(&c)
+    })
+    .or((tokens.saturating_mul(context.max(1)) <= SMALL_BATCH_KEYS).then_some(SMALL_BATCH_HEADS))
 }
 
 /// Fewest key steps a cluster kernel block takes: 2, or `MOERUN_CUDA_CLUSTER_MIN_STEPS`.
 fn cluster_min_steps() -> usize {
-    static STEPS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *STEPS.get_or_init(|| {
-        std::env::var("MOERUN_CUDA_CLUSTER_MIN_STEPS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|&s| (1..=MAX_CLUSTER_STEPS).contains(&s))
-            .unwrap_or(2)
+    static STEPS: OnceLock<Option<usize>> = OnceLock::new();
+    env_count(&STEPS, "MOERUN_CUDA_CLUSTER_MIN_STEPS", |s| {
+        (1..=MAX_CLUSTER_STEPS).contains(&s)
     })
+    .unwrap_or(2)
 }
 
 /// Index of the smallest class that holds `v`.
