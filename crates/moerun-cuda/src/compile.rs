@@ -24,6 +24,27 @@ use crate::error::{CudaError, Result};
 /// Text prepended to every kernel file: typedefs, bf16/f16 widening, warp reductions.
 const PRELUDE: &str = include_str!("../kernels/common.cuh");
 
+/// Text prepended (after [`PRELUDE`]) to the files of [`SM90A_FILES`] only: mbarriers, cp.async
+/// and wgmma wrappers.
+const HOPPER_PRELUDE: &str = include_str!("../kernels/hopper.cuh");
+
+/// The preludes of `file`, in the order they precede its text.
+fn preludes(file: &KernelFile) -> &'static [&'static str] {
+    if SM90A_FILES.contains(&file.name) {
+        &[PRELUDE, HOPPER_PRELUDE]
+    } else {
+        &[PRELUDE]
+    }
+}
+
+/// The whole text NVRTC compiles for `file`.
+fn full_source(file: &KernelFile) -> String {
+    let mut text = preludes(file).join("\n");
+    text.push('\n');
+    text.push_str(file.source);
+    text
+}
+
 /// One kernel family: a `.cu` file and the `extern "C"` entry points it defines.
 #[derive(Clone, Copy, Debug)]
 pub struct KernelFile {
@@ -160,7 +181,7 @@ pub fn nvrtc_version() -> Result<(i32, i32)> {
 /// and spill report to the log.
 pub fn compile(file: &KernelFile, arch: &str, verbose: bool) -> Result<Compiled> {
     let arch = &target_arch(file, arch);
-    let full = format!("{PRELUDE}\n{}", file.source);
+    let full = full_source(file);
     let fail = |source, log: String| CudaError::Compile {
         file: format!("{}.cu", file.name),
         arch: arch.to_string(),
@@ -199,7 +220,7 @@ pub fn compile_ptx(file: &KernelFile, arch: &'static str) -> Result<String> {
     } else {
         arch
     };
-    let full = format!("{PRELUDE}\n{}", file.source);
+    let full = full_source(file);
     let opts = cudarc::nvrtc::CompileOptions {
         arch: Some(arch),
         options: vec!["--std=c++17".into()],
@@ -252,7 +273,9 @@ pub fn cache_dir() -> Option<PathBuf> {
 pub fn cache_file_name(file: &KernelFile, arch: &str, nvrtc: (i32, i32)) -> String {
     let arch = &target_arch(file, arch);
     let mut h = Fnv64::new();
-    for part in [PRELUDE, file.source, arch, &options(arch, false).join(" ")] {
+    let options = options(arch, false).join(" ");
+    let parts = preludes(file).iter().copied();
+    for part in parts.chain([file.source, arch.as_str(), options.as_str()]) {
         h.write(part.as_bytes());
         h.write(&[0xff]);
     }
