@@ -1,7 +1,8 @@
 // Fusions of the small steps between a decoder layer's big kernels (a decode step at batch 1 is
 // bound by how many kernels run, not by their bytes):
 // - add_rms_norm_f32: the residual add and the next RMSNorm in one pass over the row.
-//   x[r] += y[r]; out[r] = w * (x[r] * inv_rms(x[r])), the formula of rms_norm_f32. A block of
+//   x[r] += y[r]; out[r] = w * (x[r] * inv_rms(x[r])), the formula of rms_norm_f32; given
+//   out_bf16 (non-null), also out rounded to bf16 there (prefill's GEMM input). A block of
 //   1024 per row: at batch 1 a warp per 2048-wide row took 19 us (a serial walk of dependent
 //   loads over the row), 256 threads 5.4 us; each thread now loads two values. Launch: grid
 //   (rows), block 1024.
@@ -40,6 +41,22 @@ __device__ __forceinline__ float block_sum(float v) {
     return v;
 }
 
+// out = w * (x * inv) over one row (the block's threads striding), and, given `ob`, the same
+// values rounded to bf16 as f32_to_bf16 rounds them: the input of a bf16 GEMM (prefill), so the
+// GEMM reads it with no conversion launch and gets the same bits.
+__device__ __forceinline__ void store_norm_row(float* o, u16* ob, const float* __restrict__ w,
+                                               const float* xr, float inv, int width) {
+    if (ob) {
+        for (int i = threadIdx.x; i < width; i += blockDim.x) {
+            const float v = w[i] * (xr[i] * inv);
+            o[i] = v;
+            ob[i] = f32_to_bf16(v);
+        }
+    } else {
+        for (int i = threadIdx.x; i < width; i += blockDim.x) o[i] = w[i] * (xr[i] * inv);
+    }
+}
+
 // Values of x a thread loads before waiting for the kernel before (programmatic launch): x is
 // the residual stream, which only this kernel (and a final add) writes, never the kernel right
 // before it (forward.rs: a layer's residual adds are separated by its attention or FFN), so
@@ -48,7 +65,7 @@ __device__ __forceinline__ float block_sum(float v) {
 
 extern "C" __global__ void add_rms_norm_f32(float* x, const float* __restrict__ y,
                                             const float* __restrict__ w, float* out, int width,
-                                            float eps) {
+                                            float eps, u16* __restrict__ out_bf16) {
     const u64 row = blockIdx.x;
     float* xr = x + row * width;
     const float* yr = y + row * width;
@@ -77,7 +94,7 @@ extern "C" __global__ void add_rms_norm_f32(float* x, const float* __restrict__ 
     }
     ss = block_sum(ss);
     const float inv = 1.0f / sqrtf(ss / (float)width + eps);
-    for (int i = threadIdx.x; i < width; i += blockDim.x) o[i] = w[i] * (xr[i] * inv);
+    store_norm_row(o, out_bf16 ? out_bf16 + row * width : nullptr, w, xr, inv, width);
 }
 
 // RMSNorm of wide rows (hidden states), a block per row: out may alias x.
@@ -94,7 +111,7 @@ extern "C" __global__ void rms_norm_block_f32(const float* x, const float* __res
     }
     ss = block_sum(ss);
     const float inv = 1.0f / sqrtf(ss / (float)width + eps);
-    for (int i = threadIdx.x; i < width; i += blockDim.x) o[i] = w[i] * (xr[i] * inv);
+    store_norm_row(o, nullptr, w, xr, inv, width);
 }
 
 // Where the prologue writes K/V in the paged pool: the layout of ops/fused.rs's KvDest.

@@ -44,6 +44,10 @@ pub struct DeviceBuffer<T> {
     slice: ManuallyDrop<CudaSlice<T>>,
     /// For an arena slice: the arena's free list and the slice's (offset, bytes) in the region.
     home: Option<(Arc<Mutex<FreeList>>, usize, usize)>,
+    /// The same values rounded to bf16, when the kernel that wrote them also wrote this copy
+    /// ([`DeviceBuffer::attach_bf16`]): a bf16 GEMM then reads it instead of converting. Any
+    /// mutable access to the buffer drops it, so it never goes stale.
+    bf16: Option<Box<DeviceBuffer<u16>>>,
 }
 
 impl<T> DeviceBuffer<T> {
@@ -52,7 +56,22 @@ impl<T> DeviceBuffer<T> {
         DeviceBuffer {
             slice: ManuallyDrop::new(slice),
             home: None,
+            bf16: None,
         }
+    }
+
+    /// Keep `copy` as this buffer's values rounded to bf16 (round to nearest even, as
+    /// `f32_to_bf16` rounds). The caller vouches that the work already enqueued writes exactly
+    /// that into `copy`; the next mutable access to this buffer drops it.
+    pub fn attach_bf16(&mut self, copy: DeviceBuffer<u16>) {
+        debug_assert_eq!(copy.len(), self.slice.len());
+        self.bf16 = Some(Box::new(copy));
+    }
+
+    /// The bf16 copy of these values, if one was attached and the buffer has not been mutably
+    /// accessed since.
+    pub fn bf16(&self) -> Option<&DeviceBuffer<u16>> {
+        self.bf16.as_deref()
     }
 }
 
@@ -90,6 +109,7 @@ impl<T> Deref for DeviceBuffer<T> {
 
 impl<T> DerefMut for DeviceBuffer<T> {
     fn deref_mut(&mut self) -> &mut CudaSlice<T> {
+        self.bf16 = None; // the values may change: the copy would go stale
         &mut self.slice
     }
 }
@@ -111,6 +131,7 @@ impl<T> DevicePtr<T> for DeviceBuffer<T> {
 
 impl<T> DevicePtrMut<T> for DeviceBuffer<T> {
     fn device_ptr_mut<'a>(&'a mut self, stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
+        self.bf16 = None; // the values may change: the copy would go stale
         self.slice.device_ptr_mut(stream)
     }
 }
@@ -238,6 +259,7 @@ impl ActivationArena {
         Some(DeviceBuffer {
             slice: ManuallyDrop::new(slice),
             home: Some((self.free.clone(), at, bytes)),
+            bf16: None,
         })
     }
 }

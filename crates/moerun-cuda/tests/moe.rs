@@ -870,6 +870,46 @@ fn wgmma_prefill_matches_cpu_for_uneven_expert_loads() {
     }
 }
 
+/// Given x already rounded to bf16 (what a prefill norm writes next to its f32 output), the
+/// wgmma path gathers from that copy instead of converting x: the same bits; a copy of the
+/// wrong length is refused.
+#[test]
+fn wgmma_prefill_from_a_bf16_copy_of_x_gives_the_same_bits() {
+    let Some(dev) = wgmma_device() else { return };
+    let mut r = rng("moe_wgmma_bf16_x");
+    let (e, h, i, k) = (16usize, 256usize, 128usize, 4usize);
+    let w = HostExperts::random(&mut r, DType::BF16, e, h, i);
+    let wd = w.upload(dev);
+    let (ids, weights) = loaded_routing(
+        &mut r,
+        &[0, 5, 70, 1, 0, 0, 130, 9, 0, 2, 0, 0, 0, 40, 0, 3],
+        k,
+    );
+    let n = ids.len() / k;
+    let x = uniform(&mut r, n * h, -1.0, 1.0);
+    let mut scratch = dev.moe_scratch(&wd, n, k).unwrap();
+    scratch.set_path(Some(MoePath::Prefill));
+    let plain = run(dev, &wd, &mut scratch, &x, &ids, &weights, k).unwrap();
+
+    let (xd, idd, wgt) = (
+        dev.upload(&x).unwrap(),
+        dev.upload(&ids).unwrap(),
+        dev.upload(&weights).unwrap(),
+    );
+    let mut xb = dev.upload(&vec![0u16; x.len()]).unwrap();
+    dev.to_bf16(&xd, &mut xb).unwrap();
+    let mut out = dev.upload(&poison(x.len())).unwrap();
+    dev.moe_experts_with_bf16_x(&xd, &xb, &idd, &wgt, k, &wd, &mut scratch, &mut out)
+        .unwrap();
+    assert_eq!(bits(&dev.download(&out).unwrap()), bits(&plain));
+
+    let short = dev.upload(&vec![0u16; x.len() - 1]).unwrap();
+    let err = dev
+        .moe_experts_with_bf16_x(&xd, &short, &idd, &wgt, k, &wd, &mut scratch, &mut out)
+        .unwrap_err();
+    assert!(err.to_string().contains("bf16 copy of x"), "{err}");
+}
+
 /// The MoE of the `qwen3_moe_bf16_hd128_long` fixture (E 8, top-2, H 64, I 32, 150 tokens) with
 /// model-like data: weights of std ~0.02, RMS-normed rows with two outlier channels, top-2 of a
 /// skewed softmax router, renormalised. That fixture's prefill moved from 3.54e-3 (cuBLAS) to

@@ -50,6 +50,56 @@ fn rms_norm_matches_cpu_on_hidden_rows_and_per_head_rows() {
     }
 }
 
+#[test]
+fn add_rms_norm_matches_cpu_and_its_bf16_output_is_its_output_rounded() {
+    let Some(dev) = device() else { return };
+    let mut r = rng("add_rms_norm");
+    for (rows, width) in [(1usize, 2048usize), (40, 2048), (3, 5000)] {
+        let x = uniform(&mut r, rows * width, -2.0, 2.0);
+        let y = uniform(&mut r, rows * width, -2.0, 2.0);
+        let w = uniform(&mut r, width, 0.5, 1.5);
+        let sum: Vec<f32> = x.iter().zip(&y).map(|(a, b)| a + b).collect();
+        let mut want = sum.clone();
+        rms_norm_rows(&mut want, &w, 1e-6);
+
+        let (yd, wd) = (dev.upload(&y).unwrap(), dev.upload(&w).unwrap());
+        let mut xd = dev.upload(&x).unwrap();
+        let mut out = dev.upload(&poison(x.len())).unwrap();
+        let mut out_b = dev.upload(&vec![0xffffu16; x.len()]).unwrap();
+        dev.add_rms_norm_with_bf16(&mut xd, &yd, &wd, 1e-6, &mut out, Some(&mut out_b))
+            .unwrap();
+        assert_eq!(dev.download(&xd).unwrap(), sum, "x += y exactly");
+        let got = dev.download(&out).unwrap();
+        check(
+            &format!("add_rms_norm {rows}x{width}"),
+            rel_err(&got, &widen(&want)),
+            1e-5,
+        );
+        // The bf16 output is what to_bf16 makes of the f32 output, bit for bit: the GEMMs that
+        // read it give the same results as converting themselves.
+        let mut rounded = dev.upload(&vec![0u16; x.len()]).unwrap();
+        dev.to_bf16(&out, &mut rounded).unwrap();
+        assert_eq!(
+            dev.download(&out_b).unwrap(),
+            dev.download(&rounded).unwrap(),
+            "bf16 output {rows}x{width}"
+        );
+
+        // Without the bf16 output: the same f32 results.
+        let mut xd = dev.upload(&x).unwrap();
+        let mut plain = dev.upload(&poison(x.len())).unwrap();
+        dev.add_rms_norm(&mut xd, &yd, &wd, 1e-6, &mut plain)
+            .unwrap();
+        assert_eq!(dev.download(&plain).unwrap(), got, "{rows}x{width}");
+
+        let mut short = dev.upload(&vec![0u16; x.len() - 1]).unwrap();
+        let err = dev
+            .add_rms_norm_with_bf16(&mut xd, &yd, &wd, 1e-6, &mut plain, Some(&mut short))
+            .unwrap_err();
+        assert!(err.to_string().contains("bf16 output"), "{err}");
+    }
+}
+
 /// moerun-model's Rope, written out: angle = inv_freq * pos in f32, cos/sin scaled by the
 /// attention factor, then moerun-cpu's rotate-half on the first rotary_dim dims of each head.
 fn rope_cpu(x: &mut [f32], pos: &[u32], inv_freq: &[f32], factor: f32, heads: usize, dim: usize) {

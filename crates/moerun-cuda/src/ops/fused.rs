@@ -82,6 +82,21 @@ impl CudaDevice {
         eps: f32,
         out: &mut impl DevicePtrMut<f32>,
     ) -> Result<()> {
+        self.add_rms_norm_with_bf16(x, y, weight, eps, out, None)
+    }
+
+    /// [`CudaDevice::add_rms_norm`] that, given `out_bf16`, also writes `out` rounded to bf16
+    /// there (round to nearest even, the bits `to_bf16` would give): the input of a bf16 GEMM,
+    /// without a conversion launch and its pass over `out`.
+    pub fn add_rms_norm_with_bf16(
+        &self,
+        x: &mut impl DevicePtrMut<f32>,
+        y: &impl DevicePtr<f32>,
+        weight: &impl DevicePtr<f32>,
+        eps: f32,
+        out: &mut impl DevicePtrMut<f32>,
+        out_bf16: Option<&mut CudaSlice<u16>>,
+    ) -> Result<()> {
         let (len, width) = (x.len(), weight.len());
         ensure(y.len() == len && out.len() == len, || {
             format!("add_rms_norm: x {len}, y {}, out {}", y.len(), out.len())
@@ -89,6 +104,11 @@ impl CudaDevice {
         ensure(width > 0 && len.is_multiple_of(width), || {
             format!("add_rms_norm: {len} values are not rows of {width}")
         })?;
+        if let Some(b) = &out_bf16 {
+            ensure(b.len() == len, || {
+                format!("add_rms_norm: the bf16 output holds {}, x {len}", b.len())
+            })?;
+        }
         let rows = len / width;
         if rows == 0 {
             return Ok(());
@@ -97,6 +117,10 @@ impl CudaDevice {
         let yp = self.ptr(y, "add_rms_norm y")?;
         let wp = self.ptr(weight, "add_rms_norm weight")?;
         let op = self.ptr_mut(out, "add_rms_norm out")?;
+        let bp = match out_bf16 {
+            Some(b) => self.ptr_mut(b, "add_rms_norm bf16 out")?,
+            None => 0,
+        };
         let width_i = to_i32(width, "width")?;
         let cfg = LaunchConfig {
             grid_dim: (blocks(rows, 1)?, 1, 1),
@@ -112,8 +136,10 @@ impl CudaDevice {
             .arg(&wp)
             .arg(&op)
             .arg(&width_i)
-            .arg(&eps);
-        // SAFETY: x, y and out hold rows * width f32 (checked), weight width; args match.
+            .arg(&eps)
+            .arg(&bp);
+        // SAFETY: x, y and out hold rows * width f32 and a non-null bf16 output rows * width
+        // u16 (checked), weight width; args match.
         unsafe { b.launch(cfg) }.ctx("add_rms_norm_f32")?;
         Ok(())
     }

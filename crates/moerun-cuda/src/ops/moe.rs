@@ -349,6 +349,8 @@ struct MoeCall {
     tokens: usize,
     top_k: usize,
     x: u64,
+    /// x rounded to bf16 by whoever wrote x (0: none; the wgmma path then converts it itself).
+    x_bf16: u64,
     ids: u64,
     weights: u64,
     out: u64,
@@ -536,6 +538,50 @@ impl CudaDevice {
         scratch: &mut MoeScratch,
         out: &mut impl DevicePtrMut<f32>,
     ) -> Result<()> {
+        self.moe_experts_call(x, 0, ids, weights, top_k, experts, scratch, out)
+    }
+
+    /// [`CudaDevice::moe_experts`] given also x rounded to bf16 (round to nearest even, as
+    /// `to_bf16` rounds it), which the wgmma prefill path then gathers from instead of
+    /// converting x itself: the same bits, one launch and a pass over x fewer.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_experts_with_bf16_x(
+        &self,
+        x: &impl DevicePtr<f32>,
+        x_bf16: &CudaSlice<u16>,
+        ids: &impl DevicePtr<u32>,
+        weights: &impl DevicePtr<f32>,
+        top_k: usize,
+        experts: &DeviceExperts,
+        scratch: &mut MoeScratch,
+        out: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        ensure(x_bf16.len() == x.len(), || {
+            format!(
+                "moe_experts: the bf16 copy of x holds {}, x {}",
+                x_bf16.len(),
+                x.len()
+            )
+        })?;
+        let xb = self.ptr(x_bf16, "moe_experts x bf16")?;
+        ensure(xb.is_multiple_of(16), || {
+            "moe_experts: the bf16 copy of x must start 16-byte aligned".to_string()
+        })?;
+        self.moe_experts_call(x, xb, ids, weights, top_k, experts, scratch, out)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn moe_experts_call(
+        &self,
+        x: &impl DevicePtr<f32>,
+        x_bf16: u64,
+        ids: &impl DevicePtr<u32>,
+        weights: &impl DevicePtr<f32>,
+        top_k: usize,
+        experts: &DeviceExperts,
+        scratch: &mut MoeScratch,
+        out: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
         let (e, h, i) = (experts.experts, experts.hidden, experts.intermediate);
         ensure(
             (scratch.experts, scratch.hidden, scratch.intermediate) == (e, h, i),
@@ -580,12 +626,13 @@ impl CudaDevice {
             tokens: n,
             top_k,
             x: self.ptr(x, "moe_experts x")?,
+            x_bf16,
             ids: self.ptr(ids, "moe_experts ids")?,
             weights: self.ptr(weights, "moe_experts weights")?,
             out: self.ptr_mut(out, "moe_experts out")?,
         };
-        ensure(call.x.is_multiple_of(16), || {
-            "moe_experts: x must start 16-byte aligned".to_string()
+        ensure(call.x.is_multiple_of(16) && call.out.is_multiple_of(16), || {
+            "moe_experts: x and out must start 16-byte aligned".to_string()
         })?;
         match self.moe_path(n, experts, scratch) {
             MoePath::Decode => self.moe_decode(&call, experts, scratch),

@@ -66,6 +66,9 @@ pub struct CudaModel {
     /// The kernel of prefill attention tiles: bf16 tensor cores for bf16 models (head_dim 64 or
     /// 128), exact f32 otherwise.
     pub(crate) prefill_attention: AttentionPrefill,
+    /// A bf16 model: its prefill norms also write their output rounded to bf16, which the bf16
+    /// GEMMs that read it (q/k/v, router, the MoE's wgmma path) take instead of converting.
+    pub(crate) bf16_gemm_inputs: bool,
     /// Bytes of weights resident on the device.
     pub(crate) weight_bytes: usize,
     /// Gemma 4's extras (its two RoPEs, unit norm weights), when the model is Gemma 4.

@@ -11,7 +11,7 @@
 use moerun_core::{DType, Error, Result, Tensor};
 use moerun_cuda::{
     AttentionShape, BatchKvBf16, CudaDevice, CudaSlice, DeviceBuffer, DeviceKvPool, DeviceMatrix,
-    QkvShape, RouterShape, TokenPlacement,
+    GemmOut, QkvShape, RouterShape, TokenPlacement,
 };
 
 use super::{dev_err, profile, tensor_key, CudaModel, DeviceKv, PassScratch};
@@ -192,6 +192,10 @@ impl<'a> CudaPass<'a> {
         let dev = &self.m.dev;
         if rows <= GEMV_MAX_ROWS || d.dtype() == DType::F16 {
             dev.gemv(x, rows, d, &mut out).map_err(dev_err)?;
+        } else if let (Some(xb), DType::BF16) = (x.bf16(), d.dtype()) {
+            // The bits gemm's own conversion would give, already written by x's producer.
+            dev.gemm_bf16(xb, rows, d, GemmOut::F32(&mut out))
+                .map_err(dev_err)?;
         } else {
             dev.gemm(x, rows, d, &mut out).map_err(dev_err)?;
         }
@@ -242,9 +246,20 @@ impl Backend for CudaPass<'_> {
         profile::timed(&m.dev, "add_rms_norm", || {
             let w = m.vec(weight)?;
             let mut out = self.alloc(x.len())?;
-            m.dev
-                .add_rms_norm(x, y, w, eps, &mut out)
-                .map_err(dev_err)?;
+            // Rows that go to the GEMMs (not the GEMV) of a bf16 model: write the bf16 input
+            // they need in the same pass (see `product_with` and `moe`).
+            let rows = x.len() / weight.len().max(1);
+            if m.bf16_gemm_inputs && rows > GEMV_MAX_ROWS {
+                let mut xb = self.scratch.activation::<u16>(&m.dev, x.len())?;
+                m.dev
+                    .add_rms_norm_with_bf16(x, y, w, eps, &mut out, Some(&mut xb))
+                    .map_err(dev_err)?;
+                out.attach_bf16(xb);
+            } else {
+                m.dev
+                    .add_rms_norm(x, y, w, eps, &mut out)
+                    .map_err(dev_err)?;
+            }
             Ok(out)
         })
     }
@@ -471,8 +486,12 @@ impl Backend for CudaPass<'_> {
             })?;
             let mut out = self.alloc(rows * hidden)?;
             let scratch = self.scratch.moe(dev, experts, rows, k)?;
-            dev.moe_experts(x, &ids, &weights, k, experts, scratch, &mut out)
-                .map_err(dev_err)?;
+            match x.bf16() {
+                Some(xb) => dev
+                    .moe_experts_with_bf16_x(x, xb, &ids, &weights, k, experts, scratch, &mut out),
+                None => dev.moe_experts(x, &ids, &weights, k, experts, scratch, &mut out),
+            }
+            .map_err(dev_err)?;
             if let Some(shared) = &w.shared_expert {
                 let s = self.mlp(x, shared)?;
                 let gate = match &w.shared_expert_gate {

@@ -209,7 +209,9 @@ impl CudaDevice {
         let h = self.ptr_mut(&mut s.inner, "moe h")?;
         let outer = self.ptr_mut(&mut s.outer, "moe activations")?;
         // outer: xb [n, H] bf16 in its first half, y [P, H] bf16 in its second.
-        let (xb, y) = (outer, outer + (p_max * hidden * 2) as u64);
+        let y = outer + (p_max * hidden * 2) as u64;
+        // x as bf16: the caller's copy when it has one, else converted into outer's first half.
+        let xb = if c.x_bf16 != 0 { c.x_bf16 } else { outer };
         let (gate_up, down) = (
             self.ptr(&w.gate_up, "moe gate_up")?,
             self.ptr(&w.down, "moe down")?,
@@ -222,11 +224,15 @@ impl CudaDevice {
         );
         let act = w.activation().code();
 
-        let n = (c.tokens * hidden) as u64;
-        let mut b = self.stream.launch_builder(&self.kernels.f32_to_bf16);
-        b.arg(&c.x).arg(&xb).arg(&n);
-        // SAFETY: x holds n · H f32; xb has room for max_tokens · H bf16 (the first half of outer).
-        unsafe { b.launch(self.elementwise_cfg(c.tokens * hidden)) }.ctx("f32_to_bf16 (moe)")?;
+        if c.x_bf16 == 0 {
+            let n = (c.tokens * hidden) as u64;
+            let mut b = self.stream.launch_builder(&self.kernels.f32_to_bf16);
+            b.arg(&c.x).arg(&xb).arg(&n);
+            // SAFETY: x holds n · H f32; xb (the first half of outer) has room for max_tokens · H
+            // bf16.
+            unsafe { b.launch(self.elementwise_cfg(c.tokens * hidden)) }
+                .ctx("f32_to_bf16 (moe)")?;
+        }
 
         let tile = s.wgmma_tile;
         let kernels = &self.kernels.moe.wgmma;
