@@ -53,6 +53,15 @@ pub(crate) fn vec_key(v: &[f32]) -> (usize, usize) {
 }
 
 /// A model's weights on one GPU.
+/// Whether a model of bf16 weights (`bf16`) has its prefill norms write bf16 GEMM inputs
+/// ([`CudaModel::bf16_gemm_inputs`]): yes, unless `MOERUN_CUDA_BF16_INPUTS=0` asks for the
+/// conversions instead (an A/B switch; the results are the same bits either way).
+pub(crate) fn bf16_gemm_inputs(bf16: bool) -> bool {
+    static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    bf16 && *ALLOWED
+        .get_or_init(|| std::env::var_os("MOERUN_CUDA_BF16_INPUTS").is_none_or(|v| v != "0"))
+}
+
 pub struct CudaModel {
     pub(crate) dev: CudaDevice,
     pub(crate) mats: HashMap<(usize, usize), DeviceMatrix>,

@@ -337,7 +337,7 @@ pub(crate) fn upload(
     Ok(CudaModel {
         gemma4: None,
         prefill_attention,
-        bf16_gemm_inputs: bf16,
+        bf16_gemm_inputs: crate::cuda::bf16_gemm_inputs(bf16),
         dev,
         mats,
         vecs,

@@ -86,7 +86,7 @@ pub(crate) fn upload(
         } else {
             AttentionPrefill::ExactF32
         },
-        bf16_gemm_inputs: bf16,
+        bf16_gemm_inputs: crate::cuda::bf16_gemm_inputs(bf16),
         dev,
         mats,
         vecs,
