@@ -1,7 +1,11 @@
 // MoE routing of f32 router logits (warp_route_topk below: softmax, top-k by probability
 // with ties to the lower expert index, optional renormalisation), for logits another kernel wrote.
 // Launch: block (32, ROUTER_ROWS_PER_BLOCK), grid ceil(rows / ROUTER_ROWS_PER_BLOCK); one warp
-// per token row, the experts' probabilities in its registers.
+// per token row, the experts' probabilities in its registers. route_topk_f32_l<L> holds L experts
+// per lane (32 L experts at most): ops/router.rs takes the smallest L that holds the layer's
+// experts, since each of the k rounds walks all L registers twice (a batch-1 decode step waits
+// for this chain once per layer: 16 per lane for Qwen3's 128 experts was 4x the walk needed).
+// Every L gives the same results: the extra registers hold no expert.
 
 // Warp-wide max / min of a u32: one redux.sync (sm_80+, the least the backend runs on).
 __device__ __forceinline__ u32 warp_max_u32(u32 v) {
@@ -15,18 +19,15 @@ __device__ __forceinline__ u32 warp_min_u32(u32 v) {
     return r;
 }
 
-// Experts one routing warp holds in registers: 32 lanes x ROUTE_PER_LANE.
-#define ROUTE_PER_LANE 16
-#define ROUTE_MAX_EXPERTS (32 * ROUTE_PER_LANE)
-
 // One token's routing by one warp, the steps of moerun-model's `route`: softmax of the f32 router
 // logits (max-subtracted; each lane sums its experts lane, lane + 32, ... in order, then a fixed
 // butterfly), top-k by probability with ties to the lower expert index, then optionally the k
-// weights renormalised to sum to one (summed in rank order). experts <= ROUTE_MAX_EXPERTS.
+// weights renormalised to sum to one (summed in rank order). experts <= 32 * ROUTE_PER_LANE.
 // Lane l holds experts l + 32 s in registers; a probability's f32 bits order like
 // the probability (it is >= 0), so each round is a warp max of (bits + 1) keys (taken: 0) and a
 // warp min of the indices holding it. A NaN probability never wins: with only NaNs left the id
 // is out of range (0x7fffffff) and the weight -2, so the token's expert sum becomes NaN downstream.
+template <int ROUTE_PER_LANE>
 __device__ __forceinline__ void warp_route_topk(const float* __restrict__ logits, int experts, int k,
                                                 int renormalise, u32* __restrict__ out_ids,
                                                 float* __restrict__ out_weights) {
@@ -82,12 +83,19 @@ __device__ __forceinline__ void warp_route_topk(const float* __restrict__ logits
     }
 }
 
-extern "C" __global__ void route_topk_f32(const float* __restrict__ logits, int rows, int experts,
-                                          int k, int renormalise, u32* __restrict__ out_experts,
-                                          float* __restrict__ out_weights) {
-    pdl_entry();
-    const int row = blockIdx.x * blockDim.y + threadIdx.y;
-    if (row >= rows) return;  // no block-wide barrier: warps are independent
-    warp_route_topk(logits + (u64)row * experts, experts, k, renormalise,
-                    out_experts + (u64)row * k, out_weights + (u64)row * k);
-}
+#define ROUTE_TOPK_KERNEL(NAME, L)                                                               \
+    extern "C" __global__ void NAME(const float* __restrict__ logits, int rows, int experts,      \
+                                    int k, int renormalise, u32* __restrict__ out_experts,        \
+                                    float* __restrict__ out_weights) {                            \
+        pdl_entry();                                                                              \
+        const int row = blockIdx.x * blockDim.y + threadIdx.y;                                    \
+        if (row >= rows) return; /* no block-wide barrier: warps are independent */               \
+        warp_route_topk<L>(logits + (u64)row * experts, experts, k, renormalise,                  \
+                           out_experts + (u64)row * k, out_weights + (u64)row * k);               \
+    }
+
+ROUTE_TOPK_KERNEL(route_topk_f32_l1, 1)
+ROUTE_TOPK_KERNEL(route_topk_f32_l2, 2)
+ROUTE_TOPK_KERNEL(route_topk_f32_l4, 4)
+ROUTE_TOPK_KERNEL(route_topk_f32_l8, 8)
+ROUTE_TOPK_KERNEL(route_topk_f32_l16, 16)

@@ -56,7 +56,8 @@ pub(crate) struct Kernels {
     pub silu_mul: CudaFunction,
     pub f32_to_bf16: CudaFunction,
     pub f32_to_bf16_split: CudaFunction,
-    pub route_topk: CudaFunction,
+    /// Indexed by log2 of the experts each lane holds (1, 2, 4, 8, 16; see ops::router).
+    pub route_topk: [CudaFunction; 5],
     /// Indexed by [`dtype_slot`].
     pub embed: [CudaFunction; 3],
     /// `[layout][dtype_slot][i]` for x-row counts `GEMV_ROWS[i]`; layout 0 is warp per row,
@@ -121,7 +122,13 @@ impl Kernels {
             silu_mul: get("activation", "silu_mul_f32")?,
             f32_to_bf16: get("convert", "f32_to_bf16")?,
             f32_to_bf16_split: get("convert", "f32_to_bf16_split")?,
-            route_topk: get("router", "route_topk_f32")?,
+            route_topk: [
+                get("router", "route_topk_f32_l1")?,
+                get("router", "route_topk_f32_l2")?,
+                get("router", "route_topk_f32_l4")?,
+                get("router", "route_topk_f32_l8")?,
+                get("router", "route_topk_f32_l16")?,
+            ],
             embed: [
                 get("embedding", "embed_bf16")?,
                 get("embedding", "embed_f16")?,

@@ -48,7 +48,7 @@ pub const PDL_KERNELS: &[&str] = &[
     "rms_norm_block_f32",
     "rms_norm_f32",
     "rope_rotate_half_f32",
-    "route_topk_f32",
+    "route_topk_f32_l*",
     "row_scale_f32",
     "scale_f32",
     "sigmoid_gate_f32",

@@ -340,11 +340,18 @@ fn route_cpu(logits: &[f32], k: usize, renormalise: bool) -> (Vec<u32>, Vec<f32>
 fn router_picks_the_cpu_experts_in_rank_order_with_ties_to_the_lower_index() {
     let Some(dev) = device() else { return };
     let mut r = rng("router");
+    // Expert counts at and past each build's edge (1, 2, 4, 8, 16 experts per lane).
     for (tokens, experts, top_k, renormalise) in [
         (33usize, 128usize, 8usize, true),
+        (6, 8, 8, true),
+        (5, 32, 4, false),
+        (5, 33, 4, true),
         (9, 60, 4, false),
         (5, 64, 8, false),
+        (7, 65, 8, false),
+        (4, 129, 8, true),
         (4, 256, 8, true),
+        (3, 257, 8, false),
         (3, 512, 8, false),
     ] {
         let mut logits = uniform(&mut r, tokens * experts, -4.0, 4.0);

@@ -3,7 +3,8 @@
 //! exactly the steps of moerun-model's `route`.
 //!
 //! Launch: block (32, 4), grid ceil(tokens / 4); one warp per token holding its experts'
-//! probabilities in registers, k rounds of a warp arg-max (two redux.sync each).
+//! probabilities in registers (the build with the fewest per lane that hold them all: 1, 2, 4,
+//! 8 or 16), k rounds of a warp arg-max (two redux.sync each).
 
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
@@ -13,7 +14,7 @@ use crate::CudaDevice;
 
 const ROWS_PER_BLOCK: usize = 4;
 
-/// Experts a routing warp can rank: 16 in each lane's registers (`ROUTE_MAX_EXPERTS` in
+/// Experts a routing warp can rank: 16 in each lane's registers (the widest build in
 /// router.cu). The largest published MoE (Qwen3-Next) has 512.
 pub const MAX_EXPERTS: usize = 512;
 
@@ -78,7 +79,9 @@ impl CudaDevice {
         if crate::skip::skipped("route_topk") {
             return Ok(());
         }
-        let mut b = self.stream.launch_builder(&self.kernels.route_topk);
+        // The build holding 2^slot experts per lane, the fewest that hold them all.
+        let slot = experts.div_ceil(32).next_power_of_two().trailing_zeros() as usize;
+        let mut b = self.stream.launch_builder(&self.kernels.route_topk[slot]);
         b.arg(&l)
             .arg(&rows_i)
             .arg(&experts_i)
@@ -87,7 +90,7 @@ impl CudaDevice {
         b.arg(&e).arg(&w);
         // SAFETY: logits hold tokens * experts f32 (experts <= MAX_EXPERTS, what a warp holds),
         // both outputs tokens * top_k; the argument list matches the kernel's.
-        unsafe { b.launch(cfg) }.ctx("route_topk_f32")?;
+        unsafe { b.launch(cfg) }.ctx("route_topk_f32_l<L>")?;
         Ok(())
     }
 }
