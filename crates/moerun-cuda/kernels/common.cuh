@@ -124,3 +124,42 @@ __device__ __forceinline__ void pdl_entry() {
 __device__ __forceinline__ void prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
+
+// ---- L2 prefetch by the bulk copy engine (ops/prefetch.rs says when the kernels use it) ----
+
+// Flags of a kernel's `prefetch` argument (the bits of MOERUN_CUDA_L2_PREFETCH).
+#define PREFETCH_GEMV 1u          // a GEMV pulls its whole matrix towards L2 before its wait
+#define PREFETCH_EXPERT_DOWN 2u   // moe_tiny_gate_up pulls its expert's down matrix
+#define PREFETCH_KEEP 4u          // with the evict_last priority
+
+// Ask the bulk copy engine to bring [p, p + bytes) into L2 (sm_90+; nothing before): one
+// instruction per 64 KiB, no registers, nothing to wait for, so the thread moves on at once.
+// `keep`: with the evict_last priority, so lines streaming through L2 meanwhile do not push
+// these out first. p is 16-byte aligned; a tail under 16 bytes is left out.
+__device__ __forceinline__ void prefetch_l2_bulk(const char* p, u64 bytes, bool keep) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    u64 policy = 0;
+    if (keep) asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+    for (u64 at = 0; at + 16 <= bytes; at += 65536) {
+        const u32 len = (u32)(bytes - at < 65536 ? bytes - at : 65536) & ~15u;
+        if (keep) {
+            asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" ::"l"(p + at),
+                         "r"(len), "l"(policy)
+                         : "memory");
+        } else {
+            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + at), "r"(len)
+                         : "memory");
+        }
+    }
+#endif
+}
+
+// Piece `part` of `parts` equal 16-byte-aligned pieces of [p, p + bytes): one thread of each of
+// `parts` blocks calls it, so the prefetch of a whole matrix starts from that many SMs at once.
+__device__ __forceinline__ void prefetch_l2_share(const void* p, u64 bytes, u32 part, u32 parts,
+                                                  bool keep) {
+    const u64 per = ((bytes + parts - 1) / parts + 15) & ~15ull;
+    const u64 start = (u64)part * per;
+    if (start >= bytes) return;
+    prefetch_l2_bulk(reinterpret_cast<const char*>(p) + start, min(per, bytes - start), keep);
+}

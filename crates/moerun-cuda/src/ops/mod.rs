@@ -16,6 +16,7 @@ mod gemma;
 mod gemv;
 mod moe;
 mod norm;
+mod prefetch;
 mod rope;
 mod router;
 
@@ -33,6 +34,8 @@ pub(crate) use gemma::GemmaKernels;
 pub use gemv::GemvLayout;
 pub(crate) use moe::MoeKernels;
 pub use moe::{DecodePass, DeviceExperts, ExpertActivation, MoePath, MoeScratch, WgmmaTile};
+pub(crate) use prefetch::l2_prefetch_from_env;
+pub use prefetch::{L2Prefetch, DEFAULT_L2_PREFETCH};
 pub use rope::DeviceRope;
 pub use router::RouterShape;
 
