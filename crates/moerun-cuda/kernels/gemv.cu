@@ -13,11 +13,6 @@
 //   per warp, then the 8 warps' partials are added in warp order through shared memory.
 // Summation order of an output: per thread over its chunks in order, then fixed trees. It depends
 // on k and the layout, never on M: rows of a batch equal the same rows run alone, bit for bit.
-//
-// `prefetch` (flags of common.cuh; 0: none) with PREFETCH_GEMV: the first `pf_parts` blocks each
-// pull a piece of the whole matrix towards L2 before the wait (gemv_prefetch), so under
-// programmatic launch the weights of the blocks that are not yet resident are on their way
-// while the kernel before runs (an attention step, a norm).
 
 #define GEMV_WARPS 8
 #define GEMV_UNROLL 4
@@ -38,20 +33,9 @@ __device__ __forceinline__ void fma_chunk(uint4 q, const float* __restrict__ x, 
     }
 }
 
-template <typename C>
-__device__ __forceinline__ void gemv_prefetch(const void* w, int n, int k, u32 prefetch,
-                                              int pf_parts) {
-    if ((prefetch & PREFETCH_GEMV) && (int)blockIdx.x < pf_parts && threadIdx.x == 0) {
-        prefetch_l2_share(w, (u64)n * (u64)(k / C::N) * 16u, blockIdx.x, (u32)pf_parts,
-                          (prefetch & PREFETCH_KEEP) != 0);
-    }
-}
-
 template <typename C, int M>
 __device__ __forceinline__ void gemv_warp_row(const void* __restrict__ w_raw, const float* __restrict__ x,
-                                          float* __restrict__ y, int n, int k, u32 prefetch,
-                                          int pf_parts) {
-    gemv_prefetch<C>(w_raw, n, k, prefetch, pf_parts);
+                                          float* __restrict__ y, int n, int k) {
     const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
     const int chunks = k / C::N;
@@ -93,8 +77,8 @@ __device__ __forceinline__ void gemv_warp_row(const void* __restrict__ w_raw, co
 
 #define GEMV_KERNEL(NAME, CHUNK, M)                                                             \
     extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)                               \
-        NAME(const void* w, const float* x, float* y, int n, int k, u32 prefetch, int pf_parts) { \
-        gemv_warp_row<CHUNK, M>(w, x, y, n, k, prefetch, pf_parts);                               \
+        NAME(const void* w, const float* x, float* y, int n, int k) {                           \
+        gemv_warp_row<CHUNK, M>(w, x, y, n, k);                                                   \
     }
 
 GEMV_KERNEL(gemv_bf16_m1, ChunkBf16, 1)
@@ -142,8 +126,7 @@ __device__ __forceinline__ void fma_rows(const uint4* q, const float* __restrict
 template <typename C, int M, int U>
 __device__ __forceinline__ void gemv_block_rows(const void* __restrict__ w_raw,
                                                 const float* __restrict__ x, float* __restrict__ y,
-                                                int n, int k, u32 prefetch, int pf_parts) {
-    gemv_prefetch<C>(w_raw, n, k, prefetch, pf_parts);
+                                                int n, int k) {
     constexpr int R = ROWS_PER_BLOCK;
     __shared__ float partial[ROWS_WARPS][M * R];
     const int tid = threadIdx.x;
@@ -216,8 +199,8 @@ __device__ __forceinline__ void gemv_block_rows(const void* __restrict__ w_raw,
 
 #define GEMV_ROWS_KERNEL(NAME, CHUNK, M, U)                                                     \
     extern "C" __global__ void __launch_bounds__(ROWS_THREADS)                                  \
-        NAME(const void* w, const float* x, float* y, int n, int k, u32 prefetch, int pf_parts) { \
-        gemv_block_rows<CHUNK, M, U>(w, x, y, n, k, prefetch, pf_parts);                          \
+        NAME(const void* w, const float* x, float* y, int n, int k) {                           \
+        gemv_block_rows<CHUNK, M, U>(w, x, y, n, k);                                            \
     }
 
 GEMV_ROWS_KERNEL(gemv_rows_bf16_m1, ChunkBf16, 1, 2)

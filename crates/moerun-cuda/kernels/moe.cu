@@ -462,8 +462,7 @@ __device__ __forceinline__ void moe_tiny_gate_up(const void* __restrict__ gate_u
                                                  const float* __restrict__ x,
                                                  const u32* __restrict__ ids, int pairs_n,
                                                  float* __restrict__ h, int experts, int hidden,
-                                                 int inter, int top_k, int act,
-                                                 const void* __restrict__ down, u32 prefetch) {
+                                                 int inter, int top_k, int act) {
     pdl_entry();
     const u32 full = 0xffffffffu;
     const int lane = threadIdx.x & 31;
@@ -478,13 +477,6 @@ __device__ __forceinline__ void moe_tiny_gate_up(const void* __restrict__ gate_u
     const u32 mine = __ballot_sync(full, first && (u32)__popc(firsts & ((1u << lane) - 1u)) == slot);
     const u32 e = __shfl_sync(full, id, __ffs(mine) - 1);
     u32 todo = __ballot_sync(full, id == e);  // lanes = pair indices of expert e
-    if ((prefetch & PREFETCH_EXPERT_DOWN) && threadIdx.x == 0) {
-        // The down kernel's rows of expert e, a piece per block of this slot, towards L2 while
-        // this kernel streams gate_up (which leaves DRAM bandwidth over).
-        const u64 bytes = (u64)hidden * (u64)(inter / C::N) * 16u;
-        prefetch_l2_share(reinterpret_cast<const char*>(down) + (u64)e * bytes, bytes, blockIdx.x,
-                          gridDim.x, (prefetch & PREFETCH_KEEP) != 0);
-    }
     const int j = (blockIdx.x * MOE_WARPS + (threadIdx.x >> 5)) * JW;
     if (j >= inter) return;
     const u64 chunks = (u64)(hidden / C::N);
@@ -548,10 +540,10 @@ __device__ __forceinline__ void moe_tiny_down(const void* __restrict__ down,
 #define MOE_TINY_KERNELS(DT, CHUNK)                                                              \
     extern "C" __global__ void __launch_bounds__(MOE_THREADS, 3)                                 \
         moe_tiny_gate_up_##DT(const void* gate_up, const float* x, const u32* ids, int pairs_n,  \
-                              float* h, int experts, int hidden, int inter, int top_k, int act,  \
-                              const void* down, u32 prefetch) {                                  \
+                              float* h, int experts, int hidden, int inter, int top_k,           \
+                              int act) {                                                         \
         moe_tiny_gate_up<CHUNK, MOE_TINY_JW>(gate_up, x, ids, pairs_n, h, experts, hidden,      \
-                                             inter, top_k, act, down, prefetch);                 \
+                                             inter, top_k, act);                                 \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(MOE_THREADS, 4)                                 \
         moe_tiny_down_##DT(const void* down, const float* h, const u32* ids,                     \

@@ -154,8 +154,6 @@ pub struct CudaDevice {
     pub(crate) kernels: Kernels,
     info: DeviceInfo,
     cache: CacheReport,
-    /// [`crate::L2Prefetch`] bits in force (ops/prefetch.rs).
-    pub(crate) l2_prefetch: std::sync::atomic::AtomicU32,
 }
 
 impl CudaDevice {
@@ -215,7 +213,6 @@ impl CudaDevice {
         };
         let kernels = Kernels::load(&ctx, &info.arch, &mut cache)?;
         Ok(CudaDevice {
-            l2_prefetch: std::sync::atomic::AtomicU32::new(crate::ops::l2_prefetch_from_env().0),
             ctx,
             stream,
             blas,

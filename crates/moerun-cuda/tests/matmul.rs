@@ -16,7 +16,7 @@ mod common;
 use common::{check, device, poison, rel_err, rng, uniform};
 use half::{bf16, f16};
 use moerun_core::{DType, MatRef};
-use moerun_cuda::{CudaError, GemmOut, GemvLayout, L2Prefetch};
+use moerun_cuda::{CudaError, GemmOut, GemvLayout};
 
 const LAYOUTS: [GemvLayout; 2] = [GemvLayout::WarpPerRow, GemvLayout::BlockPerRows];
 
@@ -124,45 +124,6 @@ fn gemv_rows_do_not_depend_on_the_batch() {
             );
         }
     }
-}
-
-/// The GEMV's L2 prefetch (every flag combination, which the kernels take as arguments) is only
-/// a hint: the same bits as without, for shapes whose matrix does not split evenly over the SMs,
-/// one smaller than the SM count, and one of q/k/v's size.
-#[test]
-fn gemv_l2_prefetch_gives_the_same_bits() {
-    let Some(dev) = device() else { return };
-    let mut r = rng("gemv_l2_prefetch");
-    let before = dev.l2_prefetch();
-    for (dtype, n, k) in [
-        (DType::BF16, 5120usize, 2048usize),
-        (DType::BF16, 7, 72),
-        (DType::F32, 1001, 516),
-    ] {
-        let (bytes, _) = store(&uniform(&mut r, n * k, -1.0, 1.0), dtype);
-        let w = MatRef {
-            dtype,
-            rows: n,
-            cols: k,
-            data: &bytes,
-        };
-        let wd = dev.upload_matrix(w).unwrap();
-        let x = uniform(&mut r, 3 * k, -1.0, 1.0);
-        let xd = dev.upload(&x).unwrap();
-        for layout in LAYOUTS {
-            let mut results = Vec::new();
-            for flags in 0..8 {
-                dev.set_l2_prefetch(L2Prefetch(flags));
-                let mut out = dev.upload(&poison(3 * n)).unwrap();
-                dev.gemv_with(layout, &xd, 3, &wd, &mut out).unwrap();
-                results.push(dev.download(&out).unwrap());
-            }
-            for (flags, got) in results.iter().enumerate() {
-                assert_eq!(got, &results[0], "{dtype} {n}x{k} {layout:?} flags {flags}");
-            }
-        }
-    }
-    dev.set_l2_prefetch(before);
 }
 
 #[test]

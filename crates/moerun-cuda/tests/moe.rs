@@ -23,8 +23,8 @@ use moerun_core::{DType, MatRef};
 use moerun_cpu::linear::matmul_t;
 use moerun_cpu::ops::{gelu_tanh, silu};
 use moerun_cuda::{
-    CudaDevice, CudaError, DecodePass, DeviceExperts, ExpertActivation, L2Prefetch, MoePath,
-    MoeScratch, WgmmaTile,
+    CudaDevice, CudaError, DecodePass, DeviceExperts, ExpertActivation, MoePath, MoeScratch,
+    WgmmaTile,
 };
 use rand::rngs::StdRng;
 use rand::Rng;
@@ -469,48 +469,6 @@ fn every_decode_pass_size_gives_the_same_bits() {
         small.iter().all(|v| bits(v) == bits(&small[0])),
         "the tiny variant differs from the aligned passes"
     );
-}
-
-/// The tiny decode pass with the gate_up kernel prefetching its experts' down rows into L2
-/// (every flag combination): only a hint, so the same bits as without, for a batch of one token
-/// and one of several tokens sharing experts.
-#[test]
-fn tiny_decode_with_l2_prefetch_gives_the_same_bits() {
-    let Some(dev) = device() else { return };
-    let mut r = rng("moe_l2_prefetch");
-    let before = dev.l2_prefetch();
-    let (e, k, h, i) = (16usize, 4usize, 264usize, 72usize);
-    let w = HostExperts::random(&mut r, DType::BF16, e, h, i);
-    let wd = w.upload(dev);
-    let mut scratch = dev.moe_scratch(&wd, 8, k).unwrap();
-    scratch.set_path(Some(MoePath::Decode));
-    scratch.set_decode_pass(Some(DecodePass::Tiny));
-    let some: Vec<u32> = (0..6).collect();
-    for tokens in [1usize, 5] {
-        let x = uniform(&mut r, tokens * h, -1.0, 1.0);
-        let (ids, weights) = routing(&mut r, tokens, k, &some);
-        let mut results = Vec::new();
-        for flags in 0..8 {
-            dev.set_l2_prefetch(L2Prefetch(flags));
-            results.push(run(dev, &wd, &mut scratch, &x, &ids, &weights, k).unwrap());
-        }
-        check(
-            &format!("moe tiny with L2 prefetch, {tokens} tokens"),
-            rel_err(
-                &results[0],
-                &moe_cpu(&w, &x, &ids, &weights, k, Rounding::None),
-            ),
-            1e-5,
-        );
-        for (flags, got) in results.iter().enumerate() {
-            assert_eq!(
-                bits(got),
-                bits(&results[0]),
-                "{tokens} tokens, flags {flags}"
-            );
-        }
-    }
-    dev.set_l2_prefetch(before);
 }
 
 fn bits(v: &[f32]) -> Vec<u32> {

@@ -97,8 +97,6 @@ impl CudaDevice {
             shared_mem_bytes: 0,
         };
         let kernels = &self.kernels.gemv[layout.slot()][dtype_slot(w.dtype())];
-        let (prefetch, pf_parts) =
-            self.gemv_prefetch_args(n * k * w.dtype().size(), cfg.grid_dim.0);
         if crate::skip::gemv_skipped(n) {
             return Ok(());
         }
@@ -109,12 +107,10 @@ impl CudaDevice {
             let or = op + (row * n * 4) as u64;
             let mut b = self.stream.launch_builder(&kernels[slot]);
             b.arg(&wp).arg(&xr).arg(&or).arg(&n_i).arg(&k_i);
-            b.arg(&prefetch).arg(&pf_parts);
             // SAFETY: w holds n * k elements of the kernel's dtype with k a multiple of the
             // 16-byte chunk; rows row..row + GEMV_ROWS[slot] of x (k f32 each, 16-byte aligned as
             // k is a multiple of 4) and of out (n f32 each) are in bounds since that is <= m; the
-            // grid covers n rows at the layout's rows per block; the L2 prefetch covers the n · k
-            // elements of w from pf_parts <= grid blocks.
+            // grid covers n rows at the layout's rows per block.
             unsafe { b.launch(cfg) }.ctx("gemv")?;
             row += GEMV_ROWS[slot];
         }

@@ -16,7 +16,6 @@ mod gemma;
 mod gemv;
 mod moe;
 mod norm;
-mod prefetch;
 mod rope;
 mod router;
 
@@ -34,8 +33,6 @@ pub(crate) use gemma::GemmaKernels;
 pub use gemv::GemvLayout;
 pub(crate) use moe::MoeKernels;
 pub use moe::{DecodePass, DeviceExperts, ExpertActivation, MoePath, MoeScratch, WgmmaTile};
-pub(crate) use prefetch::l2_prefetch_from_env;
-pub use prefetch::{L2Prefetch, DEFAULT_L2_PREFETCH};
 pub use rope::DeviceRope;
 pub use router::RouterShape;
 

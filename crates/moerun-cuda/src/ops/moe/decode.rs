@@ -149,13 +149,11 @@ impl CudaDevice {
         b.arg(&gate_up).arg(&c.x).arg(&c.ids).arg(&pairs_i).arg(&h);
         b.arg(&experts_i).arg(&hidden_i).arg(&inter_i).arg(&k_i);
         let act = w.activation().code();
-        let prefetch = self.expert_down_prefetch_arg();
-        b.arg(&act).arg(&down).arg(&prefetch);
+        b.arg(&act);
         if !crate::skip::skipped("moe_gate_up") {
             // SAFETY: gate_up holds E · 2I · H elements (H a multiple of the 16-byte chunk); x holds
             // n · H f32, 16-byte aligned; ids hold P <= 32 u32 (only ids < E index the weights); h
-            // holds P_max · I >= P · I f32; down holds E · H · I elements, of which a block
-            // prefetches a piece of expert e's only for an id e < E.
+            // holds P_max · I >= P · I f32.
             unsafe { b.launch(cfg) }.ctx("moe_tiny_gate_up")?;
         }
 
