@@ -102,43 +102,15 @@ extern "C" __global__ void __launch_bounds__(1024)
 
 // ---- shared by 2. and 3. ----
 
-// Waiters of moe_warp_rows: what a warp waits for after issuing its first weights.
-struct NoWait {
-    static constexpr bool EARLY = false;
-    __device__ void operator()() const {}
-};
-// The kernel before (programmatic dependent launch, common.cuh).
-struct PdlWait {
-    static constexpr bool EARLY = true;
-    __device__ void operator()() const { pdl_entry(); }
-};
-// `target` arrivals on `*count` (moe_tiny_fused: every gate_up item of the launch has written its
-// rows of h). Every lane polls with acquire semantics, so each lane's later loads of h see what
-// the arriving blocks published before their (release-ordered) arrivals.
-struct CountWait {
-    static constexpr bool EARLY = true;
-    const u32* count;
-    u32 target;
-    __device__ void operator()() const {
-        for (;;) {
-            u32 v;
-            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(count) : "memory");
-            if (v >= target) break;
-            __nanosleep(64);
-        }
-    }
-};
-
 // acc[m][r] = w[r] . x[m] over `chunks` 16-byte chunks of weights, by one warp: lane l takes
 // chunks l, l + 32, ..., U of them in flight per row, each widened once and applied to all M rows
 // of x. Every output is one fmaf chain in a fixed order, then a butterfly; all lanes end with the
 // totals.
-// W: a waiter (below). With W::EARLY the first step's weights are issued before W's wait (for
-// the kernel before, or for the rows of x other blocks are still writing); x is only read after.
-// Same steps, same order either way.
-template <typename C, int M, int R, int U, typename W = NoWait>
+// WAIT: the first step's weights are issued before the kernel waits for the one before it
+// (programmatic dependent launch, common.cuh); x is only read after. Same steps, same order.
+template <typename C, int M, int R, int U, bool WAIT = false>
 __device__ __forceinline__ void moe_warp_rows(const uint4* const (&w)[R], const float* const (&x)[M],
-                                              int chunks, float (&acc)[M][R], const W& wait = W{}) {
+                                              int chunks, float (&acc)[M][R]) {
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int m = 0; m < M; ++m)
@@ -182,10 +154,10 @@ __device__ __forceinline__ void moe_warp_rows(const uint4* const (&w)[R], const 
             }
         }
     };
-    if constexpr (W::EARLY) {
+    if constexpr (WAIT) {
         int c0 = lane;
         load(c0);
-        wait();
+        pdl_entry();
         while (c0 < chunks) {
             step(c0);
             c0 += 32 * U;
@@ -330,13 +302,12 @@ MOE_GATE_UP_KERNEL(moe_gate_up_f32_m8, ChunkF32, 8, 1)
 
 // acc[m][r] = row row0 + r of the expert's down matrix at wexp . h[p[m]], for rows_here >= 1
 // rows; NaN for the out-of-range group (wexp null), so its tokens' sums become NaN too.
-template <typename C, int M, typename W = NoWait>
+template <typename C, int M, bool WAIT = false>
 __device__ __forceinline__ void moe_down_rows(const uint4* wexp, const float* __restrict__ h,
                                               const u32 (&p)[M], int inter, int row0,
-                                              int rows_here, float (&acc)[M][MOE_DOWN_ROWS],
-                                              const W& wait = W{}) {
+                                              int rows_here, float (&acc)[M][MOE_DOWN_ROWS]) {
     if (wexp == nullptr) {
-        wait();
+        if (WAIT) pdl_entry();
 #pragma unroll
         for (int m = 0; m < M; ++m)
 #pragma unroll
@@ -350,7 +321,7 @@ __device__ __forceinline__ void moe_down_rows(const uint4* wexp, const float* __
 #pragma unroll
         for (int r = 0; r < MOE_DOWN_ROWS; ++r)
             w[r] = wexp + (u64)(row0 + min(r, rows_here - 1)) * chunks;  // in bounds; unused rows
-        moe_warp_rows<C, M, MOE_DOWN_ROWS, MOE_DOWN_UNROLL>(w, xr, chunks, acc, wait);
+        moe_warp_rows<C, M, MOE_DOWN_ROWS, MOE_DOWN_UNROLL, WAIT>(w, xr, chunks, acc);
     }
 }
 
@@ -486,41 +457,28 @@ MOE_DOWN_KERNEL(moe_down_f32_m8, ChunkF32, 8, 1)
 #define MOE_TINY_MAX_K 32
 #define MOE_TINY_JW 2  // intermediate indices per warp of moe_tiny_gate_up
 
-// The experts of the (at most 32) pairs, in order of first appearance: lane l holds pair l's
-// id; `firsts` has a bit for each lane whose in-range id appears there first. Every warp of a
-// launch computes the same.
-__device__ __forceinline__ u32 moe_tiny_firsts(const u32* __restrict__ ids, int pairs_n,
-                                               int experts, u32& id) {
+template <typename C, int JW>
+__device__ __forceinline__ void moe_tiny_gate_up(const void* __restrict__ gate_up,
+                                                 const float* __restrict__ x,
+                                                 const u32* __restrict__ ids, int pairs_n,
+                                                 float* __restrict__ h, int experts, int hidden,
+                                                 int inter, int top_k, int act) {
+    pdl_entry();
     const u32 full = 0xffffffffu;
     const int lane = threadIdx.x & 31;
-    id = lane < pairs_n ? ids[lane] : MOE_NONE;
+    const u32 id = lane < pairs_n ? ids[lane] : MOE_NONE;
     const bool valid = id < (u32)experts;
     // Out-of-range and absent pairs get keys of their own, so they never match.
     const u32 same = __match_any_sync(full, valid ? id : 0x80000000u | (u32)lane);
     const bool first = valid && __ffs(same) - 1 == lane;
-    return __ballot_sync(full, first);
-}
-
-// Block (bx, slot) of the tiny gate_up: the slot-th distinct expert's intermediate indices
-// 16 bx .. + 16 for its pairs. False (at once) when there is no slot-th expert.
-template <typename C, int JW>
-__device__ __forceinline__ bool moe_tiny_gate_up_item(const void* __restrict__ gate_up,
-                                                      const float* __restrict__ x,
-                                                      const u32* __restrict__ ids, int pairs_n,
-                                                      float* __restrict__ h, int experts,
-                                                      int hidden, int inter, int top_k, int act,
-                                                      u32 bx, u32 slot) {
-    const u32 full = 0xffffffffu;
-    const int lane = threadIdx.x & 31;
-    u32 id;
-    const u32 firsts = moe_tiny_firsts(ids, pairs_n, experts, id);
-    if ((u32)__popc(firsts) <= slot) return false;  // the same for every warp
-    const bool first = (firsts >> lane) & 1u;
+    const u32 firsts = __ballot_sync(full, first);
+    const u32 slot = blockIdx.y;
+    if ((u32)__popc(firsts) <= slot) return;  // the same for every warp; no barriers below
     const u32 mine = __ballot_sync(full, first && (u32)__popc(firsts & ((1u << lane) - 1u)) == slot);
     const u32 e = __shfl_sync(full, id, __ffs(mine) - 1);
     u32 todo = __ballot_sync(full, id == e);  // lanes = pair indices of expert e
-    const int j = (bx * MOE_WARPS + (threadIdx.x >> 5)) * JW;
-    if (j >= inter) return true;
+    const int j = (blockIdx.x * MOE_WARPS + (threadIdx.x >> 5)) * JW;
+    if (j >= inter) return;
     const u64 chunks = (u64)(hidden / C::N);
     const uint4* base = reinterpret_cast<const uint4*>(gate_up) + (u64)e * 2 * inter * chunks;
     const uint4* wg = base + (u64)j * chunks;
@@ -530,25 +488,26 @@ __device__ __forceinline__ bool moe_tiny_gate_up_item(const void* __restrict__ g
         todo &= todo - 1u;
         moe_gate_up_pass<C, 1, JW>(wg, wu, x, p, 1, top_k, hidden, inter, j, h, act);
     }
-    return true;
 }
 
-// Block (bx, t) of the tiny down: token t's rows 4 bx .. + 4. A warp's first rank issues its
-// expert's first weights, then waits (`wait`) before it reads h; the block then sums the ranks
-// in order. `ids` must be readable at entry (see the callers).
-template <typename C, typename W>
-__device__ __forceinline__ void moe_tiny_down_item(const void* __restrict__ down,
-                                                   const float* __restrict__ h,
-                                                   const u32* __restrict__ ids,
-                                                   const float* __restrict__ weights,
-                                                   float* __restrict__ out, int experts,
-                                                   int hidden, int inter, int top_k, u64 t,
-                                                   int bx, const W& wait,
-                                                   float (&ys)[MOE_TINY_MAX_K][MOE_DOWN_ROWS]) {
+template <typename C>
+__device__ __forceinline__ void moe_tiny_down(const void* __restrict__ down,
+                                              const float* __restrict__ h,
+                                              const u32* __restrict__ ids,
+                                              const float* __restrict__ weights,
+                                              float* __restrict__ out, int experts, int hidden,
+                                              int inter, int top_k) {
+    __shared__ float ys[MOE_TINY_MAX_K][MOE_DOWN_ROWS];
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
-    const int row0 = bx * MOE_DOWN_ROWS;
-    const int rows_here = min(MOE_DOWN_ROWS, hidden - row0);  // >= 1: bx < ceil(H / 4)
+    const u64 t = blockIdx.y;
+    const int row0 = blockIdx.x * MOE_DOWN_ROWS;
+    const int rows_here = min(MOE_DOWN_ROWS, hidden - row0);  // >= 1: grid.x = ceil(H / 4)
+    // Under programmatic dependent launch (common.cuh) this kernel starts while gate_up runs:
+    // a warp's first rank reads its expert id and starts that expert's weights before waiting
+    // for gate_up. The ids come from route_topk, two kernels back, which had finished before
+    // gate_up let this kernel launch (gate_up waits for it first); they are read through L2.
+    // Every thread waits exactly once, before it reads h or writes anything.
     bool waited = false;
     for (int r = warp; r < top_k; r += MOE_WARPS) {
         const u32 p[1] = {(u32)(t * top_k + r)};
@@ -560,7 +519,7 @@ __device__ __forceinline__ void moe_tiny_down_item(const void* __restrict__ down
         if (waited) {
             moe_down_rows<C, 1>(wexp, h, p, inter, row0, rows_here, acc);
         } else {
-            moe_down_rows<C, 1>(wexp, h, p, inter, row0, rows_here, acc, wait);
+            moe_down_rows<C, 1, true>(wexp, h, p, inter, row0, rows_here, acc);
             waited = true;
         }
         if (lane == 0) {
@@ -568,95 +527,13 @@ __device__ __forceinline__ void moe_tiny_down_item(const void* __restrict__ down
             for (int i = 0; i < MOE_DOWN_ROWS; ++i) ys[r][i] = acc[0][i];
         }
     }
-    if (!waited) wait();
+    if (!waited) pdl_entry();
     __syncthreads();
     if ((int)threadIdx.x < rows_here) {
         const u64 p0 = t * (u64)top_k;
         float s = 0.0f;
         for (int r = 0; r < top_k; ++r) s = fmaf(weights[p0 + r], ys[r][threadIdx.x], s);
         out[t * hidden + row0 + threadIdx.x] = s;
-    }
-}
-
-template <typename C, int JW>
-__device__ __forceinline__ void moe_tiny_gate_up(const void* __restrict__ gate_up,
-                                                 const float* __restrict__ x,
-                                                 const u32* __restrict__ ids, int pairs_n,
-                                                 float* __restrict__ h, int experts, int hidden,
-                                                 int inter, int top_k, int act) {
-    pdl_entry();
-    moe_tiny_gate_up_item<C, JW>(gate_up, x, ids, pairs_n, h, experts, hidden, inter, top_k, act,
-                                 blockIdx.x, blockIdx.y);
-}
-
-template <typename C>
-__device__ __forceinline__ void moe_tiny_down(const void* __restrict__ down,
-                                              const float* __restrict__ h,
-                                              const u32* __restrict__ ids,
-                                              const float* __restrict__ weights,
-                                              float* __restrict__ out, int experts, int hidden,
-                                              int inter, int top_k) {
-    __shared__ float ys[MOE_TINY_MAX_K][MOE_DOWN_ROWS];
-    // Under programmatic dependent launch (common.cuh) this kernel starts while gate_up runs:
-    // a warp's first rank reads its expert id and starts that expert's weights before waiting
-    // for gate_up. The ids come from route_topk, two kernels back, which had finished before
-    // gate_up let this kernel launch (gate_up waits for it first); they are read through L2.
-    // Every thread waits exactly once, before it reads h or writes anything.
-    moe_tiny_down_item<C>(down, h, ids, weights, out, experts, hidden, inter, top_k, blockIdx.y,
-                          blockIdx.x, PdlWait{}, ys);
-}
-
-// moe_tiny_fused_<dt>: both tiny kernels in one launch, so that down's weights start streaming
-// while gate_up's last blocks finish instead of after its whole grid has drained. Grid
-// (gate items + down items) of 256 threads, gate items = ceil(I / 16) x slots (slots = min(E, P),
-// as moe_tiny_gate_up's grid), down items = ceil(H / 4) x n. A block takes the next item from an
-// atomic ticket (sync[0]), never from blockIdx, so every gate item is taken by a block that is
-// already running before any block takes a down item: a down block may spin without starving the
-// gate items it waits for. Gate item (bx, slot) is moe_tiny_gate_up's block; when it computed
-// rows of h, its threads fence and it counts one arrival in sync[1]. Down item (bx, t) is
-// moe_tiny_down's block, its warps' first weights issued before they wait for all
-// ceil(I / 16) x distinct-experts arrivals (CountWait). The same arithmetic as the two kernels,
-// so the same bits. The last block to leave (sync[2]) zeroes the three counters for the next
-// launch (and graph replay).
-template <typename C, int JW>
-__device__ __forceinline__ void moe_tiny_fused(const void* __restrict__ gate_up,
-                                               const void* __restrict__ down,
-                                               const float* __restrict__ x,
-                                               const u32* __restrict__ ids,
-                                               const float* __restrict__ weights, int pairs_n,
-                                               float* __restrict__ h, float* __restrict__ out,
-                                               u32* __restrict__ sync, int experts, int hidden,
-                                               int inter, int top_k, int act, int slots) {
-    __shared__ float ys[MOE_TINY_MAX_K][MOE_DOWN_ROWS];
-    __shared__ u32 s_item;
-    if (threadIdx.x == 0) s_item = atomicAdd(&sync[0], 1u);  // no earlier kernel touches sync
-    __syncthreads();
-    const u32 item = s_item;
-    const u32 gx = (u32)(inter + MOE_WARPS * JW - 1) / (MOE_WARPS * JW);
-    const u32 gate_items = gx * (u32)slots;
-    pdl_entry();
-    if (item < gate_items) {
-        const bool worked = moe_tiny_gate_up_item<C, JW>(gate_up, x, ids, pairs_n, h, experts,
-                                                         hidden, inter, top_k, act, item % gx,
-                                                         item / gx);
-        __threadfence();  // this block's rows of h, before its arrival
-        __syncthreads();
-        if (threadIdx.x == 0 && worked) atomicAdd(&sync[1], 1u);
-    } else {
-        const u32 d = item - gate_items;
-        const u32 gxd = (u32)(hidden + MOE_DOWN_ROWS - 1) / MOE_DOWN_ROWS;
-        u32 id;
-        const u32 distinct = (u32)__popc(moe_tiny_firsts(ids, pairs_n, experts, id));
-        const CountWait wait{sync + 1, gx * distinct};
-        moe_tiny_down_item<C>(down, h, ids, weights, out, experts, hidden, inter, top_k, d / gxd,
-                              (int)(d % gxd), wait, ys);
-    }
-    if (threadIdx.x == 0 && atomicAdd(&sync[2], 1u) == gridDim.x - 1) {
-        // Every block has taken its ticket and every gate item has arrived: reset for the next
-        // launch, which stream order (kernel completion) makes see these stores.
-        sync[0] = 0u;
-        sync[1] = 0u;
-        sync[2] = 0u;
     }
 }
 
@@ -673,14 +550,6 @@ __device__ __forceinline__ void moe_tiny_fused(const void* __restrict__ gate_up,
                            const float* weights, float* out, int experts, int hidden, int inter, \
                            int top_k) {                                                          \
         moe_tiny_down<CHUNK>(down, h, ids, weights, out, experts, hidden, inter, top_k);         \
-    }                                                                                            \
-    extern "C" __global__ void __launch_bounds__(MOE_THREADS, 3)                                 \
-        moe_tiny_fused_##DT(const void* gate_up, const void* down, const float* x,               \
-                            const u32* ids, const float* weights, int pairs_n, float* h,         \
-                            float* out, u32* sync, int experts, int hidden, int inter,           \
-                            int top_k, int act, int slots) {                                     \
-        moe_tiny_fused<CHUNK, MOE_TINY_JW>(gate_up, down, x, ids, weights, pairs_n, h, out,     \
-                                           sync, experts, hidden, inter, top_k, act, slots);     \
     }
 
 MOE_TINY_KERNELS(bf16, ChunkBf16)

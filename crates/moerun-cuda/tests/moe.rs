@@ -450,7 +450,6 @@ fn every_decode_pass_size_gives_the_same_bits() {
     let mut small = Vec::new();
     for pass in [
         DecodePass::Tiny,
-        DecodePass::TinyFused,
         DecodePass::One,
         DecodePass::Four,
         DecodePass::Eight,
@@ -459,7 +458,7 @@ fn every_decode_pass_size_gives_the_same_bits() {
         small.push(run(dev, &wd, &mut scratch, x, &ids, &weights, k).unwrap());
     }
     check(
-        "moe decode tiny/fused/1/4/8",
+        "moe decode tiny/1/4/8",
         rel_err(
             &small[0],
             &moe_cpu(&w, x, &ids, &weights, k, Rounding::None),
@@ -671,7 +670,7 @@ fn out_of_range_ids_poison_their_token_in_decode_and_fail_prefill() {
     let (want_steps, flips) = moe_cpu_with_flips(&w, &x, &ids, &weights, k, Rounding::Wgmma);
     ids[3] = 8; // token 1, rank 1
     scratch.set_path(Some(MoePath::Decode));
-    for pass in [DecodePass::Tiny, DecodePass::TinyFused, DecodePass::One] {
+    for pass in [DecodePass::Tiny, DecodePass::One] {
         scratch.set_decode_pass(Some(pass));
         let got = run(dev, &wd, &mut scratch, &x, &ids, &weights, k).unwrap();
         assert!(
@@ -755,12 +754,10 @@ fn shapes_that_do_not_fit_are_refused() {
     ));
     // The tiny decode variant past its 32 pairs (forced; the rule never picks it there).
     let mut big = dev.moe_scratch(&wd, 20, k).unwrap();
+    big.set_decode_pass(Some(DecodePass::Tiny));
     let x20 = uniform(&mut r, 20 * h, -1.0, 1.0);
     let (ids20, w20) = routing(&mut r, 20, k, &[0, 1, 2, 3]);
-    for pass in [DecodePass::Tiny, DecodePass::TinyFused] {
-        big.set_decode_pass(Some(pass));
-        invalid(run(dev, &wd, &mut big, &x20, &ids20, &w20, k));
-    }
+    invalid(run(dev, &wd, &mut big, &x20, &ids20, &w20, k));
     // A scratch of another layer shape.
     let other = HostExperts::random(&mut r, DType::F32, e, h, i + 4).upload(dev);
     let mut wrong = dev.moe_scratch(&other, 4, k).unwrap();
@@ -989,10 +986,8 @@ fn the_path_rule_sends_small_batches_and_non_bf16_weights_to_decode() {
         MoePath::Prefill
     );
     assert_eq!(MoePath::for_batch(4096, DType::F32), MoePath::Decode);
-    // TinyFused unless MOERUN_CUDA_MOE_FUSED=0 (an A/B switch) asks for the two launches.
-    let tiny = |p| matches!(p, DecodePass::Tiny | DecodePass::TinyFused);
-    assert!(tiny(DecodePass::for_pairs(8, 128)));
-    assert!(tiny(DecodePass::for_pairs(32, 128)));
+    assert_eq!(DecodePass::for_pairs(8, 128), DecodePass::Tiny);
+    assert_eq!(DecodePass::for_pairs(32, 128), DecodePass::Tiny);
     assert_eq!(DecodePass::for_pairs(64, 128), DecodePass::One);
     assert_eq!(DecodePass::for_pairs(256, 128), DecodePass::Four);
     assert_eq!(DecodePass::for_pairs(1024, 128), DecodePass::Four);

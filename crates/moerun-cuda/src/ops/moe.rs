@@ -65,8 +65,6 @@ pub(crate) struct MoeKernels {
     /// `[dtype_slot]`, for [`DecodePass::Tiny`].
     tiny_gate_up: [CudaFunction; 3],
     tiny_down: [CudaFunction; 3],
-    /// `[dtype_slot]`, for [`DecodePass::TinyFused`].
-    tiny_fused: [CudaFunction; 3],
     gather_bf16: CudaFunction,
     silu_mul_bf16: CudaFunction,
     combine_bf16: CudaFunction,
@@ -100,11 +98,6 @@ impl MoeKernels {
                 get("moe", "moe_tiny_down_bf16")?,
                 get("moe", "moe_tiny_down_f16")?,
                 get("moe", "moe_tiny_down_f32")?,
-            ],
-            tiny_fused: [
-                get("moe", "moe_tiny_fused_bf16")?,
-                get("moe", "moe_tiny_fused_f16")?,
-                get("moe", "moe_tiny_fused_f32")?,
             ],
             gather_bf16: get("moe_prefill", "moe_gather_bf16")?,
             silu_mul_bf16: get("moe_prefill", "moe_silu_mul_bf16")?,
@@ -156,12 +149,6 @@ pub enum DecodePass {
     /// projection runs per token with all its k ranks in one block, so the rank-order sum needs
     /// no arrival counters (an expert two tokens share is read once per token).
     Tiny,
-    /// [`DecodePass::Tiny`]'s two kernels in one launch: blocks take gate_up items, then down
-    /// items, from an atomic ticket, and a down item issues its first weights before it waits
-    /// for every gate_up item, so down's weights start streaming while gate_up's last blocks
-    /// finish. The automatic choice for at most [`DecodePass::TINY_PAIRS`] pairs unless
-    /// `MOERUN_CUDA_MOE_FUSED=0`.
-    TinyFused,
     /// One token per pass: 62-72 registers, 4 blocks of 256 threads per SM.
     One,
     /// Up to 4 tokens: 112-127 registers, 2 blocks per SM.
@@ -177,26 +164,19 @@ impl DecodePass {
     /// Most tokens one pass takes.
     pub fn tokens(self) -> usize {
         match self {
-            DecodePass::Tiny | DecodePass::TinyFused | DecodePass::One => 1,
+            DecodePass::Tiny | DecodePass::One => 1,
             DecodePass::Four => 4,
             DecodePass::Eight => 8,
         }
     }
 
-    /// The pass for `pairs` (token, rank) pairs over `experts` experts: `TinyFused` up to
-    /// [`DecodePass::TINY_PAIRS`] (`Tiny` under `MOERUN_CUDA_MOE_FUSED=0`), then by the mean pairs per expert that has any: `One` while
+    /// The pass for `pairs` (token, rank) pairs over `experts` experts: `Tiny` up to
+    /// [`DecodePass::TINY_PAIRS`], then by the mean pairs per expert that has any: `One` while
     /// it is at most 1, else `Four`. `Eight` lost to `Four` on every batch measured (its 165
     /// registers leave one block per multiprocessor); it stays for comparison.
     pub fn for_pairs(pairs: usize, experts: usize) -> DecodePass {
         if pairs <= Self::TINY_PAIRS {
-            static FUSED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-            let fused = *FUSED
-                .get_or_init(|| std::env::var_os("MOERUN_CUDA_MOE_FUSED").is_none_or(|v| v != "0"));
-            if fused {
-                DecodePass::TinyFused
-            } else {
-                DecodePass::Tiny
-            }
+            DecodePass::Tiny
         } else if pairs <= experts {
             DecodePass::One
         } else {
@@ -206,7 +186,7 @@ impl DecodePass {
 
     fn slot(self) -> usize {
         match self {
-            DecodePass::Tiny | DecodePass::TinyFused | DecodePass::One => 0,
+            DecodePass::Tiny | DecodePass::One => 0,
             DecodePass::Four => 1,
             DecodePass::Eight => 2,
         }
@@ -319,9 +299,6 @@ pub struct MoeScratch {
     active: CudaSlice<u32>,
     /// `[max_tokens][ceil(H / 32)]`: the decode down kernel's arrivals per token and row tile.
     arrivals: CudaSlice<u32>,
-    /// `[3]`: the fused tiny kernel's ticket, gate_up arrivals and exits; zero between launches
-    /// (its last block resets them).
-    tiny_sync: CudaSlice<u32>,
     /// `P · I · 4` bytes: decode `silu(gate) · up` f32 `[P][I]`; prefill gate_up out bf16 `[P][2I]`.
     inner: CudaSlice<u8>,
     /// `P · H · 4` bytes: decode expert outputs f32 `[P][H]`; prefill the gathered bf16
@@ -344,8 +321,7 @@ impl MoeScratch {
             + self.pairs.len()
             + self.pos.len()
             + self.active.len()
-            + self.arrivals.len()
-            + self.tiny_sync.len())
+            + self.arrivals.len())
             + self.inner.len()
             + self.outer.len()
             + 8 * self.gemm_ptrs.len()
@@ -526,7 +502,6 @@ impl CudaDevice {
             pos: self.zeros(pairs)?,
             active: self.zeros((e + 1).min(pairs))?,
             arrivals: self.zeros(max_tokens * tiles)?,
-            tiny_sync: self.zeros(3)?,
             inner: u8s(pairs * i * 4)?,
             outer: u8s(pairs * h * 4)?,
             gemm_ptrs: self.zeros(6 * e)?,
@@ -656,10 +631,9 @@ impl CudaDevice {
             weights: self.ptr(weights, "moe_experts weights")?,
             out: self.ptr_mut(out, "moe_experts out")?,
         };
-        ensure(
-            call.x.is_multiple_of(16) && call.out.is_multiple_of(16),
-            || "moe_experts: x and out must start 16-byte aligned".to_string(),
-        )?;
+        ensure(call.x.is_multiple_of(16) && call.out.is_multiple_of(16), || {
+            "moe_experts: x and out must start 16-byte aligned".to_string()
+        })?;
         match self.moe_path(n, experts, scratch) {
             MoePath::Decode => self.moe_decode(&call, experts, scratch),
             MoePath::Prefill if self.has_wgmma() && experts.dtype == DType::BF16 => {

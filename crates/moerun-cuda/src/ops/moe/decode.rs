@@ -19,12 +19,6 @@
 //!   intermediate indices (one wave of blocks for Qwen3-30B-A3B's 8 experts x 768).
 //! - `moe_tiny_down_<dt>`: grid (ceil(H / 4), n), block 256. Block (bx, t) computes token t's 4
 //!   rows for all k ranks (a warp per rank) into shared memory and sums them in rank order.
-//! - `moe_tiny_fused_<dt>` ([`DecodePass::TinyFused`], the default): the two in one launch of
-//!   ceil(I / 16) · min(E, P) + ceil(H / 4) · n blocks. Each block takes its item from an atomic
-//!   ticket, so all gate_up items go to blocks already running before any block takes a down
-//!   item; a down item issues its first weights, then spins until every gate_up item has
-//!   counted its arrival (a fence before each). Down's weights then stream while gate_up's last
-//!   blocks finish, where the two launches left a drained grid and a fresh launch between them.
 //!
 //! Each output is one f32 fmaf chain per lane in a fixed order plus a butterfly, and the ranks
 //! are summed by one fmaf chain in rank order, the same in every variant and independent of how
@@ -53,10 +47,8 @@ impl CudaDevice {
         let pass = s
             .pass
             .unwrap_or_else(|| DecodePass::for_pairs(pairs, w.experts));
-        match pass {
-            DecodePass::Tiny => return self.moe_decode_tiny(c, w, s),
-            DecodePass::TinyFused => return self.moe_decode_tiny_fused(c, w, s),
-            _ => {}
+        if pass == DecodePass::Tiny {
+            return self.moe_decode_tiny(c, w, s);
         }
         let groups = w.experts + 1;
         let slots = groups.min(pairs);
@@ -179,62 +171,6 @@ impl CudaDevice {
             // ids and weights hold n · k <= 32 entries (k <= 32, the kernel's shared rows), out n · H
             // f32.
             unsafe { b.launch(cfg) }.ctx("moe_tiny_down")?;
-        }
-        Ok(())
-    }
-
-    /// [`DecodePass::TinyFused`]: one launch (see the module doc).
-    fn moe_decode_tiny_fused(
-        &self,
-        c: &MoeCall,
-        w: &DeviceExperts,
-        s: &mut MoeScratch,
-    ) -> Result<()> {
-        let pairs = c.tokens * c.top_k;
-        ensure(pairs <= DecodePass::TINY_PAIRS, || {
-            format!(
-                "moe_experts: the tiny decode pass takes at most {} pairs, not {pairs}",
-                DecodePass::TINY_PAIRS
-            )
-        })?;
-        let slots = w.experts.min(pairs);
-        let items = w.intermediate.div_ceil(TINY_GATE_UP_TILE) * slots
-            + w.hidden.div_ceil(TINY_DOWN_ROWS) * c.tokens;
-        let h = self.ptr_mut(&mut s.inner, "moe h")?;
-        let sync = self.ptr_mut(&mut s.tiny_sync, "moe tiny sync")?;
-        let gate_up = self.ptr(&w.gate_up, "moe gate_up")?;
-        let down = self.ptr(&w.down, "moe down")?;
-        let (pairs_i, experts_i, hidden_i, inter_i, k_i, slots_i) = (
-            to_i32(pairs, "pairs")?,
-            to_i32(w.experts, "experts")?,
-            to_i32(w.hidden, "hidden")?,
-            to_i32(w.intermediate, "intermediate")?,
-            to_i32(c.top_k, "top_k")?,
-            to_i32(slots, "slots")?,
-        );
-        let act = w.activation().code();
-        let cfg = LaunchConfig {
-            grid_dim: (blocks(items, 1)?, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut b = self
-            .stream
-            .launch_builder(&self.kernels.moe.tiny_fused[dtype_slot(w.dtype)]);
-        b.arg(&gate_up)
-            .arg(&down)
-            .arg(&c.x)
-            .arg(&c.ids)
-            .arg(&c.weights);
-        b.arg(&pairs_i).arg(&h).arg(&c.out).arg(&sync);
-        b.arg(&experts_i).arg(&hidden_i).arg(&inter_i).arg(&k_i);
-        b.arg(&act).arg(&slots_i);
-        if !crate::skip::skipped("moe_gate_up") {
-            // SAFETY: as for the two tiny kernels (gate_up E · 2I · H and down E · H · I elements,
-            // x n · H f32 16-byte aligned, ids and weights P <= 32 entries, h P_max · I f32, out
-            // n · H f32); sync holds the 3 counters, zero between launches; the grid is exactly
-            // the gate_up items of `slots` slots plus the down items of n tokens.
-            unsafe { b.launch(cfg) }.ctx("moe_tiny_fused")?;
         }
         Ok(())
     }
