@@ -41,26 +41,11 @@ __device__ __forceinline__ float block_sum(float v) {
     return v;
 }
 
-// out = w * (x * inv) over one row (the block's threads striding), and, given `ob`, the same
-// values rounded to bf16 as f32_to_bf16 rounds them: the input of a bf16 GEMM (prefill), so the
-// GEMM reads it with no conversion launch and gets the same bits.
-__device__ __forceinline__ void store_norm_row(float* o, u16* ob, const float* __restrict__ w,
-                                               const float* xr, float inv, int width) {
-    if (ob) {
-        for (int i = threadIdx.x; i < width; i += blockDim.x) {
-            const float v = w[i] * (xr[i] * inv);
-            o[i] = v;
-            ob[i] = f32_to_bf16(v);
-        }
-    } else {
-        for (int i = threadIdx.x; i < width; i += blockDim.x) o[i] = w[i] * (xr[i] * inv);
-    }
-}
-
-// Values of x a thread loads before waiting for the kernel before (programmatic launch): x is
-// the residual stream, which only this kernel (and a final add) writes, never the kernel right
-// before it (forward.rs: a layer's residual adds are separated by its attention or FFN), so
-// its loads may start early; y is that kernel's output and is read after the wait.
+// Values of x (and of the norm weights) a thread loads before waiting for the kernel before
+// (programmatic launch): x is the residual stream, which only this kernel (and a final add)
+// writes, never the kernel right before it (forward.rs: a layer's residual adds are separated by
+// its attention or FFN), so its loads may start early; y is that kernel's output and is read
+// after the wait.
 #define ADD_NORM_EARLY 4
 
 extern "C" __global__ void add_rms_norm_f32(float* x, const float* __restrict__ y,
@@ -70,11 +55,16 @@ extern "C" __global__ void add_rms_norm_f32(float* x, const float* __restrict__ 
     float* xr = x + row * width;
     const float* yr = y + row * width;
     float* o = out + row * width;
-    float early[ADD_NORM_EARLY];
+    u16* ob = out_bf16 ? out_bf16 + row * width : nullptr;
+    // Before the wait: this thread's residual values and norm weights (neither comes from the
+    // kernel before). After it, the sums stay in registers: no second read of x or of w behind
+    // the reduction (at batch 1 this kernel is a chain of dependent steps).
+    float v[ADD_NORM_EARLY], wv[ADD_NORM_EARLY];
 #pragma unroll
     for (int u = 0; u < ADD_NORM_EARLY; ++u) {
         const int i = threadIdx.x + u * blockDim.x;
-        early[u] = i < width ? xr[i] : 0.0f;
+        v[u] = i < width ? xr[i] : 0.0f;
+        wv[u] = i < width ? w[i] : 0.0f;
     }
     pdl_entry();
     float ss = 0.0f;
@@ -82,19 +72,32 @@ extern "C" __global__ void add_rms_norm_f32(float* x, const float* __restrict__ 
     for (int u = 0; u < ADD_NORM_EARLY; ++u) {
         const int i = threadIdx.x + u * blockDim.x;
         if (i < width) {
-            const float v = early[u] + yr[i];
-            xr[i] = v;
-            ss += v * v;
+            v[u] += yr[i];
+            xr[i] = v[u];
+            ss += v[u] * v[u];
         }
     }
     for (int i = threadIdx.x + ADD_NORM_EARLY * blockDim.x; i < width; i += blockDim.x) {
-        const float v = xr[i] + yr[i];
-        xr[i] = v;
-        ss += v * v;
+        const float a = xr[i] + yr[i];
+        xr[i] = a;
+        ss += a * a;
     }
     ss = block_sum(ss);
     const float inv = 1.0f / sqrtf(ss / (float)width + eps);
-    store_norm_row(o, out_bf16 ? out_bf16 + row * width : nullptr, w, xr, inv, width);
+#pragma unroll
+    for (int u = 0; u < ADD_NORM_EARLY; ++u) {
+        const int i = threadIdx.x + u * blockDim.x;
+        if (i < width) {
+            const float r = wv[u] * (v[u] * inv);
+            o[i] = r;
+            if (ob) ob[i] = f32_to_bf16(r);
+        }
+    }
+    for (int i = threadIdx.x + ADD_NORM_EARLY * blockDim.x; i < width; i += blockDim.x) {
+        const float r = w[i] * (xr[i] * inv);
+        o[i] = r;
+        if (ob) ob[i] = f32_to_bf16(r);
+    }
 }
 
 // RMSNorm of wide rows (hidden states), a block per row: out may alias x.
@@ -111,7 +114,7 @@ extern "C" __global__ void rms_norm_block_f32(const float* x, const float* __res
     }
     ss = block_sum(ss);
     const float inv = 1.0f / sqrtf(ss / (float)width + eps);
-    store_norm_row(o, nullptr, w, xr, inv, width);
+    for (int i = threadIdx.x; i < width; i += blockDim.x) o[i] = w[i] * (xr[i] * inv);
 }
 
 // Where the prologue writes K/V in the paged pool: the layout of ops/fused.rs's KvDest.
@@ -129,6 +132,11 @@ struct KvDest {
     u16* copy_v;
 };
 
+// Rotary pairs (i, i + half) one lane rotates: i = lane, lane + 32, ... < half <= 128.
+#define ROPE_PER_LANE (FUSED_MAX_HEAD_DIM / 2 / 32)
+// Head dims one lane holds: lane, lane + 32, ... < head_dim <= 256.
+#define DIMS_PER_LANE (FUSED_MAX_HEAD_DIM / 32)
+
 extern "C" __global__ void qkv_split_norm_rope_f32(
     const float* __restrict__ qkv, float* q, float* k, float* v, const u32* __restrict__ positions,
     const float* __restrict__ q_norm, const float* __restrict__ k_norm,
@@ -136,21 +144,10 @@ extern "C" __global__ void qkv_split_norm_rope_f32(
     float attention_factor, float eps, int v_unit_norm, float* gate, const KvDest kv) {
     __shared__ float heads_smem[QKV_HEADS_PER_BLOCK][FUSED_MAX_HEAD_DIM];
     float* hd = heads_smem[threadIdx.y];
-    pdl_entry();
     const int t = blockIdx.x;
     const int h = blockIdx.y * QKV_HEADS_PER_BLOCK + threadIdx.y;
     const int lane = threadIdx.x;
     if (h >= heads_q + 2 * heads_kv) return;  // warps are independent: no block barrier below
-    // With an output gate (Qwen3.5) each q head's rows are its query then its gate.
-    const int q_width = gate ? 2 * head_dim : head_dim;
-    const int width = heads_q * q_width + 2 * heads_kv * head_dim;
-    const float* row = qkv + (u64)t * width;
-    const float* src = h < heads_q ? row + (u64)h * q_width
-                                   : row + (u64)heads_q * q_width + (u64)(h - heads_q) * head_dim;
-    if (gate && h < heads_q) {
-        float* g = gate + ((u64)t * heads_q + h) * head_dim;
-        for (int i = lane; i < head_dim; i += 32) g[i] = src[head_dim + i];
-    }
     float* dst;
     const float* norm;
     bool rotate = true;
@@ -165,6 +162,51 @@ extern "C" __global__ void qkv_split_norm_rope_f32(
         norm = 0;
         rotate = false;
     }
+    // Before the wait (programmatic launch, common.cuh): everything that does not come from the
+    // q/k/v projection just before. The norm weights, the position (uploaded with the batch,
+    // before any kernel of the pass) and the rotation's cos/sin, and the pool slot from the block
+    // table: after the wait, the projection's values go straight through norm, rotation and stores.
+    float nw[DIMS_PER_LANE];
+#pragma unroll
+    for (int d = 0; d < DIMS_PER_LANE; ++d) {
+        const int i = lane + 32 * d;
+        nw[d] = norm && i < head_dim ? norm[i] : 0.0f;
+    }
+    const int pos = (int)positions[t];
+    float rc[ROPE_PER_LANE], rs[ROPE_PER_LANE];
+#pragma unroll
+    for (int d = 0; d < ROPE_PER_LANE; ++d) {
+        const int i = lane + 32 * d;
+        rc[d] = 0.0f;
+        rs[d] = 0.0f;
+        if (rotate && i < half) {
+            sincosf(inv_freq[i] * (float)pos, &rs[d], &rc[d]);
+            rc[d] *= attention_factor;
+            rs[d] *= attention_factor;
+        }
+    }
+    float* slot = nullptr;  // this head's row in the pool, when it is k or v and in range
+    if (kv.pool_k && h >= heads_q) {
+        const int ti = kv.table_start[t] + pos / kv.block_size;
+        const int blk = ti >= 0 && ti < kv.tables_len ? kv.block_tables[ti] : -1;
+        if (blk >= 0 && blk < kv.blocks) {
+            const bool is_k = h < heads_q + heads_kv;
+            const int kvh = is_k ? h - heads_q : h - heads_q - heads_kv;
+            const u64 row = (u64)blk * kv.block_size + pos % kv.block_size;
+            slot = (is_k ? kv.pool_k : kv.pool_v) + (row * heads_kv + kvh) * head_dim;
+        }
+    }
+    pdl_entry();
+    // With an output gate (Qwen3.5) each q head's rows are its query then its gate.
+    const int q_width = gate ? 2 * head_dim : head_dim;
+    const int width = heads_q * q_width + 2 * heads_kv * head_dim;
+    const float* row = qkv + (u64)t * width;
+    const float* src = h < heads_q ? row + (u64)h * q_width
+                                   : row + (u64)heads_q * q_width + (u64)(h - heads_q) * head_dim;
+    if (gate && h < heads_q) {
+        float* g = gate + ((u64)t * heads_q + h) * head_dim;
+        for (int i = lane; i < head_dim; i += 32) g[i] = src[head_dim + i];
+    }
     float ss = 0.0f;
     for (int i = lane; i < head_dim; i += 32) {
         const float a = src[i];
@@ -174,7 +216,11 @@ extern "C" __global__ void qkv_split_norm_rope_f32(
     if (norm) {
         ss = warp_sum(ss);
         const float inv = 1.0f / sqrtf(ss / (float)head_dim + eps);
-        for (int i = lane; i < head_dim; i += 32) hd[i] = norm[i] * (hd[i] * inv);
+#pragma unroll
+        for (int d = 0; d < DIMS_PER_LANE; ++d) {
+            const int i = lane + 32 * d;
+            if (i < head_dim) hd[i] = nw[d] * (hd[i] * inv);
+        }
     } else if (!rotate && v_unit_norm) {
         // v_norm without a learned scale: the weight 1 multiplies exactly, so it is left out.
         ss = warp_sum(ss);
@@ -183,16 +229,15 @@ extern "C" __global__ void qkv_split_norm_rope_f32(
     }
     __syncwarp();
     if (rotate) {
-        const float pos = (float)positions[t];
-        for (int i = lane; i < half; i += 32) {
-            float s, c;
-            sincosf(inv_freq[i] * pos, &s, &c);
-            c *= attention_factor;
-            s *= attention_factor;
-            const float a = hd[i];
-            const float b = hd[i + half];
-            hd[i] = a * c - b * s;
-            hd[i + half] = b * c + a * s;
+#pragma unroll
+        for (int d = 0; d < ROPE_PER_LANE; ++d) {
+            const int i = lane + 32 * d;
+            if (i < half) {
+                const float a = hd[i];
+                const float b = hd[i + half];
+                hd[i] = a * rc[d] - b * rs[d];
+                hd[i + half] = b * rc[d] + a * rs[d];
+            }
         }
         __syncwarp();
     }
@@ -201,20 +246,10 @@ extern "C" __global__ void qkv_split_norm_rope_f32(
         // The same f32 values the pool gets, rounded as the tensor-core kernel rounds the pool.
         const bool is_k = h < heads_q + heads_kv;
         const int kvh = is_k ? h - heads_q : h - heads_q - heads_kv;
-        u16* row = (is_k ? kv.copy_k : kv.copy_v) + ((u64)t * heads_kv + kvh) * head_dim;
-        for (int i = lane; i < head_dim; i += 32) row[i] = f32_to_bf16(hd[i]);
+        u16* crow = (is_k ? kv.copy_k : kv.copy_v) + ((u64)t * heads_kv + kvh) * head_dim;
+        for (int i = lane; i < head_dim; i += 32) crow[i] = f32_to_bf16(hd[i]);
     }
-    if (kv.pool_k && h >= heads_q) {
-        const int pos = (int)positions[t];
-        const int ti = kv.table_start[t] + pos / kv.block_size;
-        if (ti < 0 || ti >= kv.tables_len) return;
-        const int blk = kv.block_tables[ti];
-        if (blk < 0 || blk >= kv.blocks) return;
-        const bool is_k = h < heads_q + heads_kv;
-        const int kvh = is_k ? h - heads_q : h - heads_q - heads_kv;
-        const u64 row = (u64)blk * kv.block_size + pos % kv.block_size;
-        float* pool = is_k ? kv.pool_k : kv.pool_v;
-        float* slot = pool + (row * heads_kv + kvh) * head_dim;
+    if (slot) {
         for (int i = lane; i < head_dim; i += 32) slot[i] = hd[i];
     }
 }

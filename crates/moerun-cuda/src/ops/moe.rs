@@ -631,9 +631,10 @@ impl CudaDevice {
             weights: self.ptr(weights, "moe_experts weights")?,
             out: self.ptr_mut(out, "moe_experts out")?,
         };
-        ensure(call.x.is_multiple_of(16) && call.out.is_multiple_of(16), || {
-            "moe_experts: x and out must start 16-byte aligned".to_string()
-        })?;
+        ensure(
+            call.x.is_multiple_of(16) && call.out.is_multiple_of(16),
+            || "moe_experts: x and out must start 16-byte aligned".to_string(),
+        )?;
         match self.moe_path(n, experts, scratch) {
             MoePath::Decode => self.moe_decode(&call, experts, scratch),
             MoePath::Prefill if self.has_wgmma() && experts.dtype == DType::BF16 => {
