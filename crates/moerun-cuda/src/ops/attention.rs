@@ -54,6 +54,7 @@ use cudarc::driver::{
     CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 
+use super::attention_wgmma::WgmmaAttention;
 use super::to_i32;
 use crate::error::{ensure, CudaError, DriverContext, Result};
 use crate::CudaDevice;
@@ -321,6 +322,8 @@ pub(crate) struct AttentionKernels {
     tile_bf16_smem: [[usize; 2]; 3],
     /// Query heads per tensor-core block asked for by `set_tensor_core_attention_heads` (0: none).
     tc_heads: AtomicUsize,
+    /// The wgmma prefill kernel (sm_90, head_dim 128), `ops/attention_wgmma.rs`.
+    pub(super) wgmma: WgmmaAttention,
 }
 
 const DIM_CLASSES: [usize; 6] = [16, 32, 64, 128, 256, 512];
@@ -495,6 +498,7 @@ impl AttentionKernels {
             tile_bf16,
             tile_bf16_smem: bf16_smem,
             tc_heads: AtomicUsize::new(0),
+            wgmma: WgmmaAttention::load(&get)?,
         })
     }
 }
@@ -1025,7 +1029,12 @@ impl CudaDevice {
                 let allowed = kernels.tile_f32_smem[c];
                 (&kernels.tile_f32[c], TILE_M, smem, allowed, TF_THREADS, 1)
             }
-            AttentionPrefill::TensorCoreBf16 => {
+            AttentionPrefill::TensorCoreBf16 => 'tc: {
+                // sm_90, head_dim 128: the wgmma kernel, unless switched off.
+                let cc = self.info().compute_capability;
+                if let Some(w) = kernels.wgmma.pick(cc, d, group) {
+                    break 'tc (w.func, TC_M, w.smem, w.smem, w.threads, w.heads);
+                }
                 let c = usize::from(d == 128);
                 let want = match kernels.tc_heads.load(Ordering::Relaxed) {
                     0 => env_tc_heads().unwrap_or(DEFAULT_TC_HEADS),

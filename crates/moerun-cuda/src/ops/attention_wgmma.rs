@@ -1,0 +1,241 @@
+//! The Hopper prefill attention on wgmma (`kernels/attention_wgmma.cu`, FlashAttention-3 style):
+//! which build runs the tensor-core prefill tiles of [`super::attention`] on sm_90 for head_dim
+//! 128. The kernel keeps the tensor-core path's contract (the tile rule with tiles of 64 tokens,
+//! the batch copy and the f32 pool as key sources, causal, windows, GQA), so the attention op
+//! only swaps the function, its block and its shared memory.
+//!
+//! - Where: compute capability 9.0 (H100, H200: the one `sm_90a` target) and head_dim 128.
+//!   head_dim 64 and every other device keep the `mma.sync` builds (`attn_tile_bf16*`).
+//! - Off switch: `MOERUN_ATTN_WGMMA=0` (read once) or [`CudaDevice::set_attention_wgmma`]`(Some(0))`
+//!   run the `mma.sync` builds instead; `MOERUN_ATTN_WGMMA=b` / `Some(b)`, b in 1..=3, picks a
+//!   two-head build of [`WGMMA_BUILDS`] (to measure them against each other: all give the same
+//!   bits).
+//! - Builds: CTAs of 2 query heads of one kv head (an even GQA group: 384 threads, a producer and
+//!   two consumer warpgroups) with 2 or 3 stages of K/V tiles of 128 keys, without or with FA3's
+//!   overlap of a tile's softmax with the previous tile's P V; an odd group takes the one-head
+//!   build (256 threads) of the same overlap.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::OnceLock;
+
+use cudarc::driver::sys::CUfunction_attribute;
+use cudarc::driver::CudaFunction;
+
+use crate::error::{ensure, Result};
+use crate::CudaDevice;
+
+/// One entry point of `attention_wgmma.cu`: `heads` query heads per CTA (consumer warpgroups),
+/// `stages` K/V tiles in the ring, `overlap` FA3's intra-warpgroup pipelining.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct WgmmaBuild {
+    pub(crate) name: &'static str,
+    pub(crate) heads: usize,
+    stages: usize,
+    overlap: bool,
+}
+
+/// Two-head builds first (the knob's 1..=3 index them), then the one-head builds.
+pub(crate) const WGMMA_BUILDS: [WgmmaBuild; 5] = [
+    WgmmaBuild {
+        name: "attn_wgmma_h2_s2",
+        heads: 2,
+        stages: 2,
+        overlap: false,
+    },
+    WgmmaBuild {
+        name: "attn_wgmma_h2_s3",
+        heads: 2,
+        stages: 3,
+        overlap: false,
+    },
+    WgmmaBuild {
+        name: "attn_wgmma_h2_s3_ov",
+        heads: 2,
+        stages: 3,
+        overlap: true,
+    },
+    WgmmaBuild {
+        name: "attn_wgmma_h1_s3",
+        heads: 1,
+        stages: 3,
+        overlap: false,
+    },
+    WgmmaBuild {
+        name: "attn_wgmma_h1_s3_ov",
+        heads: 1,
+        stages: 3,
+        overlap: true,
+    },
+];
+
+/// Two-head builds the knob can pick (indices 1..=TWO_HEAD_BUILDS).
+const TWO_HEAD_BUILDS: usize = 3;
+/// The two-head build used by default (an index into [`WGMMA_BUILDS`]).
+const DEFAULT_BUILD: usize = 1;
+/// head_dim of the kernel.
+pub(crate) const WGMMA_HEAD_DIM: usize = 128;
+
+impl WgmmaBuild {
+    /// Threads per CTA: a producer warpgroup and one consumer warpgroup per head.
+    pub(crate) fn threads(&self) -> u32 {
+        128 * (self.heads as u32 + 1)
+    }
+    /// Dynamic shared memory: 1 KiB to align to the swizzle's 1024 bytes, the heads' bf16 q
+    /// (64 rows x 128 dims), the stages (K and V, 128 keys x 128 dims of bf16 each), and each
+    /// stage's two mbarriers.
+    pub(crate) fn smem(&self) -> usize {
+        1024 + self.heads * 64 * 128 * 2 + self.stages * (2 * 128 * 128 * 2 + 16)
+    }
+}
+
+/// Handles of `attention_wgmma.cu`, one per [`WGMMA_BUILDS`] entry.
+pub(crate) struct WgmmaAttention {
+    funcs: Vec<CudaFunction>,
+    /// Whether each build was granted its shared memory (devices without sm_90a may refuse; they
+    /// never launch it anyway).
+    granted: Vec<bool>,
+    /// [`CudaDevice::set_attention_wgmma`]'s choice plus one (0: none made).
+    forced: AtomicUsize,
+}
+
+/// A build chosen for a call: its function, query heads per CTA, threads and shared memory.
+pub(crate) struct WgmmaPick<'a> {
+    pub(crate) func: &'a CudaFunction,
+    pub(crate) heads: usize,
+    pub(crate) threads: u32,
+    pub(crate) smem: usize,
+}
+
+/// `MOERUN_ATTN_WGMMA` (0 ..= 3), read once; anything else is ignored.
+fn env_wgmma() -> Option<usize> {
+    static MODE: OnceLock<Option<usize>> = OnceLock::new();
+    *MODE.get_or_init(|| {
+        std::env::var("MOERUN_ATTN_WGMMA")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .filter(|&m| m <= TWO_HEAD_BUILDS)
+    })
+}
+
+/// The build for a kv group of `group` query heads when `mode` is asked for (0: none; b: the
+/// two-head build b - 1): the two-head build for even groups, else the one-head build with the
+/// same overlap.
+fn pick_build(mode: usize, group: usize) -> Option<usize> {
+    if mode == 0 {
+        return None;
+    }
+    let two = mode - 1;
+    if group.is_multiple_of(2) {
+        return Some(two);
+    }
+    let overlap = WGMMA_BUILDS[two].overlap;
+    WGMMA_BUILDS
+        .iter()
+        .position(|b| b.heads == 1 && b.overlap == overlap)
+}
+
+impl WgmmaAttention {
+    /// Load the entry points and opt them in to their shared memory.
+    pub(crate) fn load(get: &impl Fn(&str, &str) -> Result<CudaFunction>) -> Result<Self> {
+        let mut funcs = Vec::with_capacity(WGMMA_BUILDS.len());
+        let mut granted = Vec::with_capacity(WGMMA_BUILDS.len());
+        for b in &WGMMA_BUILDS {
+            let f = get("attention_wgmma", b.name)?;
+            let attr = CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+            granted.push(f.set_attribute(attr, b.smem() as i32).is_ok());
+            funcs.push(f);
+        }
+        Ok(WgmmaAttention {
+            funcs,
+            granted,
+            forced: AtomicUsize::new(0),
+        })
+    }
+
+    /// The build that runs the tensor-core prefill tiles for this call, if any: compute
+    /// capability 9.0, head_dim 128, not switched off, its shared memory granted.
+    pub(crate) fn pick(
+        &self,
+        compute_capability: (u32, u32),
+        head_dim: usize,
+        group: usize,
+    ) -> Option<WgmmaPick<'_>> {
+        if compute_capability != (9, 0) || head_dim != WGMMA_HEAD_DIM {
+            return None;
+        }
+        let mode = match self.forced.load(Ordering::Relaxed) {
+            0 => env_wgmma().unwrap_or(DEFAULT_BUILD + 1),
+            m => m - 1,
+        };
+        let i = pick_build(mode, group)?;
+        let b = &WGMMA_BUILDS[i];
+        self.granted[i].then_some(WgmmaPick {
+            func: &self.funcs[i],
+            heads: b.heads,
+            threads: b.threads(),
+            smem: b.smem(),
+        })
+    }
+}
+
+impl CudaDevice {
+    /// The wgmma build that runs the tensor-core prefill tiles for heads of `head_dim` in kv
+    /// groups of `group` query heads on this device as things are set now, if any (`None`: the
+    /// `mma.sync` builds run them).
+    pub fn attention_wgmma_build(&self, head_dim: usize, group: usize) -> Option<&'static str> {
+        let w = &self.kernels.attention.wgmma;
+        let cc = self.info().compute_capability;
+        let pick = w.pick(cc, head_dim, group)?;
+        WGMMA_BUILDS
+            .iter()
+            .zip(&w.funcs)
+            .find(|(_, f)| std::ptr::eq(*f, pick.func))
+            .map(|(b, _)| b.name)
+    }
+
+    /// Which kernel runs the tensor-core prefill tiles of head_dim 128 on sm_90: `None` as
+    /// `MOERUN_ATTN_WGMMA` says (default: the wgmma kernel), `Some(0)` the `mma.sync` builds
+    /// (then [`CudaDevice::set_tensor_core_attention_heads`] picks among them), `Some(b)` for b in
+    /// 1..=3 the wgmma two-head build b (2 stages; 3 stages; 3 stages with the softmax / P V
+    /// overlap). Every wgmma build gives the same bits; other devices and head sizes ignore this.
+    pub fn set_attention_wgmma(&self, build: Option<usize>) -> Result<()> {
+        let b = build.unwrap_or(0);
+        ensure(build.is_none() || b <= TWO_HEAD_BUILDS, || {
+            format!("wgmma attention: build {b} (0 = off, 1..={TWO_HEAD_BUILDS} are built)")
+        })?;
+        self.kernels
+            .attention
+            .wgmma
+            .forced
+            .store(build.map_or(0, |b| b + 1), Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn builds_fit_an_sm_and_groups_pick_a_build_whose_heads_divide_them() {
+        for b in &WGMMA_BUILDS {
+            assert!(b.smem() <= 227 << 10, "{b:?}: {} bytes", b.smem());
+        }
+        assert_eq!(WGMMA_BUILDS[1].smem(), 1024 + 32768 + 3 * 65552);
+        for mode in 1..=TWO_HEAD_BUILDS {
+            for group in 1..=16 {
+                let i = pick_build(mode, group).unwrap();
+                assert!(
+                    group.is_multiple_of(WGMMA_BUILDS[i].heads),
+                    "{mode} {group}"
+                );
+                assert_eq!(WGMMA_BUILDS[i].overlap, WGMMA_BUILDS[mode - 1].overlap);
+            }
+        }
+        assert_eq!(pick_build(0, 8), None);
+        assert_eq!(pick_build(2, 8), Some(1));
+        assert_eq!(pick_build(3, 1), Some(4));
+        assert_eq!(pick_build(1, 3), Some(3));
+        assert!(WGMMA_BUILDS[..TWO_HEAD_BUILDS].iter().all(|b| b.heads == 2));
+    }
+}
