@@ -36,9 +36,14 @@
 // - OVERLAP (FA3's intra-warpgroup pipelining): tile j's S = Q K_j^T is issued together with
 //   tile j - 1's O += P V, and the softmax of tile j runs while that PV runs; O's rescale by tile
 //   j's factor waits for it. Same operations per row in the same order: the same bits.
+// - PP (with OVERLAP, two heads; FA3's ping-pong): the two consumers take turns (named barriers)
+//   to issue their wgmma, so one's softmax overlaps the other's tensor-core work.
 // Causal: key tiles run from the rows' first visible key (window) to the last row's position;
 // longest tiles (last token tiles) launch first.
-// setmaxnreg (HEADS == 2): producer 56 registers, consumers 224 (128 x 56 + 256 x 224 <= 64 Ki).
+// setmaxnreg (HEADS == 2): producer 104 registers (its pool loads keep 16 float4 in flight),
+// consumers 200 (the overlapping consumer needs ~190). The CTA starts with 384 x 168 registers
+// (__launch_bounds__(384, 1)) and the warpgroups only trade among those: 128 x 104 + 256 x 200 =
+// 384 x 168 (more would leave setmaxnreg.inc waiting for ever).
 //
 // wgmma needs sm_90a: compile.rs builds this file for sm_90a on sm_90 devices; elsewhere the
 // entry points are empty and never launched (ops/attention_wgmma.rs checks the architecture).
@@ -46,6 +51,7 @@
 #define FA_M 64    // query tokens per tile (AttnArgs.tile_m)
 #define FA_N 128   // keys per K/V tile
 #define FA_D 128   // head_dim
+#define FA_PU 8    // pool rows a producer warp loads at once (16 float4 per thread in flight)
 #define FA_NEG_INF __int_as_float(0xff800000)
 
 struct AttnArgs {
@@ -325,23 +331,34 @@ __device__ __forceinline__ void fa_produce(const AttnArgs& a, int t0, int kmin, 
         const int kt = kmin + j * FA_N;
         const u32 st = sbase + stage * FA_STAGE;
         if (j < npool) {
-            // Warp w takes keys w, w + 4, ..; lane l dims 4 l .. 4 l + 3 (8 bytes of bf16).
+            // Warp w takes keys w + 4 i (i < 32); lane l dims 4 l .. 4 l + 3 (8 bytes of bf16).
+            // Lane i first finds the pool offset of the warp's key i (one round trip for the
+            // block-table reads of all 32), then the rows load in groups of FA_PU, every load of
+            // a group in flight before its first store (the stores' memory clobber orders them).
             const int warp = tid >> 5, lane = tid & 31;
             const u32 col = (u32)(lane >> 4) * FA_KB + (lane & 1) * 8;
             const int cc = (lane >> 1) & 7;
-#pragma unroll 4
-            for (int i = 0; i < FA_N / 4; ++i) {
-                const int r = warp + 4 * i;
-                const int kp = kt + r;
-                const long long off = kp < kend ? kv_offset(a, ts, kp, kh) : -1;
-                const bool ok = off >= 0;
-                const long long src = (ok ? off : 0) + 4 * lane;
-                float4 x = *reinterpret_cast<const float4*>(a.pool_k + src);
-                float4 y = *reinterpret_cast<const float4*>(a.pool_v + src);
-                if (!ok) x = y = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                const u32 dst = st + col + r * 128 + ((cc ^ (r & 7)) << 4);
-                fa_st8(dst, fa_pack_bf16(x.x, x.y), fa_pack_bf16(x.z, x.w));
-                fa_st8(dst + 2 * FA_KB, fa_pack_bf16(y.x, y.y), fa_pack_bf16(y.z, y.w));
+            const int kl = kt + warp + 4 * lane;
+            const long long off_l = kl < kend ? kv_offset(a, ts, kl, kh) : -1;
+#pragma unroll 1
+            for (int i0 = 0; i0 < FA_N / 4; i0 += FA_PU) {
+                float4 x[FA_PU], y[FA_PU];
+#pragma unroll
+                for (int u = 0; u < FA_PU; ++u) {
+                    const long long off = __shfl_sync(0xffffffffu, off_l, i0 + u);
+                    const long long src = (off >= 0 ? off : 0) + 4 * lane;
+                    x[u] = *reinterpret_cast<const float4*>(a.pool_k + src);
+                    y[u] = *reinterpret_cast<const float4*>(a.pool_v + src);
+                    if (off < 0) x[u] = y[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                }
+#pragma unroll
+                for (int u = 0; u < FA_PU; ++u) {
+                    const int r = warp + 4 * (i0 + u);
+                    const u32 dst = st + col + r * 128 + ((cc ^ (r & 7)) << 4);
+                    fa_st8(dst, fa_pack_bf16(x[u].x, x[u].y), fa_pack_bf16(x[u].z, x[u].w));
+                    fa_st8(dst + 2 * FA_KB, fa_pack_bf16(y[u].x, y[u].y),
+                           fa_pack_bf16(y[u].z, y[u].w));
+                }
             }
             // The consumers read the stage through the async proxy (wgmma).
             fa_fence_async();
@@ -371,7 +388,7 @@ __device__ __forceinline__ void fa_produce(const AttnArgs& a, int t0, int kmin, 
     asm volatile("cp.async.wait_all;" ::: "memory");
 }
 
-template <int HEADS, int STAGES, bool OVERLAP>
+template <int HEADS, int STAGES, bool OVERLAP, bool PP>
 __device__ __forceinline__ void fa_prefill(const AttnArgs& a) {
     extern __shared__ unsigned char fa_smem[];
     __shared__ int s_kmin, s_kend, s_kloc, s_bad;
@@ -408,11 +425,11 @@ __device__ __forceinline__ void fa_prefill(const AttnArgs& a) {
     const int wg = tid >> 7;
 
     if (wg == 0) {
-        if (HEADS == 2) asm volatile("setmaxnreg.dec.sync.aligned.u32 56;" ::: "memory");
+        if (HEADS == 2) asm volatile("setmaxnreg.dec.sync.aligned.u32 104;" ::: "memory");
         fa_produce<STAGES>(a, t0, kmin, kend, ntiles, npool, kh, sbase, bars);
         return;
     }
-    if (HEADS == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 224;" ::: "memory");
+    if (HEADS == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 200;" ::: "memory");
     // ---- consumer ----
     const int cw = wg - 1;
     const int h = h0 + cw;
@@ -492,6 +509,12 @@ __device__ __forceinline__ void fa_prefill(const AttnArgs& a) {
             }
         }
     } else if (ntiles > 0) {
+        // PP (ping-pong, two heads): the consumers take turns to issue their wgmma, so one's
+        // softmax runs while the other's products do. Named barrier 3 + c: "consumer c may
+        // issue"; c syncs on its own and arrives on the other's after issuing. Consumer 1 lets
+        // consumer 0 go first and leaves out its last arrive, so every arrive is matched.
+        const int turn = 3 + cw, other = 4 - cw;
+        if (PP && cw == 1) asm volatile("bar.arrive %0, 256;" ::"r"(other) : "memory");
         // Tile 0: S and its softmax; its PV is issued with tile 1's S.
         u32 p[FA_N / 16][4];
         mbar_wait(bars + 8 * stage, phase);
@@ -500,9 +523,11 @@ __device__ __forceinline__ void fa_prefill(const AttnArgs& a) {
         int prev_stage = stage;
         {
             float s[64];
+            if (PP) asm volatile("bar.sync %0, 256;" ::"r"(turn) : "memory");
             wg_fence();
             fa_issue_s(s, qh, prev);
             wg_commit();
+            if (PP) asm volatile("bar.arrive %0, 256;" ::"r"(other) : "memory");
             wg_wait<0>();
             fence_regs(s);
             float ca, cb;
@@ -518,11 +543,13 @@ __device__ __forceinline__ void fa_prefill(const AttnArgs& a) {
             const u32 kst = sbase + stage * FA_STAGE;
             float s[64];
             fence_regs(o);
+            if (PP) asm volatile("bar.sync %0, 256;" ::"r"(turn) : "memory");
             wg_fence();
             fa_issue_s(s, qh, kst);
             wg_commit();
             fa_issue_pv(o, p, prev);
             wg_commit();
+            if (PP) asm volatile("bar.arrive %0, 256;" ::"r"(other) : "memory");
             wg_wait<1>();  // S of tile j (the older group) has landed; tile j - 1's PV runs on
             fence_regs(s);
             u32 pn[FA_N / 16][4];
@@ -541,9 +568,11 @@ __device__ __forceinline__ void fa_prefill(const AttnArgs& a) {
             prev_stage = stage;
         }
         fence_regs(o);
+        if (PP) asm volatile("bar.sync %0, 256;" ::"r"(turn) : "memory");
         wg_fence();
         fa_issue_pv(o, p, prev);
         wg_commit();
+        if (PP && cw == 0) asm volatile("bar.arrive %0, 256;" ::"r"(other) : "memory");
         wg_wait<0>();
         fence_regs(o);
         fa_fence_u(p);
@@ -569,24 +598,26 @@ __device__ __forceinline__ void fa_prefill(const AttnArgs& a) {
     }
 }
 
-#define FA_ENTRY(NAME, HEADS, STAGES, OVERLAP)                                                   \
+#define FA_ENTRY(NAME, HEADS, STAGES, OVERLAP, PP)                                               \
     extern "C" __global__ void __launch_bounds__(128 * (HEADS + 1), 1) NAME(const AttnArgs a) { \
-        fa_prefill<HEADS, STAGES, OVERLAP>(a);                                                    \
+        fa_prefill<HEADS, STAGES, OVERLAP, PP>(a);                                                \
     }
 
 #else  // not sm_90a: entry points that are never launched
 
-#define FA_ENTRY(NAME, HEADS, STAGES, OVERLAP) \
+#define FA_ENTRY(NAME, HEADS, STAGES, OVERLAP, PP) \
     extern "C" __global__ void NAME(const AttnArgs a) {}
 
 #endif
 
 // Builds (ops/attention_wgmma.rs WGMMA_BUILDS, same order): two heads per CTA (one kv head's
-// pair; an even GQA group) with 2 or 3 stages, without or with the S/PV overlap; one head per
-// CTA for odd groups. Shared memory: 1 KiB (alignment) + HEADS x 16 KiB (q) + STAGES x 64 KiB +
-// the barriers.
-FA_ENTRY(attn_wgmma_h2_s2, 2, 2, false)
-FA_ENTRY(attn_wgmma_h2_s3, 2, 3, false)
-FA_ENTRY(attn_wgmma_h2_s3_ov, 2, 3, true)
-FA_ENTRY(attn_wgmma_h1_s3, 1, 3, false)
-FA_ENTRY(attn_wgmma_h1_s3_ov, 1, 3, true)
+// pair; an even GQA group) with 2 or 3 stages, without or with the S/PV overlap, with or without
+// ping-pong; one head per CTA for odd groups. Shared memory: 1 KiB (alignment) + HEADS x 16 KiB
+// (q) + STAGES x 64 KiB + the barriers.
+FA_ENTRY(attn_wgmma_h2_s2, 2, 2, false, false)
+FA_ENTRY(attn_wgmma_h2_s3, 2, 3, false, false)
+FA_ENTRY(attn_wgmma_h2_s3_ov, 2, 3, true, false)
+FA_ENTRY(attn_wgmma_h2_s3_ovpp, 2, 3, true, true)
+FA_ENTRY(attn_wgmma_h2_s2_ovpp, 2, 2, true, true)
+FA_ENTRY(attn_wgmma_h1_s3, 1, 3, false, false)
+FA_ENTRY(attn_wgmma_h1_s3_ov, 1, 3, true, false)

@@ -7,13 +7,14 @@
 //! - Where: compute capability 9.0 (H100, H200: the one `sm_90a` target) and head_dim 128.
 //!   head_dim 64 and every other device keep the `mma.sync` builds (`attn_tile_bf16*`).
 //! - Off switch: `MOERUN_ATTN_WGMMA=0` (read once) or [`CudaDevice::set_attention_wgmma`]`(Some(0))`
-//!   run the `mma.sync` builds instead; `MOERUN_ATTN_WGMMA=b` / `Some(b)`, b in 1..=3, picks a
+//!   run the `mma.sync` builds instead; `MOERUN_ATTN_WGMMA=b` / `Some(b)`, b in 1..=5, picks a
 //!   two-head build of [`WGMMA_BUILDS`] (to measure them against each other: all give the same
 //!   bits).
 //! - Builds: CTAs of 2 query heads of one kv head (an even GQA group: 384 threads, a producer and
 //!   two consumer warpgroups) with 2 or 3 stages of K/V tiles of 128 keys, without or with FA3's
-//!   overlap of a tile's softmax with the previous tile's P V; an odd group takes the one-head
-//!   build (256 threads) of the same overlap.
+//!   overlap of a tile's softmax with the previous tile's P V, and with the overlap, with or
+//!   without FA3's ping-pong of the two consumers; an odd group takes the one-head build (256
+//!   threads) of the same overlap.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
@@ -25,7 +26,8 @@ use crate::error::{ensure, Result};
 use crate::CudaDevice;
 
 /// One entry point of `attention_wgmma.cu`: `heads` query heads per CTA (consumer warpgroups),
-/// `stages` K/V tiles in the ring, `overlap` FA3's intra-warpgroup pipelining.
+/// `stages` K/V tiles in the ring, `overlap` FA3's intra-warpgroup pipelining (the `_pp` builds
+/// add its ping-pong between the two consumers).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct WgmmaBuild {
     pub(crate) name: &'static str,
@@ -34,44 +36,30 @@ pub(crate) struct WgmmaBuild {
     overlap: bool,
 }
 
-/// Two-head builds first (the knob's 1..=3 index them), then the one-head builds.
-pub(crate) const WGMMA_BUILDS: [WgmmaBuild; 5] = [
-    WgmmaBuild {
-        name: "attn_wgmma_h2_s2",
-        heads: 2,
-        stages: 2,
-        overlap: false,
-    },
-    WgmmaBuild {
-        name: "attn_wgmma_h2_s3",
-        heads: 2,
-        stages: 3,
-        overlap: false,
-    },
-    WgmmaBuild {
-        name: "attn_wgmma_h2_s3_ov",
-        heads: 2,
-        stages: 3,
-        overlap: true,
-    },
-    WgmmaBuild {
-        name: "attn_wgmma_h1_s3",
-        heads: 1,
-        stages: 3,
-        overlap: false,
-    },
-    WgmmaBuild {
-        name: "attn_wgmma_h1_s3_ov",
-        heads: 1,
-        stages: 3,
-        overlap: true,
-    },
+/// Two-head builds first (the knob's 1..=5 index them), then the one-head builds.
+pub(crate) const WGMMA_BUILDS: [WgmmaBuild; 7] = [
+    build("attn_wgmma_h2_s2", 2, 2, false),
+    build("attn_wgmma_h2_s3", 2, 3, false),
+    build("attn_wgmma_h2_s3_ov", 2, 3, true),
+    build("attn_wgmma_h2_s3_ovpp", 2, 3, true),
+    build("attn_wgmma_h2_s2_ovpp", 2, 2, true),
+    build("attn_wgmma_h1_s3", 1, 3, false),
+    build("attn_wgmma_h1_s3_ov", 1, 3, true),
 ];
 
+const fn build(name: &'static str, heads: usize, stages: usize, overlap: bool) -> WgmmaBuild {
+    WgmmaBuild {
+        name,
+        heads,
+        stages,
+        overlap,
+    }
+}
+
 /// Two-head builds the knob can pick (indices 1..=TWO_HEAD_BUILDS).
-const TWO_HEAD_BUILDS: usize = 3;
+const TWO_HEAD_BUILDS: usize = 5;
 /// The two-head build used by default (an index into [`WGMMA_BUILDS`]).
-const DEFAULT_BUILD: usize = 1;
+const DEFAULT_BUILD: usize = 3;
 /// head_dim of the kernel.
 pub(crate) const WGMMA_HEAD_DIM: usize = 128;
 
@@ -196,8 +184,9 @@ impl CudaDevice {
     /// Which kernel runs the tensor-core prefill tiles of head_dim 128 on sm_90: `None` as
     /// `MOERUN_ATTN_WGMMA` says (default: the wgmma kernel), `Some(0)` the `mma.sync` builds
     /// (then [`CudaDevice::set_tensor_core_attention_heads`] picks among them), `Some(b)` for b in
-    /// 1..=3 the wgmma two-head build b (2 stages; 3 stages; 3 stages with the softmax / P V
-    /// overlap). Every wgmma build gives the same bits; other devices and head sizes ignore this.
+    /// 1..=5 the wgmma two-head build b (2 stages; 3 stages; 3 stages with the softmax / P V
+    /// overlap; that with ping-pong; 2 stages with both). Every wgmma build gives the same bits;
+    /// other devices and head sizes ignore this.
     pub fn set_attention_wgmma(&self, build: Option<usize>) -> Result<()> {
         let b = build.unwrap_or(0);
         ensure(build.is_none() || b <= TWO_HEAD_BUILDS, || {
@@ -234,8 +223,9 @@ mod tests {
         }
         assert_eq!(pick_build(0, 8), None);
         assert_eq!(pick_build(2, 8), Some(1));
-        assert_eq!(pick_build(3, 1), Some(4));
-        assert_eq!(pick_build(1, 3), Some(3));
+        assert_eq!(pick_build(3, 1), Some(6));
+        assert_eq!(pick_build(4, 3), Some(6));
+        assert_eq!(pick_build(1, 3), Some(5));
         assert!(WGMMA_BUILDS[..TWO_HEAD_BUILDS].iter().all(|b| b.heads == 2));
     }
 }
