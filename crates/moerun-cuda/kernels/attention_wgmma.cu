@@ -168,6 +168,12 @@ __device__ __forceinline__ void fa_batch_copy_start(const AttnArgs& a, int t0, i
     __syncthreads();
 }
 
+// A CUtensorMap of the batch copy (K or V), passed by value as a __grid_constant__ parameter:
+// 3-D {head_dim 128, kv_heads, n}, boxes {64, 1, 128} in the 128-byte swizzle (the TMA builds).
+struct __align__(64) FaMap {
+    u64 v[16];
+};
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 __device__ __forceinline__ u32 fa_pack_bf16(float lo, float hi) {
@@ -190,6 +196,54 @@ __device__ __forceinline__ void fa_st8(u32 addr, u32 lo, u32 hi) {
 
 __device__ __forceinline__ void fa_fence_async() {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+__device__ __forceinline__ void fa_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+                 : "memory");
+}
+
+// Box {x, y, z} of the map into `dst`, completing its bytes on `bar`.
+__device__ __forceinline__ void fa_tma(u32 dst, const FaMap* map, int x, int y, int z, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3, %4}], [%5];" ::"r"(dst),
+        "l"(reinterpret_cast<u64>(map)), "r"(x), "r"(y), "r"(z), "r"(bar)
+        : "memory");
+}
+
+// The same into `dst` of both CTAs of the cluster, each completing on its own `bar` (same offset).
+__device__ __forceinline__ void fa_tma_mc(u32 dst, const FaMap* map, int x, int y, int z, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        ".multicast::cluster [%0], [%1, {%2, %3, %4}], [%5], %6;" ::"r"(dst),
+        "l"(reinterpret_cast<u64>(map)), "r"(x), "r"(y), "r"(z), "r"(bar), "h"((u16)3)
+        : "memory");
+}
+
+__device__ __forceinline__ void fa_arrive_cluster(u32 bar, u32 rank) {
+    asm volatile(
+        "{\n.reg .b32 ra;\n"
+        "mapa.shared::cluster.u32 ra, %0, %1;\n"
+        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra];\n}\n" ::"r"(bar),
+        "r"(rank)
+        : "memory");
+}
+
+__device__ __forceinline__ void fa_wait_cluster(u32 bar, u32 parity) {
+    asm volatile(
+        "{\n.reg .pred P1;\n"
+        "FA_CWAIT:\n"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 P1, [%0], %1;\n"
+        "@P1 bra FA_CDONE;\n"
+        "bra FA_CWAIT;\n"
+        "FA_CDONE:\n}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+
+__device__ __forceinline__ void fa_cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
 }
 
 template <int R>
@@ -318,16 +372,34 @@ __device__ __forceinline__ void fa_rescale(float (&o)[64], float ca, float cb) {
 }
 
 // The producer: key tiles 0 .. ntiles - 1 into the ring (tiles before npool from the pool).
-template <int STAGES>
+// A consumer warp frees a stage: its CTA's `empty`, or in a cluster both CTAs' (the partner's
+// producer multicasts into this CTA's stage too).
+template <int TMA>
+__device__ __forceinline__ void fa_release(u32 empty) {
+    if (TMA == 2) {
+        fa_arrive_cluster(empty, 0);
+        fa_arrive_cluster(empty, 1);
+    } else {
+        mbar_arrive(empty);
+    }
+}
+
+// TMA: 0 cp.async by every thread; 1 the copy tiles by TMA (thread 0: four boxes); 2 a cluster
+// of two CTAs (the same tokens, the other two heads of the kv head) shares each copy tile: rank 0
+// multicasts K, rank 1 V, into both CTAs' stage; a stage is refilled once the consumers of both
+// CTAs freed it (their arrivals reach both CTAs' `empty`). Pool tiles: each CTA its own.
+template <int STAGES, int TMA>
 __device__ __forceinline__ void fa_produce(const AttnArgs& a, int t0, int kmin, int kend,
-                                           int ntiles, int npool, int kh, u32 sbase, u32 bars) {
+                                           int ntiles, int npool, int kh, u32 sbase, u32 bars,
+                                           const FaMap* kmap, const FaMap* vmap) {
     const int tid = threadIdx.x;  // 0 .. 127
     const int ts = a.table_start[t0];
     const int c = a.positions[t0] - t0;  // key p of the checked run is batch row p - c
     int stage = 0;
     u32 phase = 0;
     for (int j = 0; j < ntiles; ++j) {
-        mbar_wait(bars + 8 * (STAGES + stage), phase ^ 1);
+        if (TMA == 2) fa_wait_cluster(bars + 8 * (STAGES + stage), phase ^ 1);
+        else mbar_wait(bars + 8 * (STAGES + stage), phase ^ 1);
         const int kt = kmin + j * FA_N;
         const u32 st = sbase + stage * FA_STAGE;
         if (j < npool) {
@@ -362,7 +434,31 @@ __device__ __forceinline__ void fa_produce(const AttnArgs& a, int t0, int kmin, 
             }
             // The consumers read the stage through the async proxy (wgmma).
             fa_fence_async();
-            mbar_arrive(bars + 8 * stage);
+            if (TMA) {
+                // One arrival (thread 0's) per phase, as for the TMA tiles.
+                asm volatile("bar.sync 5, 128;" ::: "memory");
+                if (tid == 0) mbar_arrive(bars + 8 * stage);
+            } else {
+                mbar_arrive(bars + 8 * stage);
+            }
+        } else if (TMA) {
+            if (tid == 0) {
+                const u32 full = bars + 8 * stage;
+                fa_expect_tx(full, FA_STAGE);
+                const int row = kt - c;
+                if (TMA == 1) {
+                    fa_tma(st, kmap, 0, kh, row, full);
+                    fa_tma(st + FA_KB, kmap, 64, kh, row, full);
+                    fa_tma(st + 2 * FA_KB, vmap, 0, kh, row, full);
+                    fa_tma(st + 3 * FA_KB, vmap, 64, kh, row, full);
+                } else {
+                    u32 rank;
+                    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+                    const FaMap* map = rank == 0 ? kmap : vmap;
+                    fa_tma_mc(st + 2 * rank * FA_KB, map, 0, kh, row, full);
+                    fa_tma_mc(st + (2 * rank + 1) * FA_KB, map, 64, kh, row, full);
+                }
+            }
         } else {
             // Thread: 16-byte chunk ch of a 256-byte row, rows r0 + 8 i (all with r % 8 = r0).
             const int ch = tid & 15, r0 = tid >> 4;
@@ -388,8 +484,8 @@ __device__ __forceinline__ void fa_produce(const AttnArgs& a, int t0, int kmin, 
     asm volatile("cp.async.wait_all;" ::: "memory");
 }
 
-template <int HEADS, int STAGES, bool OVERLAP, bool PP>
-__device__ __forceinline__ void fa_prefill(const AttnArgs& a) {
+template <int HEADS, int STAGES, bool OVERLAP, bool PP, int TMA>
+__device__ __forceinline__ void fa_prefill(const AttnArgs& a, const FaMap* kmap, const FaMap* vmap) {
     extern __shared__ unsigned char fa_smem[];
     __shared__ int s_kmin, s_kend, s_kloc, s_bad;
     const u32 raw = smem_u32(fa_smem);
@@ -403,11 +499,17 @@ __device__ __forceinline__ void fa_prefill(const AttnArgs& a) {
     if (!tile_owned(a, t0)) return;
     if (tid == 0) {
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(bars + 8 * s, 128);                      // every producer thread
-            mbar_init(bars + 8 * (STAGES + s), 4 * HEADS);     // lane 0 of each consumer warp
+            // Every producer thread (TMA: thread 0); lane 0 of each consumer warp (of both CTAs
+            // of a cluster).
+            mbar_init(bars + 8 * s, TMA ? 1 : 128);
+            mbar_init(bars + 8 * (STAGES + s), (TMA == 2 ? 2 : 1) * 4 * HEADS);
         }
+        if (TMA == 2) asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     tile_key_range(a, t0, &s_kmin, &s_kend);  // its barriers also publish the barrier inits
+    // Both CTAs of a cluster own the same token tile (same t0), so both get here; the partner's
+    // barriers exist before anything reaches them.
+    if (TMA == 2) fa_cluster_sync();
     const int kmin = s_kmin, kend = s_kend;
     const int ntiles = kmin < kend ? (kend - kmin + FA_N - 1) / FA_N : 0;
     int kloc = 0x7fffffff;
@@ -426,7 +528,9 @@ __device__ __forceinline__ void fa_prefill(const AttnArgs& a) {
 
     if (wg == 0) {
         if (HEADS == 2) asm volatile("setmaxnreg.dec.sync.aligned.u32 104;" ::: "memory");
-        fa_produce<STAGES>(a, t0, kmin, kend, ntiles, npool, kh, sbase, bars);
+        fa_produce<STAGES, TMA>(a, t0, kmin, kend, ntiles, npool, kh, sbase, bars, kmap, vmap);
+        // A cluster's CTAs leave together: the partner may still multicast into this one.
+        if (TMA == 2) fa_cluster_sync();
         return;
     }
     if (HEADS == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 200;" ::: "memory");
@@ -502,7 +606,7 @@ __device__ __forceinline__ void fa_prefill(const AttnArgs& a) {
             wg_wait<0>();
             fence_regs(o);
             fa_fence_u(p);
-            if (lane == 0) mbar_arrive(empty + 8 * stage);
+            if (lane == 0) fa_release<TMA>(empty + 8 * stage);
             if (++stage == STAGES) {
                 stage = 0;
                 phase ^= 1;
@@ -558,7 +662,7 @@ __device__ __forceinline__ void fa_prefill(const AttnArgs& a) {
             wg_wait<0>();
             fence_regs(o);
             fa_fence_u(p);
-            if (lane == 0) mbar_arrive(empty + 8 * prev_stage);
+            if (lane == 0) fa_release<TMA>(empty + 8 * prev_stage);
             fa_rescale(o, ca, cb);
 #pragma unroll
             for (int kk = 0; kk < FA_N / 16; ++kk)
@@ -576,7 +680,7 @@ __device__ __forceinline__ void fa_prefill(const AttnArgs& a) {
         wg_wait<0>();
         fence_regs(o);
         fa_fence_u(p);
-        if (lane == 0) mbar_arrive(empty + 8 * prev_stage);
+        if (lane == 0) fa_release<TMA>(empty + 8 * prev_stage);
     }
 
     // Normalise once and write rows ra, rb of head h.
@@ -596,28 +700,42 @@ __device__ __forceinline__ void fa_prefill(const AttnArgs& a) {
         *reinterpret_cast<float2*>(oa + cc) = make_float2(o[4 * j] * ia, o[4 * j + 1] * ia);
         *reinterpret_cast<float2*>(ob + cc) = make_float2(o[4 * j + 2] * ib, o[4 * j + 3] * ib);
     }
+    if (TMA == 2) fa_cluster_sync();
 }
 
-#define FA_ENTRY(NAME, HEADS, STAGES, OVERLAP, PP)                                               \
-    extern "C" __global__ void __launch_bounds__(128 * (HEADS + 1), 1) NAME(const AttnArgs a) { \
-        fa_prefill<HEADS, STAGES, OVERLAP, PP>(a);                                                \
+#define FA_ENTRY(NAME, HEADS, STAGES, OVERLAP, PP, TMA)                                          \
+    extern "C" __global__ void __launch_bounds__(128 * (HEADS + 1), 1)                            \
+        NAME(const AttnArgs a, const __grid_constant__ FaMap kmap,                                \
+             const __grid_constant__ FaMap vmap) {                                                \
+        fa_prefill<HEADS, STAGES, OVERLAP, PP, TMA>(a, &kmap, &vmap);                             \
+    }
+#define FA_CLUSTER_ENTRY(NAME, HEADS, STAGES, OVERLAP, PP)                                        \
+    extern "C" __global__ void __launch_bounds__(128 * (HEADS + 1), 1) __cluster_dims__(1, 2, 1) \
+        NAME(const AttnArgs a, const __grid_constant__ FaMap kmap,                                \
+             const __grid_constant__ FaMap vmap) {                                                \
+        fa_prefill<HEADS, STAGES, OVERLAP, PP, 2>(a, &kmap, &vmap);                               \
     }
 
 #else  // not sm_90a: entry points that are never launched
 
-#define FA_ENTRY(NAME, HEADS, STAGES, OVERLAP, PP) \
-    extern "C" __global__ void NAME(const AttnArgs a) {}
+#define FA_ENTRY(NAME, HEADS, STAGES, OVERLAP, PP, TMA) \
+    extern "C" __global__ void NAME(const AttnArgs a, const FaMap kmap, const FaMap vmap) {}
+#define FA_CLUSTER_ENTRY(NAME, HEADS, STAGES, OVERLAP, PP) \
+    extern "C" __global__ void NAME(const AttnArgs a, const FaMap kmap, const FaMap vmap) {}
 
 #endif
 
 // Builds (ops/attention_wgmma.rs WGMMA_BUILDS, same order): two heads per CTA (one kv head's
 // pair; an even GQA group) with 2 or 3 stages, without or with the S/PV overlap, with or without
-// ping-pong; one head per CTA for odd groups. Shared memory: 1 KiB (alignment) + HEADS x 16 KiB
+// ping-pong, copy tiles by cp.async, by TMA, or by TMA multicast over a cluster of two CTAs (the
+// kv head's four heads; a group divisible by 4); one head per CTA for odd groups. Shared memory: 1 KiB (alignment) + HEADS x 16 KiB
 // (q) + STAGES x 64 KiB + the barriers.
-FA_ENTRY(attn_wgmma_h2_s2, 2, 2, false, false)
-FA_ENTRY(attn_wgmma_h2_s3, 2, 3, false, false)
-FA_ENTRY(attn_wgmma_h2_s3_ov, 2, 3, true, false)
-FA_ENTRY(attn_wgmma_h2_s3_ovpp, 2, 3, true, true)
-FA_ENTRY(attn_wgmma_h2_s2_ovpp, 2, 2, true, true)
-FA_ENTRY(attn_wgmma_h1_s3, 1, 3, false, false)
-FA_ENTRY(attn_wgmma_h1_s3_ov, 1, 3, true, false)
+FA_ENTRY(attn_wgmma_h2_s2, 2, 2, false, false, 0)
+FA_ENTRY(attn_wgmma_h2_s3, 2, 3, false, false, 0)
+FA_ENTRY(attn_wgmma_h2_s3_ov, 2, 3, true, false, 0)
+FA_ENTRY(attn_wgmma_h2_s3_ovpp, 2, 3, true, true, 0)
+FA_ENTRY(attn_wgmma_h2_s2_ovpp, 2, 2, true, true, 0)
+FA_ENTRY(attn_wgmma_h2_s3_ovpp_tma, 2, 3, true, true, 1)
+FA_CLUSTER_ENTRY(attn_wgmma_h2_s3_ovpp_cl, 2, 3, true, true)
+FA_ENTRY(attn_wgmma_h1_s3, 1, 3, false, false, 0)
+FA_ENTRY(attn_wgmma_h1_s3_ov, 1, 3, true, false, 0)

@@ -260,7 +260,7 @@ pub fn rows(dev: &CudaDevice, rng: &mut XorShift) -> Result<Vec<Row>> {
                     Some(Tc::MmaSync(heads)),
                 )?);
             }
-            for b in (1..=5).filter(|_| wgmma) {
+            for b in (1..=7).filter(|_| wgmma) {
                 rows.push(prefill_row(
                     dev,
                     rng,

@@ -54,7 +54,7 @@ use cudarc::driver::{
     CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 
-use super::attention_wgmma::WgmmaAttention;
+use super::attention_wgmma::{FaMap, WgmmaAttention};
 use super::to_i32;
 use crate::error::{ensure, CudaError, DriverContext, Result};
 use crate::CudaDevice;
@@ -1020,6 +1020,8 @@ impl CudaDevice {
         let group = num_heads / num_kv_heads;
         // The tiled kernel of this call, its tile height, dynamic shared memory, threads and
         // query heads per block.
+        // Some(tma) when the wgmma kernel runs the tiles (it takes the copy's tensor maps too).
+        let mut wgmma_tma = None;
         let (tile_func, tile_m, smem, allowed, threads, tile_heads) = match prefill {
             // No tiles for the widest heads: every token takes the split-K kernel.
             _ if d > MAX_TILED_HEAD_DIM => (&kernels.tile_f32[0], TILE_M, 0, 0, TF_THREADS, 1),
@@ -1033,6 +1035,7 @@ impl CudaDevice {
                 // sm_90, head_dim 128: the wgmma kernel, unless switched off.
                 let cc = self.info().compute_capability;
                 if let Some(w) = kernels.wgmma.pick(cc, d, group) {
+                    wgmma_tma = Some(w.tma);
                     break 'tc (w.func, TC_M, w.smem, w.smem, w.threads, w.heads);
                 }
                 let c = usize::from(d == 128);
@@ -1168,8 +1171,19 @@ impl CudaDevice {
                 block_dim: (threads, 1, 1),
                 shared_mem_bytes: smem as u32,
             };
+            // The wgmma kernel's tensor maps of the copy (zeros unless its build loads by TMA).
+            let maps = match wgmma_tma {
+                Some(tma) if tma > 0 && copy_k != 0 => [
+                    FaMap::batch_copy(copy_k, n, num_kv_heads)?,
+                    FaMap::batch_copy(copy_v, n, num_kv_heads)?,
+                ],
+                _ => [FaMap::NONE; 2],
+            };
             let mut b = self.stream.launch_builder(tile_func);
             b.arg(&args);
+            if wgmma_tma.is_some() {
+                b.arg(&maps[0]).arg(&maps[1]);
+            }
             // SAFETY: q and out hold n x num_heads x head_dim f32 (16-byte aligned), the pool
             // blocks x block_size rows of kv_heads x head_dim; the kernel bounds every table
             // index and block id; its tiles are whole (n / tile_m of them) and its dynamic shared

@@ -7,7 +7,7 @@
 //! - Where: compute capability 9.0 (H100, H200: the one `sm_90a` target) and head_dim 128.
 //!   head_dim 64 and every other device keep the `mma.sync` builds (`attn_tile_bf16*`).
 //! - Off switch: `MOERUN_ATTN_WGMMA=0` (read once) or [`CudaDevice::set_attention_wgmma`]`(Some(0))`
-//!   run the `mma.sync` builds instead; `MOERUN_ATTN_WGMMA=b` / `Some(b)`, b in 1..=5, picks a
+//!   run the `mma.sync` builds instead; `MOERUN_ATTN_WGMMA=b` / `Some(b)`, b in 1..=7, picks a
 //!   two-head build of [`WGMMA_BUILDS`] (to measure them against each other: all give the same
 //!   bits).
 //! - Builds: CTAs of 2 query heads of one kv head (an even GQA group: 384 threads, a producer and
@@ -19,10 +19,15 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
-use cudarc::driver::sys::CUfunction_attribute;
-use cudarc::driver::CudaFunction;
+use std::ffi::c_void;
 
-use crate::error::{ensure, Result};
+use cudarc::driver::sys::{
+    self, CUfunction_attribute, CUtensorMap, CUtensorMapDataType, CUtensorMapFloatOOBfill,
+    CUtensorMapInterleave, CUtensorMapL2promotion, CUtensorMapSwizzle,
+};
+use cudarc::driver::{CudaFunction, DeviceRepr};
+
+use crate::error::{ensure, DriverContext, Result};
 use crate::CudaDevice;
 
 /// One entry point of `attention_wgmma.cu`: `heads` query heads per CTA (consumer warpgroups),
@@ -34,30 +39,42 @@ pub(crate) struct WgmmaBuild {
     pub(crate) heads: usize,
     stages: usize,
     overlap: bool,
+    /// How the copy tiles load: 0 cp.async, 1 TMA, 2 TMA multicast over a cluster of two CTAs
+    /// (the four heads of a kv group divisible by 4; others take the TMA build).
+    tma: u8,
 }
 
-/// Two-head builds first (the knob's 1..=5 index them), then the one-head builds.
-pub(crate) const WGMMA_BUILDS: [WgmmaBuild; 7] = [
-    build("attn_wgmma_h2_s2", 2, 2, false),
-    build("attn_wgmma_h2_s3", 2, 3, false),
-    build("attn_wgmma_h2_s3_ov", 2, 3, true),
-    build("attn_wgmma_h2_s3_ovpp", 2, 3, true),
-    build("attn_wgmma_h2_s2_ovpp", 2, 2, true),
-    build("attn_wgmma_h1_s3", 1, 3, false),
-    build("attn_wgmma_h1_s3_ov", 1, 3, true),
+/// Two-head builds first (the knob's 1..=7 index them), then the one-head builds.
+pub(crate) const WGMMA_BUILDS: [WgmmaBuild; 9] = [
+    build("attn_wgmma_h2_s2", 2, 2, false, 0),
+    build("attn_wgmma_h2_s3", 2, 3, false, 0),
+    build("attn_wgmma_h2_s3_ov", 2, 3, true, 0),
+    build("attn_wgmma_h2_s3_ovpp", 2, 3, true, 0),
+    build("attn_wgmma_h2_s2_ovpp", 2, 2, true, 0),
+    build("attn_wgmma_h2_s3_ovpp_tma", 2, 3, true, 1),
+    build("attn_wgmma_h2_s3_ovpp_cl", 2, 3, true, 2),
+    build("attn_wgmma_h1_s3", 1, 3, false, 0),
+    build("attn_wgmma_h1_s3_ov", 1, 3, true, 0),
 ];
 
-const fn build(name: &'static str, heads: usize, stages: usize, overlap: bool) -> WgmmaBuild {
+const fn build(
+    name: &'static str,
+    heads: usize,
+    stages: usize,
+    overlap: bool,
+    tma: u8,
+) -> WgmmaBuild {
     WgmmaBuild {
         name,
         heads,
         stages,
         overlap,
+        tma,
     }
 }
 
 /// Two-head builds the knob can pick (indices 1..=TWO_HEAD_BUILDS).
-const TWO_HEAD_BUILDS: usize = 5;
+const TWO_HEAD_BUILDS: usize = 7;
 /// The two-head build used by default (an index into [`WGMMA_BUILDS`]).
 const DEFAULT_BUILD: usize = 3;
 /// head_dim of the kernel.
@@ -89,12 +106,62 @@ pub(crate) struct WgmmaAttention {
 /// A build chosen for a call: its function, query heads per CTA, threads and shared memory.
 pub(crate) struct WgmmaPick<'a> {
     pub(crate) func: &'a CudaFunction,
+    /// [`WgmmaBuild::tma`]: whether the launch needs the copy's tensor maps.
+    pub(crate) tma: u8,
     pub(crate) heads: usize,
     pub(crate) threads: u32,
     pub(crate) smem: usize,
 }
 
-/// `MOERUN_ATTN_WGMMA` (0 ..= 3), read once; anything else is ignored.
+/// A `CUtensorMap` as the kernels take it (`FaMap`, by value, 64-byte aligned); zeros where the
+/// build or the call needs none.
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+pub(crate) struct FaMap([u64; 16]);
+
+// SAFETY: plain bytes, laid out as the kernels' `FaMap` parameter (128 bytes, 64-aligned).
+unsafe impl DeviceRepr for FaMap {}
+
+impl FaMap {
+    pub(crate) const NONE: FaMap = FaMap([0; 16]);
+
+    /// A map of a batch copy's K or V at `addr`: `rows` rows of `kv_heads` x 128 bf16, read in
+    /// boxes of 64 dims x 1 kv head x 128 rows with the 128-byte swizzle (rows past `rows` read
+    /// as zeros).
+    pub(crate) fn batch_copy(addr: u64, rows: usize, kv_heads: usize) -> Result<FaMap> {
+        let d = WGMMA_HEAD_DIM as u64;
+        let dims: [u64; 3] = [d, kv_heads as u64, rows as u64];
+        let strides: [u64; 2] = [d * 2, kv_heads as u64 * d * 2];
+        let boxes: [u32; 3] = [64, 1, 128];
+        let steps: [u32; 3] = [1, 1, 1];
+        let mut map = std::mem::MaybeUninit::<CUtensorMap>::zeroed();
+        // SAFETY: every array holds the 3 (strides: 2) entries a rank-3 map reads; addr is a
+        // device allocation of at least rows x kv_heads x 128 bf16 (checked by the caller),
+        // 16-byte aligned, with strides that are multiples of 16.
+        unsafe {
+            sys::cuTensorMapEncodeTiled(
+                map.as_mut_ptr(),
+                CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                3,
+                addr as *mut c_void,
+                dims.as_ptr(),
+                strides.as_ptr(),
+                boxes.as_ptr(),
+                steps.as_ptr(),
+                CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+                CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+                CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+            )
+        }
+        .result()
+        .ctx("cuTensorMapEncodeTiled (attention batch copy)")?;
+        // SAFETY: the call above succeeded, so it wrote the map.
+        Ok(FaMap(unsafe { map.assume_init() }.opaque))
+    }
+}
+
+/// `MOERUN_ATTN_WGMMA` (0 ..= 7), read once; anything else is ignored.
 fn env_wgmma() -> Option<usize> {
     static MODE: OnceLock<Option<usize>> = OnceLock::new();
     *MODE.get_or_init(|| {
@@ -113,13 +180,19 @@ fn pick_build(mode: usize, group: usize) -> Option<usize> {
         return None;
     }
     let two = mode - 1;
+    let b = &WGMMA_BUILDS[two];
+    if b.tma == 2 && !group.is_multiple_of(4) && group.is_multiple_of(2) {
+        // The cluster build pairs two CTAs of one kv head: the TMA build of the same pipeline.
+        return WGMMA_BUILDS.iter().position(|c| {
+            c.heads == 2 && c.tma == 1 && c.stages == b.stages && c.overlap == b.overlap
+        });
+    }
     if group.is_multiple_of(2) {
         return Some(two);
     }
-    let overlap = WGMMA_BUILDS[two].overlap;
     WGMMA_BUILDS
         .iter()
-        .position(|b| b.heads == 1 && b.overlap == overlap)
+        .position(|c| c.heads == 1 && c.overlap == b.overlap)
 }
 
 impl WgmmaAttention {
@@ -159,6 +232,7 @@ impl WgmmaAttention {
         let b = &WGMMA_BUILDS[i];
         self.granted[i].then_some(WgmmaPick {
             func: &self.funcs[i],
+            tma: b.tma,
             heads: b.heads,
             threads: b.threads(),
             smem: b.smem(),
@@ -184,9 +258,10 @@ impl CudaDevice {
     /// Which kernel runs the tensor-core prefill tiles of head_dim 128 on sm_90: `None` as
     /// `MOERUN_ATTN_WGMMA` says (default: the wgmma kernel), `Some(0)` the `mma.sync` builds
     /// (then [`CudaDevice::set_tensor_core_attention_heads`] picks among them), `Some(b)` for b in
-    /// 1..=5 the wgmma two-head build b (2 stages; 3 stages; 3 stages with the softmax / P V
-    /// overlap; that with ping-pong; 2 stages with both). Every wgmma build gives the same bits;
-    /// other devices and head sizes ignore this.
+    /// 1..=7 the wgmma two-head build b (2 stages; 3 stages; 3 stages with the softmax / P V
+    /// overlap; that with ping-pong; 2 stages with both; the 4th with the copy tiles by TMA; and by
+    /// TMA multicast over a cluster of two CTAs). Every wgmma build gives the same bits; other
+    /// devices and head sizes ignore this.
     pub fn set_attention_wgmma(&self, build: Option<usize>) -> Result<()> {
         let b = build.unwrap_or(0);
         ensure(build.is_none() || b <= TWO_HEAD_BUILDS, || {
@@ -223,9 +298,12 @@ mod tests {
         }
         assert_eq!(pick_build(0, 8), None);
         assert_eq!(pick_build(2, 8), Some(1));
-        assert_eq!(pick_build(3, 1), Some(6));
-        assert_eq!(pick_build(4, 3), Some(6));
-        assert_eq!(pick_build(1, 3), Some(5));
+        assert_eq!(pick_build(3, 1), Some(8));
+        assert_eq!(pick_build(4, 3), Some(8));
+        assert_eq!(pick_build(1, 3), Some(7));
+        assert_eq!(pick_build(7, 8), Some(6), "a group of 8: the cluster build");
+        assert_eq!(pick_build(7, 2), Some(5), "a group of 2: the TMA build");
+        assert_eq!(pick_build(7, 6), Some(5));
         assert!(WGMMA_BUILDS[..TWO_HEAD_BUILDS].iter().all(|b| b.heads == 2));
     }
 }
