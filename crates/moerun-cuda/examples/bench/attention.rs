@@ -13,7 +13,8 @@
 //! The tensor-core rows run once per build of the mma.sync kernel (1, 2 or 4 query heads per
 //! block, see `CudaDevice::set_tensor_core_attention_heads`) and, on sm_90, once per two-head
 //! build of the wgmma kernel (`CudaDevice::set_attention_wgmma`);
-//! `MOERUN_ATTN_BENCH_NO_EXACT=1` leaves out the (slow) exact f32 row.
+//! `MOERUN_ATTN_BENCH_NO_EXACT=1` leaves out the (slow) exact f32 row;
+//! `MOERUN_ATTN_BENCH_WGMMA=4,6` runs only those wgmma builds.
 //!
 //! `MOERUN_ATTN_BENCH=decode` (or `prefill`) runs only those rows; `MOERUN_ATTN_BENCH_NCU=1`
 //! times each decode row on one pool copy, for Nsight Compute: it flushes the caches before every
@@ -244,6 +245,11 @@ pub fn rows(dev: &CudaDevice, rng: &mut XorShift) -> Result<Vec<Row>> {
         let wgmma = dev
             .attention_wgmma_build(HEAD_DIM, HEADS / KV_HEADS)
             .is_some();
+        // MOERUN_ATTN_BENCH_WGMMA=4,6 runs only those wgmma builds (default: all).
+        let builds: Vec<usize> = std::env::var("MOERUN_ATTN_BENCH_WGMMA")
+            .ok()
+            .map(|v| v.split(',').filter_map(|b| b.trim().parse().ok()).collect())
+            .unwrap_or_else(|| (1..=7).collect());
         for (chunk, keys) in [
             ((0, 4096), Keys::Pool),
             ((0, 4096), Keys::BatchCopy),
@@ -260,7 +266,7 @@ pub fn rows(dev: &CudaDevice, rng: &mut XorShift) -> Result<Vec<Row>> {
                     Some(Tc::MmaSync(heads)),
                 )?);
             }
-            for b in (1..=7).filter(|_| wgmma) {
+            for &b in builds.iter().filter(|_| wgmma) {
                 rows.push(prefill_row(
                     dev,
                     rng,
