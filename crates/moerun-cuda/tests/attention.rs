@@ -723,22 +723,28 @@ fn wgmma_prefill_matches_cpu_and_its_builds_agree_bitwise() {
     let Some(dev) = device() else { return };
     let mut r = rng("attention wgmma");
     for group in [1, 2, 3, 8] {
-        let build = dev.attention_wgmma_build(128, group);
-        println!("wgmma build for head_dim 128, group {group}: {build:?}");
-        if dev.info().compute_capability == (9, 0) {
-            assert!(
-                build.is_some(),
-                "sm_90 runs the wgmma kernel for group {group}"
-            );
+        for own_keys in [false, true] {
+            let build = dev.attention_wgmma_build(128, group, own_keys);
+            println!("wgmma build for head_dim 128, group {group}, own keys {own_keys}: {build:?}");
+            if dev.info().compute_capability == (9, 0) {
+                assert!(
+                    build.is_some(),
+                    "sm_90 runs the wgmma kernel for group {group}"
+                );
+            }
         }
     }
     assert_eq!(
-        dev.attention_wgmma_build(64, 2),
+        dev.attention_wgmma_build(64, 2, true),
         None,
         "head_dim 64 stays on mma.sync"
     );
     dev.set_attention_wgmma(Some(0)).unwrap();
-    assert_eq!(dev.attention_wgmma_build(128, 8), None, "switched off");
+    assert_eq!(
+        dev.attention_wgmma_build(128, 8, true),
+        None,
+        "switched off"
+    );
     dev.set_attention_wgmma(None).unwrap();
     for bad in [8, 9] {
         let err = dev.set_attention_wgmma(Some(bad)).unwrap_err();

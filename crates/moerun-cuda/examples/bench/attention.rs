@@ -174,13 +174,17 @@ fn prefill_row(
         Some(Tc::Wgmma(b)) => dev.set_attention_wgmma(Some(b))?,
         None => {}
     }
+    let own_keys = keys == Keys::BatchCopy && cached == 0;
+    let wgmma_build = dev.attention_wgmma_build(HEAD_DIM, HEADS / KV_HEADS, own_keys);
     let heads = match tc {
         Some(Tc::MmaSync(h)) => format!(", mma.sync {h} heads/block"),
         Some(Tc::Wgmma(b)) => format!(
             ", {}",
-            dev.attention_wgmma_build(HEAD_DIM, HEADS / KV_HEADS)
-                .map_or(format!("wgmma {b} (not on this device)"), str::to_string)
+            wgmma_build.map_or(format!("wgmma {b} (not on this device)"), str::to_string)
         ),
+        None if prefill == AttentionPrefill::TensorCoreBf16 => {
+            format!(", default ({})", wgmma_build.unwrap_or("mma.sync"))
+        }
         None => String::new(),
     };
     let ms = time(dev, || match keys {
@@ -243,7 +247,7 @@ pub fn rows(dev: &CudaDevice, rng: &mut XorShift) -> Result<Vec<Row>> {
         // The tensor-core rows with the mma.sync builds (query heads per block) and the wgmma
         // builds (sm_90 only).
         let wgmma = dev
-            .attention_wgmma_build(HEAD_DIM, HEADS / KV_HEADS)
+            .attention_wgmma_build(HEAD_DIM, HEADS / KV_HEADS, false)
             .is_some();
         // MOERUN_ATTN_BENCH_WGMMA=4,6 runs only those wgmma builds (default: all).
         let builds: Vec<usize> = std::env::var("MOERUN_ATTN_BENCH_WGMMA")
@@ -256,6 +260,7 @@ pub fn rows(dev: &CudaDevice, rng: &mut XorShift) -> Result<Vec<Row>> {
             ((3072, 1024), Keys::Pool),
             ((3072, 1024), Keys::BatchCopy),
         ] {
+            rows.push(prefill_row(dev, rng, chunk, tensor, keys, None)?);
             for heads in [1, 2, 4] {
                 rows.push(prefill_row(
                     dev,

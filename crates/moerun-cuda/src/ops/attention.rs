@@ -1034,7 +1034,9 @@ impl CudaDevice {
             AttentionPrefill::TensorCoreBf16 => 'tc: {
                 // sm_90, head_dim 128: the wgmma kernel, unless switched off.
                 let cc = self.info().compute_capability;
-                if let Some(w) = kernels.wgmma.pick(cc, d, group) {
+                // Every key the batch's own (a fresh prefill): the TMA build.
+                let own_keys = copy.is_some() && at.max_context <= n;
+                if let Some(w) = kernels.wgmma.pick(cc, d, group, own_keys) {
                     wgmma_tma = Some(w.tma);
                     break 'tc (w.func, TC_M, w.smem, w.smem, w.threads, w.heads);
                 }
