@@ -20,9 +20,15 @@
 // - warpgroup 0, the producer: per key tile of FA_N = 128 keys, waits for a free stage of a ring
 //   of STAGES, then fills its K and V (each [2 blocks of 64 dims][128 keys][128 bytes], the
 //   128-byte swizzled layout: key r, 16-byte chunk c of a block at r * 128 + 16 (c ^ (r % 8)))
-//   either by cp.async from the batch copy (arriving on the stage's `full` barrier when its
-//   copies land) or, for pool tiles, by loading f32 rows, rounding them and storing them
-//   (fence.proxy.async, then arrive). Rows past the tile's last key or out of range are zeros.
+//   either from the batch copy or, for pool tiles, by loading f32 rows (8 rows per warp in
+//   flight, the block-table offsets of a warp's 32 rows found at once), rounding them and
+//   storing them (fence.proxy.async, then arrive). Copy tiles: TMA == 0, cp.async by every
+//   thread (arriving on the stage's `full` barrier when its copies land; rows past the tile's
+//   last key zero-filled); TMA == 1, thread 0 posts the stage's 64 KiB on `full` and issues four
+//   TMA boxes {64 dims, 1 kv head, 128 rows} per tile (rows past the tile's last key are real
+//   rows of the copy, or zeros past its end: masked either way, with finite values, so the same
+//   bits); TMA == 2, see fa_produce (clusters of two CTAs, multicast). Pool rows out of range or
+//   past the last key are zeros.
 // - warpgroups 1..HEADS, the consumers: consumer c owns query head h0 + c of the block's HEADS
 //   heads (one kv head: every K/V tile serves all of them), 64 rows = the tile's 64 tokens. Its
 //   q rows are scaled, rounded and stored in the same swizzled K-major layout. Per key tile:
@@ -40,6 +46,10 @@
 //   to issue their wgmma, so one's softmax overlaps the other's tensor-core work.
 // Causal: key tiles run from the rows' first visible key (window) to the last row's position;
 // longest tiles (last token tiles) launch first.
+// Measured (ops_bench attention, H200, 32/4 heads of 128; docs/perf/cuda-ops.md "Prefill
+// attention on wgmma"): 4096 tokens from the copy 323 µs with cp.async (h2_s3_ovpp), 300 µs with
+// TMA (h2_s3_ovpp_tma), 348 µs with the cluster multicast (it halves the L2 reads but waits on
+// the partner); ops/attention_wgmma.rs picks the TMA build when every key is the batch's own.
 // setmaxnreg (HEADS == 2): producer 104 registers (its pool loads keep 16 float4 in flight),
 // consumers 200 (the overlapping consumer needs ~190). The CTA starts with 384 x 168 registers
 // (__launch_bounds__(384, 1)) and the warpgroups only trade among those: 128 x 104 + 256 x 200 =

@@ -25,6 +25,16 @@
 //!   cached prefix) are read from the f32 pool (cp.async a tile ahead) and rounded in shared
 //!   memory. The two give the same bf16 values, so the output is bitwise the same with or
 //!   without the copy.
+//! - on Hopper (compute capability 9.0) with head_dim 128, the tensor-core prefill tiles run the
+//!   *wgmma* kernel instead (`kernels/attention_wgmma.cu`, [`super::attention_wgmma`],
+//!   FlashAttention-3 style): the same tile rule (tile_m 64), key sources, masks, GQA and
+//!   rounding points, in another accumulation order (other bits, the same tolerance). CTAs of a
+//!   producer warpgroup and two consumer warpgroups (two query heads of one kv head; one for odd
+//!   groups), K/V tiles of 128 keys in a 3-stage ring, S = QK^T and O += PV by wgmma with P from
+//!   registers, the softmax of one tile overlapping the previous tile's PV and the other
+//!   consumer's products. Non-Hopper devices and head_dim 64 keep the `mma.sync` builds;
+//!   `MOERUN_ATTN_WGMMA=0` (read once) or [`CudaDevice::set_attention_wgmma`]`(Some(0))` turn it
+//!   off (then the `mma.sync` builds run, as before).
 //! - every other token (decode, short chunks, the tails of prefills, tiles mixing sequences) goes
 //!   to split-K flash-decoding in exact f32: grid (n, splits, kv_heads * head_chunks), block 128;
 //!   a block reads each K/V row of its split once for all (up to 8) query heads of its kv head.

@@ -310,7 +310,7 @@ mod tests {
         assert_eq!(WGMMA_BUILDS[1].smem(), 1024 + 32768 + 3 * 65552);
         let (own, other) = (&WGMMA_BUILDS[OWN_KEYS_BUILD], &WGMMA_BUILDS[DEFAULT_BUILD]);
         assert_eq!((own.heads, own.tma, other.heads, other.tma), (2, 1, 2, 0));
-        assert!(OWN_KEYS_BUILD < TWO_HEAD_BUILDS && DEFAULT_BUILD < TWO_HEAD_BUILDS);
+        const { assert!(OWN_KEYS_BUILD < TWO_HEAD_BUILDS && DEFAULT_BUILD < TWO_HEAD_BUILDS) };
         for mode in 1..=TWO_HEAD_BUILDS {
             for group in 1..=16 {
                 let i = pick_build(mode, group).unwrap();
