@@ -1202,7 +1202,10 @@ impl CudaDevice {
             // memory is what this head_dim needs, within the limit set at load. A batch copy
             // holds at least n rows of kv_heads x head_dim (checked), and the kernel reads only
             // rows it has checked to lie in 0..n; positions and table_start are 16-byte aligned
-            // for its int4 reads (checked).
+            // for its int4 reads (checked). The wgmma kernel also takes two tensor maps, of the
+            // copy's first n rows (it holds at least n, checked) or zeros when its build issues no
+            // TMA; its cluster build pairs blocks along y, which num_heads / 2 makes even (the
+            // build is picked only for groups divisible by 4).
             unsafe { b.launch(cfg) }.ctx("attention prefill tiles")?;
         }
 
