@@ -89,6 +89,10 @@ pub const KERNEL_FILES: &[KernelFile] = &[
         source: include_str!("../kernels/attention.cu"),
     },
     KernelFile {
+        name: "attention_wgmma",
+        source: include_str!("../kernels/attention_wgmma.cu"),
+    },
+    KernelFile {
         name: "moe",
         source: include_str!("../kernels/moe.cu"),
     },
@@ -122,7 +126,7 @@ pub const KERNEL_FILES: &[KernelFile] = &[
 /// devices (wgmma, setmaxnreg exist only there). Each guards its bodies with
 /// `__CUDA_ARCH_FEAT_SM90_ALL`, so on any other architecture it compiles to entry points that are
 /// never launched.
-pub const SM90A_FILES: &[&str] = &["moe_wgmma"];
+pub const SM90A_FILES: &[&str] = &["moe_wgmma", "attention_wgmma"];
 
 /// The target `file` is compiled for on a device whose plain target is `arch`: `sm_90a` (or
 /// `compute_90a`) for the files of [`SM90A_FILES`] on sm_90, else `arch` itself.

@@ -9,8 +9,10 @@
 //! k, v and the softmax weights are rounded to bf16 (relative 2^-9 each; measured <= 2.3e-3).
 //! Outputs start as NaN, so an element no kernel wrote fails. The tensor-core path reading the
 //! batch's own K/V from a bf16 batch copy must equal the same kernel reading them from the f32
-//! pool bit for bit (both round the same f32 values to bf16), and each build of the kernel (1, 2
-//! or 4 query heads per block) must equal the others bit for bit (the same arithmetic per row).
+//! pool bit for bit (both round the same f32 values to bf16), and each build of the mma.sync kernel
+//! (1, 2 or 4 query heads per block) must equal the others bit for bit (the same arithmetic per
+//! row), as must each build of the wgmma kernel (sm_90, head_dim 128: the default there; it sums
+//! in another order than mma.sync, so the two agree only within the bf16 tolerance).
 //! Without a GPU every test prints "skipped: CUDA is unavailable: <reason>" and passes.
 
 mod common;
@@ -55,9 +57,14 @@ struct Case<'a> {
     /// Batch rows in this order of the grouped (or interleaved) list: `order[i]` is the index
     /// there of row i.
     order: Option<Vec<usize>>,
-    /// Also run the tensor-core kernel with 1, 2 and 4 query heads per block (each from the pool
-    /// and, with `batch_copy`, from the copy); every run must equal the default's bit for bit.
+    /// Also run the mma.sync tensor-core kernel with 1, 2 and 4 query heads per block (each from
+    /// the pool and, with `batch_copy`, from the copy); every run must equal the mma.sync
+    /// default's bit for bit.
     variants: bool,
+    /// Also run each two-head wgmma build (sm_90, head_dim 128; elsewhere the same kernel runs
+    /// again), from the pool and with `batch_copy` from the copy: every run must equal the
+    /// default's bit for bit.
+    wgmma_builds: bool,
 }
 
 impl Case<'_> {
@@ -77,6 +84,7 @@ impl Case<'_> {
             batch_copy: false,
             order: None,
             variants: false,
+            wgmma_builds: false,
         }
     }
 }
@@ -243,29 +251,50 @@ fn run_case(dev: &CudaDevice, r: &mut StdRng, case: &Case) -> f64 {
         dev.download(&out).unwrap()
     };
     let mut got = from_pool(&mut scratch);
+    // The case's tensor-core path from the batch copy into a poisoned output, downloaded.
+    let from_copy = |scratch: &mut AttentionScratch| {
+        copy.as_ref().map(|copy| {
+            let mut out = dev.upload(&poison(n * h * d)).unwrap();
+            dev.paged_attention_batch_copy(&qd, &gpu_pool, copy, &at, &shape, &mut out, scratch)
+                .unwrap();
+            dev.download(&out).unwrap()
+        })
+    };
+    let count_differing = |a: &[f32], b: &[f32]| {
+        a.iter()
+            .zip(b)
+            .filter(|(x, y)| x.to_bits() != y.to_bits())
+            .count()
+    };
+    if case.wgmma_builds {
+        for build in 1..=7 {
+            dev.set_attention_wgmma(Some(build)).unwrap();
+            let mut differing = count_differing(&from_pool(&mut scratch), &got);
+            if let Some(c) = from_copy(&mut scratch) {
+                differing += count_differing(&c, &got);
+            }
+            check(
+                &format!(
+                    "attention {} wgmma build {build} vs default (elements differing)",
+                    case.name
+                ),
+                differing as f64,
+                0.0,
+            );
+        }
+        dev.set_attention_wgmma(None).unwrap();
+    }
     if case.variants {
-        let differ = |a: &[f32]| {
-            a.iter()
-                .zip(&got)
-                .filter(|(x, y)| x.to_bits() != y.to_bits())
-                .count()
-        };
+        // The mma.sync builds against the mma.sync default (on sm_90 the default for head_dim
+        // 128 is the wgmma kernel, whose accumulation order differs).
+        dev.set_attention_wgmma(Some(0)).unwrap();
+        let base = from_pool(&mut scratch);
+        let differ = |a: &[f32]| count_differing(a, &base);
         for heads in [1, 2, 4] {
             dev.set_tensor_core_attention_heads(Some(heads)).unwrap();
             let mut differing = differ(&from_pool(&mut scratch));
-            if let Some(copy) = &copy {
-                let mut out = dev.upload(&poison(n * h * d)).unwrap();
-                dev.paged_attention_batch_copy(
-                    &qd,
-                    &gpu_pool,
-                    copy,
-                    &at,
-                    &shape,
-                    &mut out,
-                    &mut scratch,
-                )
-                .unwrap();
-                differing += differ(&dev.download(&out).unwrap());
+            if let Some(c) = from_copy(&mut scratch) {
+                differing += differ(&c);
             }
             check(
                 &format!(
@@ -277,23 +306,15 @@ fn run_case(dev: &CudaDevice, r: &mut StdRng, case: &Case) -> f64 {
             );
         }
         dev.set_tensor_core_attention_heads(None).unwrap();
+        dev.set_attention_wgmma(None).unwrap();
     }
-    if let Some(copy) = &copy {
-        let mut out = dev.upload(&poison(n * h * d)).unwrap();
-        dev.paged_attention_batch_copy(&qd, &gpu_pool, copy, &at, &shape, &mut out, &mut scratch)
-            .unwrap();
-        let from_copy = dev.download(&out).unwrap();
-        let differ = from_copy
-            .iter()
-            .zip(&got)
-            .filter(|(a, b)| a.to_bits() != b.to_bits())
-            .count();
+    if let Some(from_copy) = from_copy(&mut scratch) {
         check(
             &format!(
                 "attention {} batch copy vs pool (elements differing)",
                 case.name
             ),
-            differ as f64,
+            count_differing(&from_copy, &got) as f64,
             0.0,
         );
         got = from_copy;
@@ -683,6 +704,90 @@ fn tensor_core_prefill_builds_are_bitwise_equal() {
         case.prefill = AttentionPrefill::TensorCoreBf16;
         case.batch_copy = batch_copy;
         case.variants = true;
+        case.q_range = 2.0;
+        run_and_check(dev, &mut r, &case);
+    }
+}
+
+/// The wgmma prefill kernel (the tensor-core default on sm_90 for head_dim 128; elsewhere these
+/// cases run the mma.sync builds and check them): one 4096-token sequence of Qwen3-30B-A3B's
+/// shape, lengths that leave tails to the split kernel, several sequences with decode tokens
+/// between them, chunks after a cached prefix (its keys from the f32 pool), sliding windows, GQA
+/// groups of 8, 4, 3 (odd: the one-head build) and 1, reordered rows, with and without a batch
+/// copy. Each within the bf16 tolerance of the CPU, from the copy bitwise equal to the pool, and
+/// every two-head build (2 or 3 stages, with or without the softmax / P V overlap and ping-pong,
+/// copy tiles by cp.async, TMA or TMA multicast in clusters of two CTAs)
+/// bitwise equal to the default.
+#[test]
+fn wgmma_prefill_matches_cpu_and_its_builds_agree_bitwise() {
+    let Some(dev) = device() else { return };
+    let mut r = rng("attention wgmma");
+    for group in [1, 2, 3, 8] {
+        for own_keys in [false, true] {
+            let build = dev.attention_wgmma_build(128, group, own_keys);
+            println!("wgmma build for head_dim 128, group {group}, own keys {own_keys}: {build:?}");
+            if dev.info().compute_capability == (9, 0) {
+                assert!(
+                    build.is_some(),
+                    "sm_90 runs the wgmma kernel for group {group}"
+                );
+            }
+        }
+    }
+    assert_eq!(
+        dev.attention_wgmma_build(64, 2, true),
+        None,
+        "head_dim 64 stays on mma.sync"
+    );
+    dev.set_attention_wgmma(Some(0)).unwrap();
+    assert_eq!(
+        dev.attention_wgmma_build(128, 8, true),
+        None,
+        "switched off"
+    );
+    dev.set_attention_wgmma(None).unwrap();
+    for bad in [8, 9] {
+        let err = dev.set_attention_wgmma(Some(bad)).unwrap_err();
+        assert!(
+            matches!(err, CudaError::InvalidArgument(ref m) if m.contains("build")),
+            "{bad}: {err}"
+        );
+    }
+
+    let long = [(0, 4096)];
+    let tails = [(0, 600)];
+    let mixed = [(300, 200), (10, 1), (0, 130), (2000, 1), (77, 64)];
+    let chunk = [(3072, 1024)];
+    let cached_odd = [(1500, 400)];
+    let cached_whole = [(1024, 300)];
+    let fresh = [(0, 700)];
+    let split_a = [(0, 128), (0, 64)];
+    let a_b_a: Vec<usize> = (0..64).chain(128..192).chain(64..128).collect();
+    let cases: [(CopyCase, bool); 12] = [
+        (((32, 4, 128), &long[..], None, None), true),
+        (((8, 2, 128), &tails[..], None, None), false),
+        (((32, 4, 128), &mixed[..], None, None), true),
+        (((8, 1, 128), &mixed[..], Some(300), None), false),
+        (((8, 2, 128), &chunk[..], None, None), true),
+        (((8, 2, 128), &cached_odd[..], Some(700), None), true),
+        (((16, 2, 128), &fresh[..], Some(100), None), true),
+        (((4, 4, 128), &tails[..], Some(250), None), true),
+        (((4, 4, 128), &cached_whole[..], None, None), false),
+        (((6, 2, 128), &tails[..], None, None), true),
+        (((6, 2, 128), &cached_odd[..], Some(500), None), false),
+        (((8, 2, 128), &split_a[..], None, Some(a_b_a)), true),
+    ];
+    for ((shape, seqs, window, order), batch_copy) in cases {
+        let mut case = Case::new(
+            format!("wgmma {shape:?} {seqs:?} window {window:?} copy {batch_copy}"),
+            shape,
+        );
+        case.seqs = seqs;
+        case.window = window;
+        case.order = order;
+        case.prefill = AttentionPrefill::TensorCoreBf16;
+        case.batch_copy = batch_copy;
+        case.wgmma_builds = true;
         case.q_range = 2.0;
         run_and_check(dev, &mut r, &case);
     }

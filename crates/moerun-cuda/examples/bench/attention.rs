@@ -10,9 +10,11 @@
 //!   chunk's rows: 4 · heads · head_dim · sum of keys seen), whose cached keys always come from
 //!   the pool.
 //!
-//! The tensor-core rows run once per build of the kernel (1, 2 or 4 query heads per block, see
-//! `CudaDevice::set_tensor_core_attention_heads`); `MOERUN_ATTN_BENCH_NO_EXACT=1` leaves out the
-//! (slow) exact f32 row.
+//! The tensor-core rows run once per build of the mma.sync kernel (1, 2 or 4 query heads per
+//! block, see `CudaDevice::set_tensor_core_attention_heads`) and, on sm_90, once per two-head
+//! build of the wgmma kernel (`CudaDevice::set_attention_wgmma`);
+//! `MOERUN_ATTN_BENCH_NO_EXACT=1` leaves out the (slow) exact f32 row;
+//! `MOERUN_ATTN_BENCH_WGMMA=4,6` runs only those wgmma builds.
 //!
 //! `MOERUN_ATTN_BENCH=decode` (or `prefill`) runs only those rows; `MOERUN_ATTN_BENCH_NCU=1`
 //! times each decode row on one pool copy, for Nsight Compute: it flushes the caches before every
@@ -23,6 +25,14 @@ use moerun_cuda::{
     AttentionPrefill, AttentionShape, CudaDevice, CudaError, CudaSlice, DeviceKvPool, Result,
     TokenPlacement,
 };
+
+/// Which tensor-core kernel a prefill row runs: the mma.sync build with this many query heads
+/// per block, or wgmma build b (`CudaDevice::set_attention_wgmma`).
+#[derive(Clone, Copy, PartialEq)]
+enum Tc {
+    MmaSync(usize),
+    Wgmma(usize),
+}
 
 /// Where a prefill row's tensor-core tiles take the batch's own keys from.
 #[derive(Clone, Copy, PartialEq)]
@@ -130,7 +140,7 @@ fn prefill_row(
     (cached, n): (usize, usize),
     prefill: AttentionPrefill,
     keys: Keys,
-    tc_heads: Option<usize>,
+    tc: Option<Tc>,
 ) -> Result<Row> {
     let total = cached + n;
     let blocks = total.div_ceil(BLOCK);
@@ -156,7 +166,27 @@ fn prefill_row(
     let q = dev.upload(&rng.f32s(n * HEADS * HEAD_DIM))?;
     let mut out = dev.zeros::<f32>(n * HEADS * HEAD_DIM)?;
     let mut scratch = dev.attention_scratch(n, HEADS, HEAD_DIM, total)?;
-    dev.set_tensor_core_attention_heads(tc_heads)?;
+    match tc {
+        Some(Tc::MmaSync(heads)) => {
+            dev.set_attention_wgmma(Some(0))?;
+            dev.set_tensor_core_attention_heads(Some(heads))?;
+        }
+        Some(Tc::Wgmma(b)) => dev.set_attention_wgmma(Some(b))?,
+        None => {}
+    }
+    let own_keys = keys == Keys::BatchCopy && cached == 0;
+    let wgmma_build = dev.attention_wgmma_build(HEAD_DIM, HEADS / KV_HEADS, own_keys);
+    let heads = match tc {
+        Some(Tc::MmaSync(h)) => format!(", mma.sync {h} heads/block"),
+        Some(Tc::Wgmma(b)) => format!(
+            ", {}",
+            wgmma_build.map_or(format!("wgmma {b} (not on this device)"), str::to_string)
+        ),
+        None if prefill == AttentionPrefill::TensorCoreBf16 => {
+            format!(", default ({})", wgmma_build.unwrap_or("mma.sync"))
+        }
+        None => String::new(),
+    };
     let ms = time(dev, || match keys {
         Keys::Pool => {
             dev.paged_attention_with(prefill, &q, &pool, &at, &shape(), &mut out, &mut scratch)
@@ -166,6 +196,7 @@ fn prefill_row(
         }
     });
     dev.set_tensor_core_attention_heads(None)?;
+    dev.set_attention_wgmma(None)?;
     let ms = ms?;
     // Row i sees cached + i + 1 keys.
     let seen = (n * cached) as f64 + (n * (n + 1)) as f64 / 2.0;
@@ -174,7 +205,6 @@ fn prefill_row(
         Keys::Pool => "",
         Keys::BatchCopy => " + batch copy",
     };
-    let heads = tc_heads.map_or(String::new(), |h| format!(", {h} heads/block"));
     Ok(Row {
         op: format!("attention prefill {prefill:?}{source}{heads}"),
         shape: format!("n={n} after {cached} 32/4x128"),
@@ -214,15 +244,42 @@ pub fn rows(dev: &CudaDevice, rng: &mut XorShift) -> Result<Vec<Row>> {
         if std::env::var_os("MOERUN_ATTN_BENCH_NO_EXACT").is_none() {
             rows.push(prefill_row(dev, rng, (0, 4096), exact, Keys::Pool, None)?);
         }
-        // The tensor-core rows with each build of the kernel (query heads per block).
+        // The tensor-core rows with the mma.sync builds (query heads per block) and the wgmma
+        // builds (sm_90 only).
+        let wgmma = dev
+            .attention_wgmma_build(HEAD_DIM, HEADS / KV_HEADS, false)
+            .is_some();
+        // MOERUN_ATTN_BENCH_WGMMA=4,6 runs only those wgmma builds (default: all).
+        let builds: Vec<usize> = std::env::var("MOERUN_ATTN_BENCH_WGMMA")
+            .ok()
+            .map(|v| v.split(',').filter_map(|b| b.trim().parse().ok()).collect())
+            .unwrap_or_else(|| (1..=7).collect());
         for (chunk, keys) in [
             ((0, 4096), Keys::Pool),
             ((0, 4096), Keys::BatchCopy),
             ((3072, 1024), Keys::Pool),
             ((3072, 1024), Keys::BatchCopy),
         ] {
+            rows.push(prefill_row(dev, rng, chunk, tensor, keys, None)?);
             for heads in [1, 2, 4] {
-                rows.push(prefill_row(dev, rng, chunk, tensor, keys, Some(heads))?);
+                rows.push(prefill_row(
+                    dev,
+                    rng,
+                    chunk,
+                    tensor,
+                    keys,
+                    Some(Tc::MmaSync(heads)),
+                )?);
+            }
+            for &b in builds.iter().filter(|_| wgmma) {
+                rows.push(prefill_row(
+                    dev,
+                    rng,
+                    chunk,
+                    tensor,
+                    keys,
+                    Some(Tc::Wgmma(b)),
+                )?);
             }
         }
     }

@@ -25,6 +25,16 @@
 //!   cached prefix) are read from the f32 pool (cp.async a tile ahead) and rounded in shared
 //!   memory. The two give the same bf16 values, so the output is bitwise the same with or
 //!   without the copy.
+//! - on Hopper (compute capability 9.0) with head_dim 128, the tensor-core prefill tiles run the
+//!   *wgmma* kernel instead (`kernels/attention_wgmma.cu`, [`super::attention_wgmma`],
+//!   FlashAttention-3 style): the same tile rule (tile_m 64), key sources, masks, GQA and
+//!   rounding points, in another accumulation order (other bits, the same tolerance). CTAs of a
+//!   producer warpgroup and two consumer warpgroups (two query heads of one kv head; one for odd
+//!   groups), K/V tiles of 128 keys in a 3-stage ring, S = QK^T and O += PV by wgmma with P from
+//!   registers, the softmax of one tile overlapping the previous tile's PV and the other
+//!   consumer's products. Non-Hopper devices and head_dim 64 keep the `mma.sync` builds;
+//!   `MOERUN_ATTN_WGMMA=0` (read once) or [`CudaDevice::set_attention_wgmma`]`(Some(0))` turn it
+//!   off (then the `mma.sync` builds run, as before).
 //! - every other token (decode, short chunks, the tails of prefills, tiles mixing sequences) goes
 //!   to split-K flash-decoding in exact f32: grid (n, splits, kv_heads * head_chunks), block 128;
 //!   a block reads each K/V row of its split once for all (up to 8) query heads of its kv head.
@@ -54,6 +64,7 @@ use cudarc::driver::{
     CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 
+use super::attention_wgmma::{FaMap, WgmmaAttention};
 use super::to_i32;
 use crate::error::{ensure, CudaError, DriverContext, Result};
 use crate::CudaDevice;
@@ -321,6 +332,8 @@ pub(crate) struct AttentionKernels {
     tile_bf16_smem: [[usize; 2]; 3],
     /// Query heads per tensor-core block asked for by `set_tensor_core_attention_heads` (0: none).
     tc_heads: AtomicUsize,
+    /// The wgmma prefill kernel (sm_90, head_dim 128), `ops/attention_wgmma.rs`.
+    pub(super) wgmma: WgmmaAttention,
 }
 
 const DIM_CLASSES: [usize; 6] = [16, 32, 64, 128, 256, 512];
@@ -495,6 +508,7 @@ impl AttentionKernels {
             tile_bf16,
             tile_bf16_smem: bf16_smem,
             tc_heads: AtomicUsize::new(0),
+            wgmma: WgmmaAttention::load(&get)?,
         })
     }
 }
@@ -1016,6 +1030,8 @@ impl CudaDevice {
         let group = num_heads / num_kv_heads;
         // The tiled kernel of this call, its tile height, dynamic shared memory, threads and
         // query heads per block.
+        // Some(tma) when the wgmma kernel runs the tiles (it takes the copy's tensor maps too).
+        let mut wgmma_tma = None;
         let (tile_func, tile_m, smem, allowed, threads, tile_heads) = match prefill {
             // No tiles for the widest heads: every token takes the split-K kernel.
             _ if d > MAX_TILED_HEAD_DIM => (&kernels.tile_f32[0], TILE_M, 0, 0, TF_THREADS, 1),
@@ -1025,7 +1041,15 @@ impl CudaDevice {
                 let allowed = kernels.tile_f32_smem[c];
                 (&kernels.tile_f32[c], TILE_M, smem, allowed, TF_THREADS, 1)
             }
-            AttentionPrefill::TensorCoreBf16 => {
+            AttentionPrefill::TensorCoreBf16 => 'tc: {
+                // sm_90, head_dim 128: the wgmma kernel, unless switched off.
+                let cc = self.info().compute_capability;
+                // Every key the batch's own (a fresh prefill): the TMA build.
+                let own_keys = copy.is_some() && at.max_context <= n;
+                if let Some(w) = kernels.wgmma.pick(cc, d, group, own_keys) {
+                    wgmma_tma = Some(w.tma);
+                    break 'tc (w.func, TC_M, w.smem, w.smem, w.threads, w.heads);
+                }
                 let c = usize::from(d == 128);
                 let want = match kernels.tc_heads.load(Ordering::Relaxed) {
                     0 => env_tc_heads().unwrap_or(DEFAULT_TC_HEADS),
@@ -1159,15 +1183,29 @@ impl CudaDevice {
                 block_dim: (threads, 1, 1),
                 shared_mem_bytes: smem as u32,
             };
+            // The wgmma kernel's tensor maps of the copy (zeros unless its build loads by TMA).
+            let maps = match wgmma_tma {
+                Some(tma) if tma > 0 && copy_k != 0 => [
+                    FaMap::batch_copy(copy_k, n, num_kv_heads)?,
+                    FaMap::batch_copy(copy_v, n, num_kv_heads)?,
+                ],
+                _ => [FaMap::NONE; 2],
+            };
             let mut b = self.stream.launch_builder(tile_func);
             b.arg(&args);
+            if wgmma_tma.is_some() {
+                b.arg(&maps[0]).arg(&maps[1]);
+            }
             // SAFETY: q and out hold n x num_heads x head_dim f32 (16-byte aligned), the pool
             // blocks x block_size rows of kv_heads x head_dim; the kernel bounds every table
             // index and block id; its tiles are whole (n / tile_m of them) and its dynamic shared
             // memory is what this head_dim needs, within the limit set at load. A batch copy
             // holds at least n rows of kv_heads x head_dim (checked), and the kernel reads only
             // rows it has checked to lie in 0..n; positions and table_start are 16-byte aligned
-            // for its int4 reads (checked).
+            // for its int4 reads (checked). The wgmma kernel also takes two tensor maps, of the
+            // copy's first n rows (it holds at least n, checked) or zeros when its build issues no
+            // TMA; its cluster build pairs blocks along y, which num_heads / 2 makes even (the
+            // build is picked only for groups divisible by 4).
             unsafe { b.launch(cfg) }.ctx("attention prefill tiles")?;
         }
 

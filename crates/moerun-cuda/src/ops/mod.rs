@@ -7,6 +7,7 @@
 
 mod activation;
 mod attention;
+mod attention_wgmma;
 mod elementwise;
 mod embedding;
 pub(crate) mod fused;
