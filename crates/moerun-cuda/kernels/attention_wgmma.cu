@@ -5,16 +5,15 @@
 // Same contract as attention.cu's attn_tile_bf16 kernels (read that file's header): one AttnArgs
 // by value; a tile of AttnArgs.tile_m = 64 consecutive tokens of one sequence belongs to this
 // kernel when `tile_owned` says so, every other token to attn_split; keys of the batch's own
-// positions come from the bf16 batch copy (copy_k/copy_v, checked by `fa_batch_copy_start`),
+// positions come from the bf16 batch copy (copy_k/copy_v, checked by `batch_copy_start`),
 // earlier keys (a cached prefix: chunked prefill) from the f32 pool, rounded to bf16 here; both
 // give the same bf16 values, so the output does not depend on which source a tile took.
 // Scores are in the log2 domain (q scaled by scale_log2 and rounded to bf16 once), weights by
 // ex2.approx.ftz, P rounded to bf16, one normalisation at the end: the arithmetic of the mma.sync
 // kernel, in another accumulation order (so other bits, the same tolerance).
 //
-// AttnArgs, kv_offset, window_lo, tile_owned and tile_key_range are copies of attention.cu's (this
-// file is compiled on its own, for sm_90a): they must stay identical (the Rust side asserts the
-// struct's size).
+// AttnArgs, kv_offset, window_lo, tile_owned, tile_key_range and batch_copy_start come from
+// attention_common.cuh, which compile.rs prepends to this file and to attention.cu alike.
 //
 // CTA: grid (n / 64, num_heads / HEADS), 128 (HEADS + 1) threads, one CTA per SM.
 // - warpgroup 0, the producer: per key tile of FA_N = 128 keys, waits for a free stage of a ring
@@ -64,120 +63,6 @@
 #define FA_PU 8    // pool rows a producer warp loads at once (16 float4 per thread in flight)
 #define FA_NEG_INF __int_as_float(0xff800000)
 
-struct AttnArgs {
-    const float* q;
-    float* out;
-    const float* pool_k;
-    const float* pool_v;
-    const int* positions;
-    const int* table_start;
-    const int* block_tables;
-    float* part_acc;
-    float* part_ml;
-    u32* arrivals;
-    const u16* copy_k;
-    const u16* copy_v;
-    int n;
-    int num_heads;
-    int kv_heads;
-    int head_dim;
-    int group;
-    int head_chunks;
-    int tables_len;
-    int blocks;
-    int block_size;
-    int block_shift;
-    int window;
-    int chunk;
-    int nsplit;
-    int tiled;
-    int tile_m;
-    float scale_log2;
-};
-
-// Element offset of position `pos` (kv head `kh`) in the pool, or -1 when out of range.
-__device__ __forceinline__ long long kv_offset(const AttnArgs& a, int ts, int pos, int kh) {
-    if (pos < 0) return -1;
-    int bi, slot;
-    if (a.block_shift >= 0) {
-        bi = pos >> a.block_shift;
-        slot = pos & (a.block_size - 1);
-    } else {
-        bi = pos / a.block_size;
-        slot = pos - bi * a.block_size;
-    }
-    const int ti = ts + bi;
-    if (ti < 0 || ti >= a.tables_len) return -1;
-    const int blk = a.block_tables[ti];
-    if (blk < 0 || blk >= a.blocks) return -1;
-    return (((long long)blk * a.block_size + slot) * a.kv_heads + kh) * (long long)a.head_dim;
-}
-
-__device__ __forceinline__ int window_lo(const AttnArgs& a, int pos) {
-    return a.window > 0 ? max(0, pos + 1 - a.window) : 0;
-}
-
-// Whether token i lies in a tile the tiled kernel owns. Every thread of the block must call it.
-__device__ __forceinline__ bool tile_owned(const AttnArgs& a, int i) {
-    if (!a.tiled) return false;
-    const int t0 = (i / a.tile_m) * a.tile_m;
-    if (t0 + a.tile_m > a.n) return false;
-    const int ts = a.table_start[t0];
-    int same = 1;
-    for (int r = threadIdx.x; r < a.tile_m; r += blockDim.x) same &= a.table_start[t0 + r] == ts;
-    return __syncthreads_and(same) != 0;
-}
-
-// The keys the tile's rows see: kmin (the first row's window start at the lowest) .. kend.
-__device__ __forceinline__ void tile_key_range(const AttnArgs& a, int t0, int* s_kmin, int* s_kend) {
-    if (threadIdx.x == 0) {
-        *s_kmin = 0x7fffffff;
-        *s_kend = 0;
-    }
-    __syncthreads();
-    for (int r = threadIdx.x; r < a.tile_m; r += blockDim.x) {
-        const int p = a.positions[t0 + r];
-        atomicMin(s_kmin, window_lo(a, p));
-        atomicMax(s_kend, p + 1);
-    }
-    __syncthreads();
-}
-
-// attention.cu's batch_copy_start for a tile of FA_M rows: the first key position of tile t0
-// that the batch copy serves, into *s_kloc (INT_MAX: none). Every thread must call it.
-__device__ __forceinline__ void fa_batch_copy_start(const AttnArgs& a, int t0, int kmin,
-                                                    int* s_kloc, int* s_bad) {
-    const int c = a.positions[t0] - t0;
-    const int ts = a.table_start[t0];
-    const int lo = max(0, kmin - c);
-    const int hi = t0 + FA_M;  // a multiple of 4: t0 is a multiple of FA_M
-    if (threadIdx.x == 0) *s_bad = lo - 1;
-    __syncthreads();
-    int bad_lo = lo - 1, bad_hi = 0;
-    const int4* p4 = reinterpret_cast<const int4*>(a.positions);
-    const int4* s4 = reinterpret_cast<const int4*>(a.table_start);
-#pragma unroll 4
-    for (int q = (lo >> 2) + threadIdx.x; q < (hi >> 2); q += blockDim.x) {
-        const int4 p = p4[q];
-        const int4 s = s4[q];
-        const int pv[4] = {p.x, p.y, p.z, p.w};
-        const int sv[4] = {s.x, s.y, s.z, s.w};
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int t = 4 * q + e;
-            const bool bad = t >= lo && (sv[e] != ts || pv[e] != t + c);
-            if (bad && t < t0) bad_lo = max(bad_lo, t);
-            if (bad && t >= t0) bad_hi = 1;
-        }
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) bad_lo = max(bad_lo, __shfl_xor_sync(0xffffffffu, bad_lo, o));
-    if ((threadIdx.x & 31) == 0) atomicMax(s_bad, bad_lo);
-    const bool tile_bad = __syncthreads_or(bad_hi) != 0;
-    if (threadIdx.x == 0) *s_kloc = tile_bad ? 0x7fffffff : *s_bad + 1 + c;
-    __syncthreads();
-}
-
 // A CUtensorMap of the batch copy (K or V), passed by value as a __grid_constant__ parameter:
 // 3-D {head_dim 128, kv_heads, n}, boxes {64, 1, 128} in the 128-byte swizzle (the TMA builds).
 struct __align__(64) FaMap {
@@ -186,17 +71,6 @@ struct __align__(64) FaMap {
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-__device__ __forceinline__ u32 fa_pack_bf16(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
-__device__ __forceinline__ float fa_ex2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
 
 __device__ __forceinline__ float fa_ref(float mx) { return mx == FA_NEG_INF ? 0.0f : mx; }
 
@@ -344,27 +218,27 @@ __device__ __forceinline__ void fa_softmax(float (&s)[64], u32 (&p)[FA_N / 16][4
     mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 1));
     mxb = fmaxf(mxb, __shfl_xor_sync(0xffffffffu, mxb, 2));
     const float refa = fa_ref(mxa), refb = fa_ref(mxb);
-    *ca = fa_ex2(r.ma - refa);
-    *cb = fa_ex2(r.mb - refb);
+    *ca = ex2_ftz(r.ma - refa);
+    *cb = ex2_ftz(r.mb - refb);
     r.la *= *ca;
     r.lb *= *cb;
     r.ma = mxa;
     r.mb = mxb;
 #pragma unroll
     for (int j = 0; j < FA_N / 8; ++j) {
-        s[4 * j] = fa_ex2(s[4 * j] - refa);
-        s[4 * j + 1] = fa_ex2(s[4 * j + 1] - refa);
-        s[4 * j + 2] = fa_ex2(s[4 * j + 2] - refb);
-        s[4 * j + 3] = fa_ex2(s[4 * j + 3] - refb);
+        s[4 * j] = ex2_ftz(s[4 * j] - refa);
+        s[4 * j + 1] = ex2_ftz(s[4 * j + 1] - refa);
+        s[4 * j + 2] = ex2_ftz(s[4 * j + 2] - refb);
+        s[4 * j + 3] = ex2_ftz(s[4 * j + 3] - refb);
         r.la += s[4 * j] + s[4 * j + 1];
         r.lb += s[4 * j + 2] + s[4 * j + 3];
     }
 #pragma unroll
     for (int kk = 0; kk < FA_N / 16; ++kk) {
-        p[kk][0] = fa_pack_bf16(s[8 * kk], s[8 * kk + 1]);
-        p[kk][1] = fa_pack_bf16(s[8 * kk + 2], s[8 * kk + 3]);
-        p[kk][2] = fa_pack_bf16(s[8 * kk + 4], s[8 * kk + 5]);
-        p[kk][3] = fa_pack_bf16(s[8 * kk + 6], s[8 * kk + 7]);
+        p[kk][0] = pack_bf16(s[8 * kk], s[8 * kk + 1]);
+        p[kk][1] = pack_bf16(s[8 * kk + 2], s[8 * kk + 3]);
+        p[kk][2] = pack_bf16(s[8 * kk + 4], s[8 * kk + 5]);
+        p[kk][3] = pack_bf16(s[8 * kk + 6], s[8 * kk + 7]);
     }
 }
 
@@ -437,9 +311,9 @@ __device__ __forceinline__ void fa_produce(const AttnArgs& a, int t0, int kmin, 
                 for (int u = 0; u < FA_PU; ++u) {
                     const int r = warp + 4 * (i0 + u);
                     const u32 dst = st + col + r * 128 + ((cc ^ (r & 7)) << 4);
-                    fa_st8(dst, fa_pack_bf16(x[u].x, x[u].y), fa_pack_bf16(x[u].z, x[u].w));
-                    fa_st8(dst + 2 * FA_KB, fa_pack_bf16(y[u].x, y[u].y),
-                           fa_pack_bf16(y[u].z, y[u].w));
+                    fa_st8(dst, pack_bf16(x[u].x, x[u].y), pack_bf16(x[u].z, x[u].w));
+                    fa_st8(dst + 2 * FA_KB, pack_bf16(y[u].x, y[u].y),
+                           pack_bf16(y[u].z, y[u].w));
                 }
             }
             // The consumers read the stage through the async proxy (wgmma).
@@ -524,7 +398,7 @@ __device__ __forceinline__ void fa_prefill(const AttnArgs& a, const FaMap* kmap,
     const int ntiles = kmin < kend ? (kend - kmin + FA_N - 1) / FA_N : 0;
     int kloc = 0x7fffffff;
     if (a.copy_k) {
-        fa_batch_copy_start(a, t0, kmin, &s_kloc, &s_bad);
+        batch_copy_start<FA_M>(a, t0, kmin, &s_kloc, &s_bad);
         kloc = s_kloc;
     }
     // Tiles starting before the copy's first key come from the pool (all of them without a
@@ -564,7 +438,7 @@ __device__ __forceinline__ void fa_prefill(const AttnArgs& a, const FaMap* kmap,
                 *reinterpret_cast<const float4*>(a.q + ((u64)(t0 + r) * H + h) * FA_D + 4 * c4);
             const u32 dst = qh + (c4 >> 4) * (FA_M * 128) + r * 128 +
                             ((((c4 >> 1) & 7) ^ (r & 7)) << 4) + (c4 & 1) * 8;
-            fa_st8(dst, fa_pack_bf16(x.x * sl, x.y * sl), fa_pack_bf16(x.z * sl, x.w * sl));
+            fa_st8(dst, pack_bf16(x.x * sl, x.y * sl), pack_bf16(x.z * sl, x.w * sl));
         }
         fa_fence_async();
         asm volatile("bar.sync %0, 128;" ::"r"(1 + cw) : "memory");

@@ -28,13 +28,23 @@ const PRELUDE: &str = include_str!("../kernels/common.cuh");
 /// and wgmma wrappers.
 const HOPPER_PRELUDE: &str = include_str!("../kernels/hopper.cuh");
 
+/// Text prepended (after the others) to the files of [`ATTENTION_FILES`]: the attention kernels'
+/// argument struct, pool addressing and tile rule.
+const ATTENTION_PRELUDE: &str = include_str!("../kernels/attention_common.cuh");
+
+/// The kernel files that take [`ATTENTION_PRELUDE`].
+const ATTENTION_FILES: &[&str] = &["attention", "attention_wgmma"];
+
 /// The preludes of `file`, in the order they precede its text.
-fn preludes(file: &KernelFile) -> &'static [&'static str] {
+fn preludes(file: &KernelFile) -> Vec<&'static str> {
+    let mut parts = vec![PRELUDE];
     if SM90A_FILES.contains(&file.name) {
-        &[PRELUDE, HOPPER_PRELUDE]
-    } else {
-        &[PRELUDE]
+        parts.push(HOPPER_PRELUDE);
     }
+    if ATTENTION_FILES.contains(&file.name) {
+        parts.push(ATTENTION_PRELUDE);
+    }
+    parts
 }
 
 /// The whole text NVRTC compiles for `file`.
@@ -278,7 +288,7 @@ pub fn cache_file_name(file: &KernelFile, arch: &str, nvrtc: (i32, i32)) -> Stri
     let arch = &target_arch(file, arch);
     let mut h = Fnv64::new();
     let options = options(arch, false).join(" ");
-    let parts = preludes(file).iter().copied();
+    let parts = preludes(file).into_iter();
     for part in parts.chain([file.source, arch.as_str(), options.as_str()]) {
         h.write(part.as_bytes());
         h.write(&[0xff]);

@@ -1,0 +1,147 @@
+// Shared by the attention kernel files (attention.cu, attention_wgmma.cu; compile.rs prepends it
+// to both, after common.cuh): the one argument struct every attention kernel takes by value
+// (ops/attention.rs `AttnArgs`, the same C layout), the pool addressing, the tile rule, the
+// key range and batch-copy scan of a prefill tile, and two bf16/exp2 helpers. attention.cu's
+// header describes the contract.
+
+struct AttnArgs {
+    const float* q;
+    float* out;
+    const float* pool_k;
+    const float* pool_v;
+    const int* positions;
+    const int* table_start;
+    const int* block_tables;
+    float* part_acc;
+    float* part_ml;
+    // Per (token, kv head x head chunk): how many of its split blocks have written their partials.
+    u32* arrivals;
+    // The batch's own K and V rounded to bf16, [n][kv_heads][head_dim] each (attn_tile_bf16 only;
+    // null: every key tile comes from the pool).
+    const u16* copy_k;
+    const u16* copy_v;
+    int n;
+    int num_heads;
+    int kv_heads;
+    int head_dim;
+    int group;
+    int head_chunks;
+    int tables_len;
+    int blocks;
+    int block_size;
+    int block_shift;  // log2(block_size), or -1 when it is not a power of two
+    int window;
+    int chunk;
+    int nsplit;
+    int tiled;
+    int tile_m;
+    float scale_log2;
+};
+
+// Element offset of position `pos` (kv head `kh`) in the pool, or -1 when out of range.
+__device__ __forceinline__ long long kv_offset(const AttnArgs& a, int ts, int pos, int kh) {
+    if (pos < 0) return -1;
+    int bi, slot;
+    if (a.block_shift >= 0) {
+        bi = pos >> a.block_shift;
+        slot = pos & (a.block_size - 1);
+    } else {
+        bi = pos / a.block_size;
+        slot = pos - bi * a.block_size;
+    }
+    const int ti = ts + bi;
+    if (ti < 0 || ti >= a.tables_len) return -1;
+    const int blk = a.block_tables[ti];
+    if (blk < 0 || blk >= a.blocks) return -1;
+    return (((long long)blk * a.block_size + slot) * a.kv_heads + kh) * (long long)a.head_dim;
+}
+
+__device__ __forceinline__ int window_lo(const AttnArgs& a, int pos) {
+    return a.window > 0 ? max(0, pos + 1 - a.window) : 0;
+}
+
+// Whether token i lies in a tile the tiled kernel owns (see the header). Every thread of the
+// block must call it: it ends in a block-wide barrier.
+__device__ __forceinline__ bool tile_owned(const AttnArgs& a, int i) {
+    if (!a.tiled) return false;
+    const int t0 = (i / a.tile_m) * a.tile_m;
+    if (t0 + a.tile_m > a.n) return false;
+    const int ts = a.table_start[t0];
+    int same = 1;
+    for (int r = threadIdx.x; r < a.tile_m; r += blockDim.x) same &= a.table_start[t0 + r] == ts;
+    return __syncthreads_and(same) != 0;
+}
+
+// The key range [kmin, kend) of tile t0's rows, into shared memory; every thread must call it.
+__device__ __forceinline__ void tile_key_range(const AttnArgs& a, int t0, int* s_kmin, int* s_kend) {
+    if (threadIdx.x == 0) {
+        *s_kmin = 0x7fffffff;
+        *s_kend = 0;
+    }
+    __syncthreads();
+    for (int r = threadIdx.x; r < a.tile_m; r += blockDim.x) {
+        const int p = a.positions[t0 + r];
+        atomicMin(s_kmin, window_lo(a, p));
+        atomicMax(s_kend, p + 1);
+    }
+    __syncthreads();
+}
+
+// The first key position of tile t0 that the batch copy serves, into *s_kloc (INT_MAX: none).
+// Every token from the one that would hold key kmin up to the tile's last row must belong to the
+// tile's sequence at position t + c (c = positions[t0] - t0); the copy serves the keys after the
+// last token before t0 that does not, and nothing when a row of the tile itself does not. The
+// scan reads positions and table_start as int4 (16-byte aligned buffers, checked by the host):
+// all of a thread's loads are in flight at once. Every thread must call it (block barriers).
+// M: the tile's rows (a multiple of 4).
+template <int M>
+__device__ __forceinline__ void batch_copy_start(const AttnArgs& a, int t0, int kmin, int* s_kloc,
+                                                 int* s_bad) {
+    const int c = a.positions[t0] - t0;
+    const int ts = a.table_start[t0];
+    // Tokens before max(0, kmin - c) cannot hold a visible key of this sequence's run.
+    const int lo = max(0, kmin - c);
+    const int hi = t0 + M;  // a multiple of 4: t0 is a multiple of M
+    if (threadIdx.x == 0) *s_bad = lo - 1;
+    __syncthreads();
+    int bad_lo = lo - 1, bad_hi = 0;
+    const int4* p4 = reinterpret_cast<const int4*>(a.positions);
+    const int4* s4 = reinterpret_cast<const int4*>(a.table_start);
+#pragma unroll 8
+    for (int q = (lo >> 2) + threadIdx.x; q < (hi >> 2); q += blockDim.x) {
+        const int4 p = p4[q];
+        const int4 s = s4[q];
+        const int pv[4] = {p.x, p.y, p.z, p.w};
+        const int sv[4] = {s.x, s.y, s.z, s.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int t = 4 * q + e;
+            const bool bad = t >= lo && (sv[e] != ts || pv[e] != t + c);
+            if (bad && t < t0) bad_lo = max(bad_lo, t);
+            if (bad && t >= t0) bad_hi = 1;
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) bad_lo = max(bad_lo, __shfl_xor_sync(0xffffffffu, bad_lo, o));
+    if ((threadIdx.x & 31) == 0) atomicMax(s_bad, bad_lo);
+    const bool tile_bad = __syncthreads_or(bad_hi) != 0;  // also orders the atomics before the read
+    if (threadIdx.x == 0) *s_kloc = tile_bad ? 0x7fffffff : *s_bad + 1 + c;
+    __syncthreads();
+}
+
+// Two f32 as a bf16x2 register, `lo` in the low half (the lower column of a fragment).
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// 2^x by one MUFU.EX2, subnormal results flushed to 0. exp2f compiles (without --ftz) to four
+// instructions, a range test and two multiplies around it that keep 2^x for x < -126 subnormal:
+// softmax weights under 2^-126 of their row's max, far below the f32 resolution of the row's
+// sum (which holds the max's weight 1).
+__device__ __forceinline__ float ex2_ftz(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
