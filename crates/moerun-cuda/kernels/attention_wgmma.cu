@@ -82,11 +82,6 @@ __device__ __forceinline__ void fa_fence_async() {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
-__device__ __forceinline__ void fa_expect_tx(u32 bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
-                 : "memory");
-}
-
 // Box {x, y, z} of the map into `dst`, completing its bytes on `bar`.
 __device__ __forceinline__ void fa_tma(u32 dst, const FaMap* map, int x, int y, int z, u32 bar) {
     asm volatile(
@@ -102,27 +97,6 @@ __device__ __forceinline__ void fa_tma_mc(u32 dst, const FaMap* map, int x, int 
         "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
         ".multicast::cluster [%0], [%1, {%2, %3, %4}], [%5], %6;" ::"r"(dst),
         "l"(reinterpret_cast<u64>(map)), "r"(x), "r"(y), "r"(z), "r"(bar), "h"((u16)3)
-        : "memory");
-}
-
-__device__ __forceinline__ void fa_arrive_cluster(u32 bar, u32 rank) {
-    asm volatile(
-        "{\n.reg .b32 ra;\n"
-        "mapa.shared::cluster.u32 ra, %0, %1;\n"
-        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra];\n}\n" ::"r"(bar),
-        "r"(rank)
-        : "memory");
-}
-
-__device__ __forceinline__ void fa_wait_cluster(u32 bar, u32 parity) {
-    asm volatile(
-        "{\n.reg .pred P1;\n"
-        "FA_CWAIT:\n"
-        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 P1, [%0], %1;\n"
-        "@P1 bra FA_CDONE;\n"
-        "bra FA_CWAIT;\n"
-        "FA_CDONE:\n}\n" ::"r"(bar),
-        "r"(parity)
         : "memory");
 }
 
@@ -261,8 +235,8 @@ __device__ __forceinline__ void fa_rescale(float (&o)[64], float ca, float cb) {
 template <int TMA>
 __device__ __forceinline__ void fa_release(u32 empty) {
     if (TMA == 2) {
-        fa_arrive_cluster(empty, 0);
-        fa_arrive_cluster(empty, 1);
+        mbar_arrive_cluster(empty, 0);
+        mbar_arrive_cluster(empty, 1);
     } else {
         mbar_arrive(empty);
     }
@@ -282,7 +256,7 @@ __device__ __forceinline__ void fa_produce(const AttnArgs& a, int t0, int kmin, 
     int stage = 0;
     u32 phase = 0;
     for (int j = 0; j < ntiles; ++j) {
-        if (TMA == 2) fa_wait_cluster(bars + 8 * (STAGES + stage), phase ^ 1);
+        if (TMA == 2) mbar_wait_cluster(bars + 8 * (STAGES + stage), phase ^ 1);
         else mbar_wait(bars + 8 * (STAGES + stage), phase ^ 1);
         const int kt = kmin + j * FA_N;
         const u32 st = sbase + stage * FA_STAGE;
@@ -328,7 +302,7 @@ __device__ __forceinline__ void fa_produce(const AttnArgs& a, int t0, int kmin, 
         } else if (TMA) {
             if (tid == 0) {
                 const u32 full = bars + 8 * stage;
-                fa_expect_tx(full, FA_STAGE);
+                mbar_expect_tx(full, FA_STAGE);
                 const int row = kt - c;
                 if (TMA == 1) {
                     fa_tma(st, kmap, 0, kh, row, full);

@@ -45,34 +45,6 @@ struct __align__(64) WgMap {
 
 // ---- pairs of CTAs (a cluster of 2) sharing B through TMA multicast ----
 
-__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
-                 : "memory");
-}
-
-// Arrive on the barrier at the same shared offset in CTA `rank` of the cluster.
-__device__ __forceinline__ void mbar_arrive_cluster(u32 bar, u32 rank) {
-    asm volatile(
-        "{\n.reg .b32 ra;\n"
-        "mapa.shared::cluster.u32 ra, %0, %1;\n"
-        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra];\n}\n" ::"r"(bar),
-        "r"(rank)
-        : "memory");
-}
-
-// As mbar_wait, acquiring at cluster scope (the arrivals come from both CTAs of the pair).
-__device__ __forceinline__ void mbar_wait_cluster(u32 bar, u32 parity) {
-    asm volatile(
-        "{\n.reg .pred P1;\n"
-        "WG_CWAIT:\n"
-        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 P1, [%0], %1;\n"
-        "@P1 bra WG_CDONE;\n"
-        "bra WG_CWAIT;\n"
-        "WG_CDONE:\n}\n" ::"r"(bar),
-        "r"(parity)
-        : "memory");
-}
-
 // A box of the tensor map at (k, row) into `dst` of every CTA in `mask`, each completing its
 // bytes on the barrier at the same offset in its own shared memory.
 __device__ __forceinline__ void tma_multicast(u32 dst, const WgMap* map, int k, int row, u32 bar,

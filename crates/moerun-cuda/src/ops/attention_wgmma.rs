@@ -19,15 +19,11 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
-use std::ffi::c_void;
+use cudarc::driver::sys::CUfunction_attribute;
+use cudarc::driver::CudaFunction;
 
-use cudarc::driver::sys::{
-    self, CUfunction_attribute, CUtensorMap, CUtensorMapDataType, CUtensorMapFloatOOBfill,
-    CUtensorMapInterleave, CUtensorMapL2promotion, CUtensorMapSwizzle,
-};
-use cudarc::driver::{CudaFunction, DeviceRepr};
-
-use crate::error::{ensure, DriverContext, Result};
+use super::tma::TensorMap;
+use crate::error::{ensure, Result};
 use crate::CudaDevice;
 
 /// One entry point of `attention_wgmma.cu`: `heads` query heads per CTA (consumer warpgroups),
@@ -121,51 +117,24 @@ pub(crate) struct WgmmaPick<'a> {
     pub(crate) smem: usize,
 }
 
-/// A `CUtensorMap` as the kernels take it (`FaMap`, by value, 64-byte aligned); zeros where the
-/// build or the call needs none.
-#[repr(C, align(64))]
-#[derive(Clone, Copy)]
-pub(crate) struct FaMap([u64; 16]);
-
-// SAFETY: plain bytes, laid out as the kernels' `FaMap` parameter (128 bytes, 64-aligned).
-unsafe impl DeviceRepr for FaMap {}
+/// The batch copy's tensor maps (TMA builds).
+pub(crate) struct FaMap;
 
 impl FaMap {
-    pub(crate) const NONE: FaMap = FaMap([0; 16]);
+    pub(crate) const NONE: TensorMap = TensorMap::NONE;
 
     /// A map of a batch copy's K or V at `addr`: `rows` rows of `kv_heads` x 128 bf16, read in
     /// boxes of 64 dims x 1 kv head x 128 rows with the 128-byte swizzle (rows past `rows` read
     /// as zeros).
-    pub(crate) fn batch_copy(addr: u64, rows: usize, kv_heads: usize) -> Result<FaMap> {
+    pub(crate) fn batch_copy(addr: u64, rows: usize, kv_heads: usize) -> Result<TensorMap> {
         let d = WGMMA_HEAD_DIM as u64;
-        let dims: [u64; 3] = [d, kv_heads as u64, rows as u64];
-        let strides: [u64; 2] = [d * 2, kv_heads as u64 * d * 2];
-        let boxes: [u32; 3] = [64, 1, 128];
-        let steps: [u32; 3] = [1, 1, 1];
-        let mut map = std::mem::MaybeUninit::<CUtensorMap>::zeroed();
-        // SAFETY: every array holds the 3 (strides: 2) entries a rank-3 map reads; addr is a
-        // device allocation of at least rows x kv_heads x 128 bf16 (checked by the caller),
-        // 16-byte aligned, with strides that are multiples of 16.
-        unsafe {
-            sys::cuTensorMapEncodeTiled(
-                map.as_mut_ptr(),
-                CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                3,
-                addr as *mut c_void,
-                dims.as_ptr(),
-                strides.as_ptr(),
-                boxes.as_ptr(),
-                steps.as_ptr(),
-                CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-                CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-                CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-            )
-        }
-        .result()
-        .ctx("cuTensorMapEncodeTiled (attention batch copy)")?;
-        // SAFETY: the call above succeeded, so it wrote the map.
-        Ok(FaMap(unsafe { map.assume_init() }.opaque))
+        TensorMap::bf16_swizzled(
+            addr,
+            [d, kv_heads as u64, rows as u64],
+            &[d * 2, kv_heads as u64 * d * 2],
+            [64, 1, 128],
+            "attention batch copy",
+        )
     }
 }
 

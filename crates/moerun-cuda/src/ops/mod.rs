@@ -19,6 +19,7 @@ mod moe;
 mod norm;
 mod rope;
 mod router;
+mod tma;
 
 pub(crate) use attention::AttentionKernels;
 pub use attention::{

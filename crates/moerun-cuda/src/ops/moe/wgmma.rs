@@ -27,18 +27,15 @@
 //! at those three places within what rounding flips can move each element (tests/moe.rs
 //! `check_steps`).
 
-use std::ffi::c_void;
 use std::sync::OnceLock;
 
-use cudarc::driver::sys::{
-    self, CUfunction_attribute, CUtensorMap, CUtensorMapDataType, CUtensorMapFloatOOBfill,
-    CUtensorMapInterleave, CUtensorMapL2promotion, CUtensorMapSwizzle,
-};
-use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::sys::CUfunction_attribute;
+use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
 use moerun_core::DType;
 
 use super::{DeviceExperts, MoeCall, MoeScratch, MAX_EXPERTS};
 use crate::error::{DriverContext, Result};
+use crate::ops::tma::TensorMap;
 use crate::ops::to_i32;
 use crate::{CudaDevice, CudaError};
 
@@ -103,45 +100,17 @@ pub(crate) struct WgmmaKernels {
     pair_clusters: [OnceLock<u32>; 2],
 }
 
-/// A `CUtensorMap` as the pair kernels take it (`WgMap`, by value, 64-byte aligned).
-#[repr(C, align(64))]
-#[derive(Clone, Copy)]
-struct TmaMap([u64; 16]);
-
-// SAFETY: plain bytes, laid out as the kernel's `WgMap` parameter (128 bytes, 64-aligned).
-unsafe impl DeviceRepr for TmaMap {}
-
 /// A 2-D map of `rows` bf16 rows of `k` elements at `addr` (row-major, k a multiple of 8), read
 /// in boxes of 128 rows x 64 elements with the 128-byte swizzle wgmma expects; reads past either
 /// edge give zeros.
-fn weight_map(addr: u64, rows: usize, k: usize) -> Result<TmaMap> {
-    let dims: [u64; 2] = [k as u64, rows as u64];
-    let strides: [u64; 1] = [(k * 2) as u64];
-    let boxes: [u32; 2] = [64, 128];
-    let steps: [u32; 2] = [1, 1];
-    let mut map = std::mem::MaybeUninit::<CUtensorMap>::zeroed();
-    // SAFETY: every array holds the 2 (strides: 1) entries a rank-2 map reads; addr is a device
-    // allocation of rows · k bf16, 16-byte aligned, with a row stride that is a multiple of 16.
-    unsafe {
-        sys::cuTensorMapEncodeTiled(
-            map.as_mut_ptr(),
-            CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-            2,
-            addr as *mut c_void,
-            dims.as_ptr(),
-            strides.as_ptr(),
-            boxes.as_ptr(),
-            steps.as_ptr(),
-            CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-            CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-            CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-        )
-    }
-    .result()
-    .ctx("cuTensorMapEncodeTiled (MoE weights)")?;
-    // SAFETY: the call above succeeded, so it wrote the map.
-    Ok(TmaMap(unsafe { map.assume_init() }.opaque))
+fn weight_map(addr: u64, rows: usize, k: usize) -> Result<TensorMap> {
+    TensorMap::bf16_swizzled(
+        addr,
+        [k as u64, rows as u64],
+        &[(k * 2) as u64],
+        [64, 128],
+        "MoE weights",
+    )
 }
 
 impl WgmmaKernels {
