@@ -470,7 +470,7 @@ __device__ __forceinline__ float combine_warps(const float* s_acc, const float* 
 template <int L, int VPL, int GM, int U = SPLIT_KEYS / VPL>
 __device__ __forceinline__ void attn_split(const AttnArgs& a) {
     extern __shared__ float4 split_smem4[];
-    const int i = blockIdx.x;
+    const int i = a.token0 + blockIdx.x;
     const int s = blockIdx.y;
     const int kh = blockIdx.z / a.head_chunks;
     const int hc = blockIdx.z - kh * a.head_chunks;
@@ -660,7 +660,7 @@ template <int L, int VPL, int GM>
 __device__ __forceinline__ void attn_cluster(const AttnArgs& a) {
     extern __shared__ float4 cl_smem4[];
     __shared__ int s_last;
-    const int i = blockIdx.x;
+    const int i = a.token0 + blockIdx.x;
     const int kh = blockIdx.z / a.head_chunks;
     const int hc = blockIdx.z - kh * a.head_chunks;
     // Token-uniform, so a whole cluster leaves together (no block waits on a departed one).

@@ -36,6 +36,9 @@ struct AttnArgs {
     int tiled;
     int tile_m;
     float scale_log2;
+    // The token of the split and cluster kernels' blockIdx.x 0: the host starts their grids at
+    // the first token a prefill tile does not own (every token before it is tiled).
+    int token0;
 };
 
 // Element offset of position `pos` (kv head `kh`) in the pool, or -1 when out of range.

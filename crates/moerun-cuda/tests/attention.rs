@@ -195,6 +195,7 @@ fn run_case(dev: &CudaDevice, r: &mut StdRng, case: &Case) -> f64 {
             table_start: &st_d,
             block_tables: &tables_d,
             max_context: 1,
+            seq_starts: &[],
         };
         let (kd, vd) = (dev.upload(&k).unwrap(), dev.upload(&v).unwrap());
         let copy = if own { copy.as_mut() } else { None };
@@ -228,11 +229,17 @@ fn run_case(dev: &CudaDevice, r: &mut StdRng, case: &Case) -> f64 {
     let max_context = case
         .max_context
         .unwrap_or_else(|| lens.iter().copied().max().unwrap_or(1));
+    // Where each run of one sequence's tokens begins: the split kernel's grid then starts at the
+    // first token no tile owns (a wrong start would leave tokens unattended: NaN-poisoned out).
+    let seq_starts: Vec<usize> = (0..n)
+        .filter(|&i| i == 0 || batch[i].0 != batch[i - 1].0)
+        .collect();
     let at = TokenPlacement {
         positions: &pos_d,
         table_start: &st_d,
         block_tables: &tables_d,
         max_context,
+        seq_starts: &seq_starts,
     };
     let shape = AttentionShape {
         num_heads: h,
@@ -365,6 +372,7 @@ fn kv_write_puts_each_row_in_its_block_and_slot_and_skips_out_of_range_blocks() 
         table_start: &st_d,
         block_tables: &tables_d,
         max_context: 10,
+        seq_starts: &[],
     };
     let mut pool = dev.kv_pool(blocks, bs, kvh, d).unwrap();
     let (kd, vd) = (dev.upload(&k).unwrap(), dev.upload(&v).unwrap());
@@ -478,6 +486,7 @@ fn repeated_decode_calls_are_bitwise_equal() {
             table_start: &st_d,
             block_tables: &tables_d,
             max_context: context,
+            seq_starts: &[],
         };
         let shape = AttentionShape {
             num_heads: h,
@@ -828,6 +837,7 @@ fn qkv_prologue_writes_the_batch_copy_as_its_k_and_v_rounded_to_bf16() {
         table_start: &st_d,
         block_tables: &tables_d,
         max_context: tokens + 5,
+        seq_starts: &[],
     };
     for with_pool in [true, false] {
         let mut q = dev.zeros::<f32>(tokens * hq * d).unwrap();
@@ -908,6 +918,7 @@ fn bad_shapes_and_unsupported_paths_are_refused() {
         table_start: &st,
         block_tables: &tables,
         max_context: 2,
+        seq_starts: &[],
     };
     let shape = AttentionShape {
         num_heads: 4,

@@ -120,6 +120,7 @@ fn decode_row(dev: &CudaDevice, rng: &mut XorShift, batch: usize, context: usize
                 table_start: st,
                 block_tables: &tables,
                 max_context: context,
+                seq_starts: &[],
             };
             dev.paged_attention(&q, &pool, &at, &shape(), &mut out, &mut scratch)
         })
@@ -153,6 +154,7 @@ fn prefill_row(
         table_start: &starts,
         block_tables: &tables,
         max_context: total,
+        seq_starts: &[0],
     };
     // The batch's own K/V, written as a pass writes them (pool and, for the copy rows, copy).
     let width = KV_HEADS * HEAD_DIM;

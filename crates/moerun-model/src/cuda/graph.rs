@@ -265,6 +265,8 @@ fn capture(
             .upload(&padding_tables(kv, bucket, table_blocks))
             .map_err(dev_err)?,
         max_context: table_blocks * block_size,
+        // One token per sequence.
+        seq_starts: (0..bucket).collect(),
     };
     let tokens = dev.zeros::<u32>(bucket).map_err(dev_err)?;
     let mut logits = dev.zeros::<f32>(bucket * cfg.vocab_size).map_err(dev_err)?;

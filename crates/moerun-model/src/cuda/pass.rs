@@ -36,6 +36,9 @@ pub struct Placement {
     pub(crate) window_table_start: Option<CudaSlice<i32>>,
     pub(crate) block_tables: CudaSlice<i32>,
     pub(crate) max_context: usize,
+    /// Each sequence's first token in the flat batch (host side: attention's split grid starts
+    /// past the tokens that prefill tiles own).
+    pub(crate) seq_starts: Vec<usize>,
 }
 
 impl Placement {
@@ -45,7 +48,9 @@ impl Placement {
         let mut positions = Vec::with_capacity(n);
         let mut tables: Vec<i32> = Vec::new();
         let mut max_context = 0;
+        let mut seq_starts = Vec::with_capacity(batch.seqs.len());
         for seq in &batch.seqs {
+            seq_starts.push(positions.len());
             for i in 0..seq.tokens.len() {
                 positions.push((seq.start_pos + i) as i32);
             }
@@ -69,6 +74,7 @@ impl Placement {
                 .transpose()?,
             block_tables: dev.upload(&tables).map_err(dev_err)?,
             max_context,
+            seq_starts,
         })
     }
 }
@@ -99,6 +105,7 @@ pub(crate) fn placement(at: &Placement, windowed: bool) -> TokenPlacement<'_> {
         table_start,
         block_tables: &at.block_tables,
         max_context: at.max_context,
+        seq_starts: &at.seq_starts,
     }
 }
 
