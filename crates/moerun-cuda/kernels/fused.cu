@@ -137,11 +137,20 @@ struct KvDest {
 // Head dims one lane holds: lane, lane + 32, ... < head_dim <= 256.
 #define DIMS_PER_LANE (FUSED_MAX_HEAD_DIM / 32)
 
-extern "C" __global__ void qkv_split_norm_rope_f32(
+// EARLY (the _early entry, for decode-sized batches): before the wait (programmatic launch,
+// common.cuh), everything that does not come from the q/k/v projection just before: the norm
+// weights, the position (uploaded with the batch, before any kernel of the pass), the rotation's
+// cos/sin and the pool slot from the block table; after the wait the projection's values go
+// straight through norm, rotation and stores. That holds ~20 more registers per thread, which
+// halves the resident blocks: a prefill's 4096 x 10 blocks of this latency-bound kernel then took
+// 105 instead of 78 us a layer, so batches past a few tiles take the plain entry, which finds
+// each of those where it uses it. Both compute the same values.
+template <bool EARLY>
+__device__ __forceinline__ void qkv_split_norm_rope(
     const float* __restrict__ qkv, float* q, float* k, float* v, const u32* __restrict__ positions,
     const float* __restrict__ q_norm, const float* __restrict__ k_norm,
     const float* __restrict__ inv_freq, int heads_q, int heads_kv, int head_dim, int half,
-    float attention_factor, float eps, int v_unit_norm, float* gate, const KvDest kv) {
+    float attention_factor, float eps, int v_unit_norm, float* gate, const KvDest& kv) {
     __shared__ float heads_smem[QKV_HEADS_PER_BLOCK][FUSED_MAX_HEAD_DIM];
     float* hd = heads_smem[threadIdx.y];
     const int t = blockIdx.x;
@@ -162,39 +171,42 @@ extern "C" __global__ void qkv_split_norm_rope_f32(
         norm = 0;
         rotate = false;
     }
-    // Before the wait (programmatic launch, common.cuh): everything that does not come from the
-    // q/k/v projection just before. The norm weights, the position (uploaded with the batch,
-    // before any kernel of the pass) and the rotation's cos/sin, and the pool slot from the block
-    // table: after the wait, the projection's values go straight through norm, rotation and stores.
-    float nw[DIMS_PER_LANE];
-#pragma unroll
-    for (int d = 0; d < DIMS_PER_LANE; ++d) {
-        const int i = lane + 32 * d;
-        nw[d] = norm && i < head_dim ? norm[i] : 0.0f;
-    }
-    const int pos = (int)positions[t];
-    float rc[ROPE_PER_LANE], rs[ROPE_PER_LANE];
-#pragma unroll
-    for (int d = 0; d < ROPE_PER_LANE; ++d) {
-        const int i = lane + 32 * d;
-        rc[d] = 0.0f;
-        rs[d] = 0.0f;
-        if (rotate && i < half) {
-            sincosf(inv_freq[i] * (float)pos, &rs[d], &rc[d]);
-            rc[d] *= attention_factor;
-            rs[d] *= attention_factor;
-        }
-    }
-    float* slot = nullptr;  // this head's row in the pool, when it is k or v and in range
-    if (kv.pool_k && h >= heads_q) {
+    // This head's row in the pool, when it is k or v and its block is in range.
+    auto pool_slot = [&](int pos) -> float* {
+        if (!kv.pool_k || h < heads_q) return nullptr;
         const int ti = kv.table_start[t] + pos / kv.block_size;
         const int blk = ti >= 0 && ti < kv.tables_len ? kv.block_tables[ti] : -1;
-        if (blk >= 0 && blk < kv.blocks) {
-            const bool is_k = h < heads_q + heads_kv;
-            const int kvh = is_k ? h - heads_q : h - heads_q - heads_kv;
-            const u64 row = (u64)blk * kv.block_size + pos % kv.block_size;
-            slot = (is_k ? kv.pool_k : kv.pool_v) + (row * heads_kv + kvh) * head_dim;
+        if (blk < 0 || blk >= kv.blocks) return nullptr;
+        const bool is_k = h < heads_q + heads_kv;
+        const int kvh = is_k ? h - heads_q : h - heads_q - heads_kv;
+        const u64 row = (u64)blk * kv.block_size + pos % kv.block_size;
+        return (is_k ? kv.pool_k : kv.pool_v) + (row * heads_kv + kvh) * head_dim;
+    };
+    // cos and sin of rotary pair i, scaled by the attention factor.
+    auto rotation = [&](int i, int pos, float& c, float& sn) {
+        sincosf(inv_freq[i] * (float)pos, &sn, &c);
+        c *= attention_factor;
+        sn *= attention_factor;
+    };
+    float nw[EARLY ? DIMS_PER_LANE : 1];
+    float rc[EARLY ? ROPE_PER_LANE : 1], rs[EARLY ? ROPE_PER_LANE : 1];
+    int pos = 0;
+    float* slot = nullptr;
+    if constexpr (EARLY) {
+#pragma unroll
+        for (int d = 0; d < DIMS_PER_LANE; ++d) {
+            const int i = lane + 32 * d;
+            nw[d] = norm && i < head_dim ? norm[i] : 0.0f;
         }
+        pos = (int)positions[t];
+#pragma unroll
+        for (int d = 0; d < ROPE_PER_LANE; ++d) {
+            const int i = lane + 32 * d;
+            rc[d] = 0.0f;
+            rs[d] = 0.0f;
+            if (rotate && i < half) rotation(i, pos, rc[d], rs[d]);
+        }
+        slot = pool_slot(pos);
     }
     pdl_entry();
     // With an output gate (Qwen3.5) each q head's rows are its query then its gate.
@@ -216,10 +228,14 @@ extern "C" __global__ void qkv_split_norm_rope_f32(
     if (norm) {
         ss = warp_sum(ss);
         const float inv = 1.0f / sqrtf(ss / (float)head_dim + eps);
+        if constexpr (EARLY) {
 #pragma unroll
-        for (int d = 0; d < DIMS_PER_LANE; ++d) {
-            const int i = lane + 32 * d;
-            if (i < head_dim) hd[i] = nw[d] * (hd[i] * inv);
+            for (int d = 0; d < DIMS_PER_LANE; ++d) {
+                const int i = lane + 32 * d;
+                if (i < head_dim) hd[i] = nw[d] * (hd[i] * inv);
+            }
+        } else {
+            for (int i = lane; i < head_dim; i += 32) hd[i] = norm[i] * (hd[i] * inv);
         }
     } else if (!rotate && v_unit_norm) {
         // v_norm without a learned scale: the weight 1 multiplies exactly, so it is left out.
@@ -228,15 +244,23 @@ extern "C" __global__ void qkv_split_norm_rope_f32(
         for (int i = lane; i < head_dim; i += 32) hd[i] = hd[i] * inv;
     }
     __syncwarp();
+    if (!EARLY) pos = (int)positions[t];
     if (rotate) {
 #pragma unroll
         for (int d = 0; d < ROPE_PER_LANE; ++d) {
             const int i = lane + 32 * d;
             if (i < half) {
+                float c, sn;
+                if constexpr (EARLY) {
+                    c = rc[d];
+                    sn = rs[d];
+                } else {
+                    rotation(i, pos, c, sn);
+                }
                 const float a = hd[i];
                 const float b = hd[i + half];
-                hd[i] = a * rc[d] - b * rs[d];
-                hd[i + half] = b * rc[d] + a * rs[d];
+                hd[i] = a * c - b * sn;
+                hd[i + half] = b * c + a * sn;
             }
         }
         __syncwarp();
@@ -249,7 +273,23 @@ extern "C" __global__ void qkv_split_norm_rope_f32(
         u16* crow = (is_k ? kv.copy_k : kv.copy_v) + ((u64)t * heads_kv + kvh) * head_dim;
         for (int i = lane; i < head_dim; i += 32) crow[i] = f32_to_bf16(hd[i]);
     }
+    if (!EARLY) slot = pool_slot(pos);
     if (slot) {
         for (int i = lane; i < head_dim; i += 32) slot[i] = hd[i];
     }
 }
+
+#define QKV_PROLOGUE_KERNEL(NAME, EARLY)                                                         \
+    extern "C" __global__ void NAME(                                                             \
+        const float* __restrict__ qkv, float* q, float* k, float* v,                             \
+        const u32* __restrict__ positions, const float* __restrict__ q_norm,                     \
+        const float* __restrict__ k_norm, const float* __restrict__ inv_freq, int heads_q,       \
+        int heads_kv, int head_dim, int half, float attention_factor, float eps,                 \
+        int v_unit_norm, float* gate, const KvDest kv) {                                         \
+        qkv_split_norm_rope<EARLY>(qkv, q, k, v, positions, q_norm, k_norm, inv_freq, heads_q,  \
+                                   heads_kv, head_dim, half, attention_factor, eps, v_unit_norm, \
+                                   gate, kv);                                                    \
+    }
+
+QKV_PROLOGUE_KERNEL(qkv_split_norm_rope_f32, false)
+QKV_PROLOGUE_KERNEL(qkv_split_norm_rope_early_f32, true)

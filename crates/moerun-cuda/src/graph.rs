@@ -44,6 +44,7 @@ pub const PDL_KERNELS: &[&str] = &[
     "gemv_rows_*",
     "moe_tiny_down_*",
     "moe_tiny_gate_up_*",
+    "qkv_split_norm_rope_early_f32",
     "qkv_split_norm_rope_f32",
     "rms_norm_block_f32",
     "rms_norm_f32",

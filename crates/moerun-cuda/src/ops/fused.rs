@@ -26,6 +26,8 @@ pub(crate) struct FusedKernels {
     add_rms_norm: CudaFunction,
     pub(crate) rms_norm_block: CudaFunction,
     qkv_split_norm_rope: CudaFunction,
+    /// The same, loading everything that does not come from the projection before its wait.
+    qkv_split_norm_rope_early: CudaFunction,
 }
 
 impl FusedKernels {
@@ -34,6 +36,7 @@ impl FusedKernels {
             add_rms_norm: get("add_rms_norm_f32")?,
             rms_norm_block: get("rms_norm_block_f32")?,
             qkv_split_norm_rope: get("qkv_split_norm_rope_f32")?,
+            qkv_split_norm_rope_early: get("qkv_split_norm_rope_early_f32")?,
         })
     }
 }
@@ -51,6 +54,11 @@ pub struct QkvShape {
 
 /// Heads per block of the prologue kernel (`QKV_HEADS_PER_BLOCK` in kernels/fused.cu).
 const QKV_HEADS_PER_BLOCK: usize = 4;
+
+/// Most tokens the prologue's `_early` entry takes (every captured decode bucket): it loads the
+/// norm weights, cos/sin and pool slot before its wait, which shortens a decode step's chain but
+/// holds registers that halve a prefill's resident blocks (kernels/fused.cu).
+const PROLOGUE_EARLY_MAX_TOKENS: usize = 128;
 
 /// Where the prologue writes K/V: the C layout of `struct KvDest` in kernels/fused.cu (a null
 /// `pool_k` writes none).
@@ -329,9 +337,11 @@ impl CudaDevice {
         if crate::skip::skipped("qkv_prologue") {
             return Ok(());
         }
-        let mut b = self
-            .stream
-            .launch_builder(&self.kernels.fused.qkv_split_norm_rope);
+        let func = match tokens <= PROLOGUE_EARLY_MAX_TOKENS {
+            true => &self.kernels.fused.qkv_split_norm_rope_early,
+            false => &self.kernels.fused.qkv_split_norm_rope,
+        };
+        let mut b = self.stream.launch_builder(func);
         b.arg(&src)
             .arg(&qp)
             .arg(&kp)
