@@ -39,6 +39,9 @@ struct AttnArgs {
     // The token of the split and cluster kernels' blockIdx.x 0: the host starts their grids at
     // the first token a prefill tile does not own (every token before it is tiled).
     int token0;
+    // The output rounded to bf16 too (null: not wanted): the wgmma tile kernel stores its rows
+    // there; the host converts the others (ops/attention.rs rest_to_bf16).
+    u16* out_bf16;
 };
 
 // Element offset of position `pos` (kv head `kh`) in the pool, or -1 when out of range.

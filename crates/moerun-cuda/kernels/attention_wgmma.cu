@@ -555,8 +555,17 @@ __device__ __forceinline__ void fa_prefill(const AttnArgs& a, const FaMap* kmap,
 #pragma unroll
     for (int j = 0; j < FA_D / 8; ++j) {
         const int cc = 8 * j + 2 * t;
-        *reinterpret_cast<float2*>(oa + cc) = make_float2(o[4 * j] * ia, o[4 * j + 1] * ia);
-        *reinterpret_cast<float2*>(ob + cc) = make_float2(o[4 * j + 2] * ib, o[4 * j + 3] * ib);
+        const float2 va = make_float2(o[4 * j] * ia, o[4 * j + 1] * ia);
+        const float2 vb = make_float2(o[4 * j + 2] * ib, o[4 * j + 3] * ib);
+        *reinterpret_cast<float2*>(oa + cc) = va;
+        *reinterpret_cast<float2*>(ob + cc) = vb;
+        if (a.out_bf16) {
+            // The same values rounded to nearest even (as f32_to_bf16): o_proj's GEMM input.
+            u16* ba = a.out_bf16 + ((u64)(t0 + ra) * H + h) * FA_D;
+            u16* bb = a.out_bf16 + ((u64)(t0 + ra + 8) * H + h) * FA_D;
+            *reinterpret_cast<u32*>(ba + cc) = pack_bf16(va.x, va.y);
+            *reinterpret_cast<u32*>(bb + cc) = pack_bf16(vb.x, vb.y);
+        }
     }
     if (TMA == 2) fa_cluster_sync();
 }

@@ -264,7 +264,29 @@ fn run_case(dev: &CudaDevice, r: &mut StdRng, case: &Case) -> f64 {
             let mut out = dev.upload(&poison(n * h * d)).unwrap();
             dev.paged_attention_batch_copy(&qd, &gpu_pool, copy, &at, &shape, &mut out, scratch)
                 .unwrap();
-            dev.download(&out).unwrap()
+            let got = dev.download(&out).unwrap();
+            // With a bf16 output too: the same f32 values, and bf16 rows that are exactly
+            // to_bf16 of them (the tile kernel's own stores and the converted rest alike).
+            let mut out = dev.upload(&poison(n * h * d)).unwrap();
+            let mut out_b = dev.upload(&vec![0xffffu16; n * h * d]).unwrap();
+            dev.paged_attention_batch_copy_with_bf16(
+                &qd, &gpu_pool, copy, &at, &shape, &mut out, &mut out_b, scratch,
+            )
+            .unwrap();
+            let mut rounded = dev.upload(&vec![0u16; n * h * d]).unwrap();
+            dev.to_bf16(&out, &mut rounded).unwrap();
+            assert_eq!(
+                dev.download(&out).unwrap(),
+                got,
+                "{}: f32 out with bf16",
+                case.name
+            );
+            assert!(
+                dev.download(&out_b).unwrap() == dev.download(&rounded).unwrap(),
+                "{}: the bf16 output is not the f32 output rounded",
+                case.name
+            );
+            got
         })
     };
     let count_differing = |a: &[f32], b: &[f32]| {

@@ -53,10 +53,22 @@ impl CudaDevice {
         }
         let xp = self.ptr(x, "to_bf16 x")?;
         let o = self.ptr_mut(out, "to_bf16 out")?;
+        // SAFETY: x holds n f32 and out n u16 (checked above).
+        unsafe { self.to_bf16_at(xp, o, n) }
+    }
+
+    /// [`CudaDevice::to_bf16`] of `n` values at raw device addresses.
+    ///
+    /// # Safety
+    /// `x` must address `n` f32 and `out` `n` u16 of live device memory of this device.
+    pub(crate) unsafe fn to_bf16_at(&self, x: u64, out: u64, n: usize) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
         let n64 = n as u64;
         let mut b = self.stream.launch_builder(&self.kernels.f32_to_bf16);
-        b.arg(&xp).arg(&o).arg(&n64);
-        // SAFETY: x holds n f32 and out n u16; the argument list matches the kernel's.
+        b.arg(&x).arg(&out).arg(&n64);
+        // SAFETY: the caller vouches for the n values at x and out; the arguments match.
         unsafe { b.launch(self.elementwise_cfg(n)) }.ctx("f32_to_bf16")?;
         Ok(())
     }

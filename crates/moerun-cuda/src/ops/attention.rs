@@ -571,9 +571,11 @@ struct AttnArgs {
     /// The token of the split and cluster kernels' first block (blockIdx.x 0): every token
     /// before it lies in a tile the tiled kernel owns.
     token0: i32,
+    /// The output rounded to bf16 as well (the wgmma tile kernel's rows; 0: none).
+    out_bf16: u64,
 }
 
-const _: () = assert!(std::mem::size_of::<AttnArgs>() == 168);
+const _: () = assert!(std::mem::size_of::<AttnArgs>() == 176);
 
 // SAFETY: plain data (integers, floats, device addresses) in the C layout the kernels declare;
 // passed by value as one kernel parameter.
@@ -585,6 +587,8 @@ struct KeySource<'a> {
     prefill: AttentionPrefill,
     /// The batch's own K/V in bf16 (tensor-core tiles only).
     copy: Option<&'a BatchKvBf16>,
+    /// Where the output also goes rounded to bf16 (0: nowhere): n rows, every one written.
+    out_bf16: u64,
 }
 
 /// How the decode kernel splits each token's keys.
@@ -968,6 +972,7 @@ impl CudaDevice {
         let source = KeySource {
             prefill,
             copy: None,
+            out_bf16: 0,
         };
         self.attend(source, q, pool, at, shape, out, scratch)
     }
@@ -991,6 +996,38 @@ impl CudaDevice {
         let source = KeySource {
             prefill: AttentionPrefill::TensorCoreBf16,
             copy: Some(copy),
+            out_bf16: 0,
+        };
+        self.attend(source, q, pool, at, shape, out, scratch)
+    }
+
+    /// [`CudaDevice::paged_attention_batch_copy`] that also writes `out` rounded to bf16 (round
+    /// to nearest even, the bits `to_bf16` gives) into `out_bf16`: the input of the o_proj GEMM.
+    /// The wgmma tile kernel stores its rows both ways; the other rows (the split kernel's, or
+    /// all of them on another tile kernel) are converted after.
+    #[allow(clippy::too_many_arguments)] // the batch-copy entry's arguments and the bf16 output
+    pub fn paged_attention_batch_copy_with_bf16(
+        &self,
+        q: &impl DevicePtr<f32>,
+        pool: &DeviceKvPool,
+        copy: &BatchKvBf16,
+        at: &TokenPlacement,
+        shape: &AttentionShape,
+        out: &mut impl DevicePtrMut<f32>,
+        out_bf16: &mut CudaSlice<u16>,
+        scratch: &mut AttentionScratch,
+    ) -> Result<()> {
+        ensure(out_bf16.len() == out.len(), || {
+            format!(
+                "paged_attention: the bf16 output holds {}, out {}",
+                out_bf16.len(),
+                out.len()
+            )
+        })?;
+        let source = KeySource {
+            prefill: AttentionPrefill::TensorCoreBf16,
+            copy: Some(copy),
+            out_bf16: self.ptr_mut(out_bf16, "paged_attention bf16 out")?,
         };
         self.attend(source, q, pool, at, shape, out, scratch)
     }
@@ -1006,7 +1043,11 @@ impl CudaDevice {
         out: &mut impl DevicePtrMut<f32>,
         scratch: &mut AttentionScratch,
     ) -> Result<()> {
-        let KeySource { prefill, copy } = source;
+        let KeySource {
+            prefill,
+            copy,
+            out_bf16,
+        } = source;
         let AttentionShape {
             num_heads,
             num_kv_heads,
@@ -1200,6 +1241,12 @@ impl CudaDevice {
             tile_m: tile_m as i32,
             scale_log2: scale * LOG2_E,
             token0: to_i32(token0, "first split token")?,
+            // Only the wgmma tile kernel stores bf16 rows; other rows are converted below.
+            out_bf16: if tiled && wgmma_tma.is_some() {
+                out_bf16
+            } else {
+                0
+            },
         };
         let grid_yz = |v: usize, what: &str| -> Result<u32> {
             ensure(v <= 65535, || {
@@ -1266,7 +1313,7 @@ impl CudaDevice {
                 unsafe { b.launch(cfg) }.ctx("attention cluster decode")?;
             }
             debug_assert!(c.clusters == 1 || work * CLUSTER_SIZE <= scratch.arrivals.len());
-            return Ok(());
+            return self.rest_to_bf16(&args, out_bf16, num_heads * d);
         }
         let groups = work;
         ensure(plan.splits == 1 || groups <= scratch.arrivals.len(), || {
@@ -1298,7 +1345,31 @@ impl CudaDevice {
         if n > token0 {
             unsafe { b.launch(split_cfg) }.ctx("attention split-K")?;
         }
-        Ok(())
+        self.rest_to_bf16(&args, out_bf16, num_heads * d)
+    }
+
+    /// The rows of `out_bf16` (0: none wanted) the tile kernel did not store: from the split
+    /// kernel's first token when the wgmma tile kernel stored its rows (`args.out_bf16`), else
+    /// all of them, converted from `args.out` (rows of `width`).
+    fn rest_to_bf16(&self, args: &AttnArgs, out_bf16: u64, width: usize) -> Result<()> {
+        if out_bf16 == 0 {
+            return Ok(());
+        }
+        let from = if args.out_bf16 != 0 {
+            args.token0 as usize * width
+        } else {
+            0
+        };
+        let n = args.n as usize * width;
+        // SAFETY: out holds n x width f32 and out_bf16 as many u16 (checked by the entry); from
+        // <= n.
+        unsafe {
+            self.to_bf16_at(
+                args.out + 4 * from as u64,
+                out_bf16 + 2 * from as u64,
+                n - from,
+            )
+        }
     }
 }
 

@@ -411,6 +411,12 @@ impl Backend for CudaPass<'_> {
             let dev = &self.m.dev;
             let rows = q.len() / (spec.num_heads * spec.head_dim);
             let mut out = self.alloc(rows * spec.num_heads * spec.head_dim)?;
+            // A bf16 model's prefill: o_proj's GEMM reads the output rounded to bf16, which the
+            // batch-copy attention writes itself (the wgmma tile kernel as it stores its rows).
+            let out_bf16 = match m.bf16_gemm_inputs && rows > GEMV_MAX_ROWS {
+                true => Some(self.scratch.activation::<u16>(dev, out.len())?),
+                false => None,
+            };
             let written = self.kv_written.take() == Some(layer);
             let at = placement(self.at, spec.sliding_window.is_some());
             let pool = self.pools[layer]
@@ -436,11 +442,19 @@ impl Backend for CudaPass<'_> {
                 sliding_window: spec.sliding_window,
             };
             let scratch = &mut self.scratch.attention;
-            match copy {
-                Some(c) => {
+            match (copy, out_bf16) {
+                (Some(c), Some(mut ob)) => {
+                    dev.paged_attention_batch_copy_with_bf16(
+                        q, pool, c, &at, &shape, &mut out, &mut ob, scratch,
+                    )
+                    .map_err(dev_err)?;
+                    out.attach_bf16(ob);
+                    return Ok(out);
+                }
+                (Some(c), None) => {
                     dev.paged_attention_batch_copy(q, pool, c, &at, &shape, &mut out, scratch)
                 }
-                None => dev.paged_attention_with(
+                (None, _) => dev.paged_attention_with(
                     self.m.prefill_attention,
                     q,
                     pool,
