@@ -413,7 +413,10 @@ impl Backend for CudaPass<'_> {
             let mut out = self.alloc(rows * spec.num_heads * spec.head_dim)?;
             // A bf16 model's prefill: o_proj's GEMM reads the output rounded to bf16, which the
             // batch-copy attention writes itself (the wgmma tile kernel as it stores its rows).
-            let out_bf16 = match m.bf16_gemm_inputs && rows > GEMV_MAX_ROWS {
+            // Only where `batch_copy` below gives a copy (never inside a decode graph).
+            let takes_copy = matches!(self.tokens, Tokens::Host)
+                && m.prefill_attention.takes_batch_copy(rows, spec.head_dim);
+            let out_bf16 = match m.bf16_gemm_inputs && rows > GEMV_MAX_ROWS && takes_copy {
                 true => Some(self.scratch.activation::<u16>(dev, out.len())?),
                 false => None,
             };
