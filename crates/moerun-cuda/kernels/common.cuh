@@ -120,7 +120,3 @@ __device__ __forceinline__ void pdl_entry() {
 #endif
 }
 
-// Ask for the 128-byte line at `p` to be brought into L2 (no register, no wait).
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}

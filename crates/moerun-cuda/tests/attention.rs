@@ -652,6 +652,23 @@ type CopyCase<'a> = (
     Option<Vec<usize>>,
 );
 
+/// A tensor-core prefill case named `name` (q in [-2, 2]), reading the batch's own keys from a
+/// bf16 batch copy when `batch_copy`.
+fn tensor_core_case<'a>(
+    name: String,
+    (shape, seqs, window, order): CopyCase<'a>,
+    batch_copy: bool,
+) -> Case<'a> {
+    let mut case = Case::new(name, shape);
+    case.seqs = seqs;
+    case.window = window;
+    case.order = order;
+    case.prefill = AttentionPrefill::TensorCoreBf16;
+    case.batch_copy = batch_copy;
+    case.q_range = 2.0;
+    case
+}
+
 /// The tensor-core kernel reading the batch's own keys from a bf16 batch copy: a fresh prefill,
 /// chunked prefills whose cached prefix is or is not a whole number of key tiles (those keys
 /// still come from the pool), windows, several sequences with decode tokens between them, and
@@ -682,19 +699,11 @@ fn tensor_core_prefill_from_the_batch_copy_equals_the_pool_path_bitwise() {
         ((8, 1, 128), &[(0, 192)][..], None, Some(late_first)),
         ((8, 2, 128), &split_a[..], None, Some(a_b_a)),
     ];
-    for (shape, seqs, window, order) in cases {
+    for c in cases {
+        let (shape, seqs, window, order) = &c;
         let reordered = order.is_some();
-        let mut case = Case::new(
-            format!("bf16 copy {shape:?} {seqs:?} window {window:?} reordered {reordered}"),
-            shape,
-        );
-        case.seqs = seqs;
-        case.window = window;
-        case.order = order;
-        case.prefill = AttentionPrefill::TensorCoreBf16;
-        case.batch_copy = true;
-        case.q_range = 2.0;
-        run_and_check(dev, &mut r, &case);
+        let name = format!("bf16 copy {shape:?} {seqs:?} window {window:?} reordered {reordered}");
+        run_and_check(dev, &mut r, &tensor_core_case(name, c, true));
     }
 }
 
@@ -724,18 +733,11 @@ fn tensor_core_prefill_builds_are_bitwise_equal() {
         (((4, 4, 64), &fresh[..], Some(250), None), true),
         (((8, 2, 128), &split_a[..], None, Some(a_b_a)), true),
     ];
-    for ((shape, seqs, window, order), batch_copy) in cases {
-        let mut case = Case::new(
-            format!("bf16 builds {shape:?} {seqs:?} window {window:?} copy {batch_copy}"),
-            shape,
-        );
-        case.seqs = seqs;
-        case.window = window;
-        case.order = order;
-        case.prefill = AttentionPrefill::TensorCoreBf16;
-        case.batch_copy = batch_copy;
+    for (c, batch_copy) in cases {
+        let (shape, seqs, window, _) = &c;
+        let name = format!("bf16 builds {shape:?} {seqs:?} window {window:?} copy {batch_copy}");
+        let mut case = tensor_core_case(name, c, batch_copy);
         case.variants = true;
-        case.q_range = 2.0;
         run_and_check(dev, &mut r, &case);
     }
 }
@@ -808,18 +810,11 @@ fn wgmma_prefill_matches_cpu_and_its_builds_agree_bitwise() {
         (((6, 2, 128), &cached_odd[..], Some(500), None), false),
         (((8, 2, 128), &split_a[..], None, Some(a_b_a)), true),
     ];
-    for ((shape, seqs, window, order), batch_copy) in cases {
-        let mut case = Case::new(
-            format!("wgmma {shape:?} {seqs:?} window {window:?} copy {batch_copy}"),
-            shape,
-        );
-        case.seqs = seqs;
-        case.window = window;
-        case.order = order;
-        case.prefill = AttentionPrefill::TensorCoreBf16;
-        case.batch_copy = batch_copy;
+    for (c, batch_copy) in cases {
+        let (shape, seqs, window, _) = &c;
+        let name = format!("wgmma {shape:?} {seqs:?} window {window:?} copy {batch_copy}");
+        let mut case = tensor_core_case(name, c, batch_copy);
         case.wgmma_builds = true;
-        case.q_range = 2.0;
         run_and_check(dev, &mut r, &case);
     }
 }

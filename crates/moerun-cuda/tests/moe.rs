@@ -899,13 +899,22 @@ fn wgmma_prefill_from_a_bf16_copy_of_x_gives_the_same_bits() {
     let mut xb = dev.upload(&vec![0u16; x.len()]).unwrap();
     dev.to_bf16(&xd, &mut xb).unwrap();
     let mut out = dev.upload(&poison(x.len())).unwrap();
-    dev.moe_experts_with_bf16_x(&xd, &xb, &idd, &wgt, k, &wd, &mut scratch, &mut out)
+    dev.moe_experts_with_bf16_x(&xd, Some(&xb), &idd, &wgt, k, &wd, &mut scratch, &mut out)
         .unwrap();
     assert_eq!(bits(&dev.download(&out).unwrap()), bits(&plain));
 
     let short = dev.upload(&vec![0u16; x.len() - 1]).unwrap();
     let err = dev
-        .moe_experts_with_bf16_x(&xd, &short, &idd, &wgt, k, &wd, &mut scratch, &mut out)
+        .moe_experts_with_bf16_x(
+            &xd,
+            Some(&short),
+            &idd,
+            &wgt,
+            k,
+            &wd,
+            &mut scratch,
+            &mut out,
+        )
         .unwrap_err();
     assert!(err.to_string().contains("bf16 copy of x"), "{err}");
 }

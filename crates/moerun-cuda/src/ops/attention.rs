@@ -215,14 +215,13 @@ fn first_untiled(seq_starts: &[usize], n: usize, tile_m: usize) -> usize {
     if seq_starts.is_empty() || tile_m == 0 {
         return 0;
     }
-    let mut t0 = 0;
-    while t0 + tile_m <= n {
-        if seq_starts.iter().any(|&s| s > t0 && s < t0 + tile_m) {
-            return t0;
-        }
-        t0 += tile_m;
-    }
-    t0
+    // The tile holding the first run start that is not on a tile boundary; else the tail.
+    let whole = n / tile_m * tile_m;
+    seq_starts
+        .iter()
+        .filter(|&&s| !s.is_multiple_of(tile_m))
+        .map(|&s| s / tile_m * tile_m)
+        .fold(whole, usize::min)
 }
 
 /// Shape of one attention layer.

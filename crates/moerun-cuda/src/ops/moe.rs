@@ -538,17 +538,17 @@ impl CudaDevice {
         scratch: &mut MoeScratch,
         out: &mut impl DevicePtrMut<f32>,
     ) -> Result<()> {
-        self.moe_experts_call(x, 0, ids, weights, top_k, experts, scratch, out)
+        self.moe_experts_with_bf16_x(x, None, ids, weights, top_k, experts, scratch, out)
     }
 
-    /// [`CudaDevice::moe_experts`] given also x rounded to bf16 (round to nearest even, as
-    /// `to_bf16` rounds it), which the wgmma prefill path then gathers from instead of
-    /// converting x itself: the same bits, one launch and a pass over x fewer.
+    /// [`CudaDevice::moe_experts`] given also, when the caller has it, x rounded to bf16 (round
+    /// to nearest even, as `to_bf16` rounds it), which the wgmma prefill path then gathers from
+    /// instead of converting x itself: the same bits, one launch and a pass over x fewer.
     #[allow(clippy::too_many_arguments)]
     pub fn moe_experts_with_bf16_x(
         &self,
         x: &impl DevicePtr<f32>,
-        x_bf16: &CudaSlice<u16>,
+        x_bf16: Option<&CudaSlice<u16>>,
         ids: &impl DevicePtr<u32>,
         weights: &impl DevicePtr<f32>,
         top_k: usize,
@@ -556,32 +556,23 @@ impl CudaDevice {
         scratch: &mut MoeScratch,
         out: &mut impl DevicePtrMut<f32>,
     ) -> Result<()> {
-        ensure(x_bf16.len() == x.len(), || {
-            format!(
-                "moe_experts: the bf16 copy of x holds {}, x {}",
-                x_bf16.len(),
-                x.len()
-            )
-        })?;
-        let xb = self.ptr(x_bf16, "moe_experts x bf16")?;
-        ensure(xb.is_multiple_of(16), || {
-            "moe_experts: the bf16 copy of x must start 16-byte aligned".to_string()
-        })?;
-        self.moe_experts_call(x, xb, ids, weights, top_k, experts, scratch, out)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn moe_experts_call(
-        &self,
-        x: &impl DevicePtr<f32>,
-        x_bf16: u64,
-        ids: &impl DevicePtr<u32>,
-        weights: &impl DevicePtr<f32>,
-        top_k: usize,
-        experts: &DeviceExperts,
-        scratch: &mut MoeScratch,
-        out: &mut impl DevicePtrMut<f32>,
-    ) -> Result<()> {
+        let x_bf16 = match x_bf16 {
+            None => 0,
+            Some(xb) => {
+                ensure(xb.len() == x.len(), || {
+                    format!(
+                        "moe_experts: the bf16 copy of x holds {}, x {}",
+                        xb.len(),
+                        x.len()
+                    )
+                })?;
+                let p = self.ptr(xb, "moe_experts x bf16")?;
+                ensure(p.is_multiple_of(16), || {
+                    "moe_experts: the bf16 copy of x must start 16-byte aligned".to_string()
+                })?;
+                p
+            }
+        };
         let (e, h, i) = (experts.experts, experts.hidden, experts.intermediate);
         ensure(
             (scratch.experts, scratch.hidden, scratch.intermediate) == (e, h, i),

@@ -411,15 +411,6 @@ impl Backend for CudaPass<'_> {
             let dev = &self.m.dev;
             let rows = q.len() / (spec.num_heads * spec.head_dim);
             let mut out = self.alloc(rows * spec.num_heads * spec.head_dim)?;
-            // A bf16 model's prefill: o_proj's GEMM reads the output rounded to bf16, which the
-            // batch-copy attention writes itself (the wgmma tile kernel as it stores its rows).
-            // Only where `batch_copy` below gives a copy (never inside a decode graph).
-            let takes_copy = matches!(self.tokens, Tokens::Host)
-                && m.prefill_attention.takes_batch_copy(rows, spec.head_dim);
-            let out_bf16 = match m.bf16_gemm_inputs && rows > GEMV_MAX_ROWS && takes_copy {
-                true => Some(self.scratch.activation::<u16>(dev, out.len())?),
-                false => None,
-            };
             let written = self.kv_written.take() == Some(layer);
             let at = placement(self.at, spec.sliding_window.is_some());
             let pool = self.pools[layer]
@@ -437,6 +428,14 @@ impl Backend for CudaPass<'_> {
                 dev.kv_write_with_copy(pool, k, v, &at, copy.as_deref_mut())
                     .map_err(dev_err)?;
             }
+            // A bf16 model's prefill: o_proj's GEMM reads the output rounded to bf16, which the
+            // batch-copy attention writes itself (the wgmma tile kernel as it stores its rows).
+            let out_bf16 = match copy.is_some() && m.bf16_gemm_inputs && rows > GEMV_MAX_ROWS {
+                true => Some(dev.activation::<u16>(Some(&self.scratch.arena), out.len()))
+                    .transpose()
+                    .map_err(dev_err)?,
+                false => None,
+            };
             let shape = AttentionShape {
                 num_heads: spec.num_heads,
                 num_kv_heads: spec.num_kv_heads,
@@ -510,12 +509,9 @@ impl Backend for CudaPass<'_> {
             })?;
             let mut out = self.alloc(rows * hidden)?;
             let scratch = self.scratch.moe(dev, experts, rows, k)?;
-            match x.bf16() {
-                Some(xb) => dev
-                    .moe_experts_with_bf16_x(x, xb, &ids, &weights, k, experts, scratch, &mut out),
-                None => dev.moe_experts(x, &ids, &weights, k, experts, scratch, &mut out),
-            }
-            .map_err(dev_err)?;
+            let xb = x.bf16().map(|b| &**b);
+            dev.moe_experts_with_bf16_x(x, xb, &ids, &weights, k, experts, scratch, &mut out)
+                .map_err(dev_err)?;
             if let Some(shared) = &w.shared_expert {
                 let s = self.mlp(x, shared)?;
                 let gate = match &w.shared_expert_gate {
