@@ -215,3 +215,87 @@ GEMV_ROWS_KERNEL(gemv_rows_f32_m1, ChunkF32, 1, 2)
 GEMV_ROWS_KERNEL(gemv_rows_f32_m2, ChunkF32, 2, 2)
 GEMV_ROWS_KERNEL(gemv_rows_f32_m4, ChunkF32, 4, 1)
 GEMV_ROWS_KERNEL(gemv_rows_f32_m8, ChunkF32, 8, 1)
+
+// ---- staged: one row of x, the block's weight rows in shared memory before the wait ----
+//
+// gemv_staged_<dt>: grid ceil(n / rpb), block 256, dynamic shared memory rpb rows of weights (rpb
+// a multiple of ROWS_PER_BLOCK, sized by gemv.rs so that the grid is at most one block per SM).
+// Before griddepcontrol.wait, thread 0 hands the whole slice to the bulk copy engine, one copy
+// per group of 4 rows completing on its own mbarrier: under programmatic dependent launch the
+// weights stream while the kernel before still runs (the attention before o_proj, the norm
+// before q/k/v), with no registers held for them. After the wait each group is computed as it
+// lands, exactly as gemv_block_rows<C, 1, U> computes its 4 rows (same thread-to-chunk map, same
+// fmaf order, same reductions): the outputs are the bits of gemv_rows_<dt>_m1.
+#define STAGED_MAX_GROUPS 64
+
+template <typename C>
+__device__ __forceinline__ void gemv_staged(const void* __restrict__ w_raw,
+                                            const float* __restrict__ x, float* __restrict__ y,
+                                            int n, int k, int rpb) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int R = ROWS_PER_BLOCK;
+    extern __shared__ __align__(128) uint4 staged_w[];
+    __shared__ __align__(8) u64 staged_bars[STAGED_MAX_GROUPS];
+    __shared__ float partial[2][ROWS_WARPS][R];  // alternate groups: one barrier per group
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int row0 = blockIdx.x * rpb;
+    const int rows = min(rpb, n - row0);  // >= 1: the grid is ceil(n / rpb)
+    const int groups = (rows + R - 1) / R;
+    const int chunks = k / C::N;
+    const uint4* w = reinterpret_cast<const uint4*>(w_raw) + (u64)row0 * chunks;
+    if (tid == 0) {
+        for (int g = 0; g < groups; ++g) mbar_init(smem_u32(&staged_bars[g]), 1);
+        // The barriers' initialisation, visible to the bulk copy engine that completes them.
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        for (int g = 0; g < groups; ++g) {
+            const u32 bytes = (u32)(min(R, rows - g * R) * chunks * 16);
+            const u32 bar = smem_u32(&staged_bars[g]);
+            mbar_expect_tx(bar, bytes);
+            bulk_load(smem_u32(staged_w + (u64)g * R * chunks), w + (u64)g * R * chunks, bytes, bar);
+        }
+    }
+    __syncthreads();  // the barriers exist before anyone waits on them
+    pdl_entry();
+    for (int g = 0; g < groups; ++g) {
+        const int rows_here = min(R, rows - g * R);  // block-uniform
+        const uint4* ws = staged_w + (u64)g * R * chunks;
+        mbar_wait(smem_u32(&staged_bars[g]), 0);
+        float acc[1][R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[0][r] = 0.0f;
+        for (int c = tid; c < chunks; c += ROWS_THREADS) {
+            uint4 q[R];
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+                q[r] = r < rows_here ? ws[(u64)r * chunks + c] : make_uint4(0u, 0u, 0u, 0u);
+            fma_rows<C, 1, R>(q, x, k, c, acc);
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const float v = warp_sum(acc[0][r]);
+            if (lane == 0) partial[g & 1][warp][r] = v;
+        }
+        // Group g + 2 rewrites this buffer only after the barrier of group g + 1, which the
+        // readers below pass after reading.
+        __syncthreads();
+        if (tid < rows_here) {
+            float s = 0.0f;
+#pragma unroll
+            for (int i = 0; i < ROWS_WARPS; ++i) s += partial[g & 1][i][tid];
+            y[row0 + g * R + tid] = s;
+        }
+    }
+#endif
+}
+
+#define GEMV_STAGED_KERNEL(NAME, CHUNK)                                                          \
+    extern "C" __global__ void __launch_bounds__(ROWS_THREADS)                                  \
+        NAME(const void* w, const float* x, float* y, int n, int k, int rpb) {                   \
+        gemv_staged<CHUNK>(w, x, y, n, k, rpb);                                                  \
+    }
+
+GEMV_STAGED_KERNEL(gemv_staged_bf16, ChunkBf16)
+GEMV_STAGED_KERNEL(gemv_staged_f16, ChunkF16)
+GEMV_STAGED_KERNEL(gemv_staged_f32, ChunkF32)

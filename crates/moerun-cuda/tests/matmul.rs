@@ -94,6 +94,93 @@ fn gemv_matches_f64_reference_for_every_dtype_and_batch_size() {
     }
 }
 
+/// The staged layout (sm_90, one row of x) repeats `BlockPerRows`' arithmetic from shared memory,
+/// so it must give its bits, and `gemv` must take it for one row; elsewhere it is refused by
+/// name. Shapes: Qwen3-30B-A3B's q/k/v (10 groups of 4 rows per block), o_proj (8 KiB rows) and
+/// router; 1001 rows leave a last block of one row; k = 40 and 2056 as in the test above.
+#[test]
+fn staged_gemv_gives_the_block_per_rows_bits() {
+    let Some(dev) = device() else { return };
+    let hopper = dev.info().compute_capability == (9, 0);
+    let mut r = rng("gemv_staged");
+    for (dtype, n, k) in [
+        (DType::BF16, 5120usize, 2048usize),
+        (DType::BF16, 2048, 4096),
+        (DType::BF16, 128, 2048),
+        (DType::BF16, 77, 40),
+        (DType::BF16, 1001, 2056),
+        (DType::F16, 500, 1024),
+        (DType::F32, 333, 516),
+    ] {
+        let (bytes, w) = store(&uniform(&mut r, n * k, -1.0, 1.0), dtype);
+        let wd = dev
+            .upload_matrix(MatRef {
+                dtype,
+                rows: n,
+                cols: k,
+                data: &bytes,
+            })
+            .unwrap();
+        let x = uniform(&mut r, k, -1.0, 1.0);
+        let xd = dev.upload(&x).unwrap();
+        let mut staged = dev.upload(&poison(n)).unwrap();
+        let res = dev.gemv_with(GemvLayout::Staged, &xd, 1, &wd, &mut staged);
+        if !hopper {
+            let err = res.unwrap_err();
+            assert!(matches!(err, CudaError::Unsupported(_)), "{err}");
+            continue;
+        }
+        res.unwrap();
+        let staged = dev.download(&staged).unwrap();
+        check(
+            &format!("gemv Staged {dtype} {n}x{k} m=1"),
+            rel_err(&staged, &matmul_f64(&x, 1, &w, n, k)),
+            1e-5,
+        );
+        let mut rows = dev.zeros::<f32>(n).unwrap();
+        dev.gemv_with(GemvLayout::BlockPerRows, &xd, 1, &wd, &mut rows)
+            .unwrap();
+        let rows = dev.download(&rows).unwrap();
+        let mut default = dev.zeros::<f32>(n).unwrap();
+        dev.gemv(&xd, 1, &wd, &mut default).unwrap();
+        let default = dev.download(&default).unwrap();
+        for i in 0..n {
+            assert_eq!(
+                staged[i].to_bits(),
+                rows[i].to_bits(),
+                "{dtype} {n}x{k} row {i}: staged {} block per rows {}",
+                staged[i],
+                rows[i]
+            );
+            assert_eq!(
+                default[i].to_bits(),
+                rows[i].to_bits(),
+                "gemv {dtype} {n}x{k} row {i}"
+            );
+        }
+    }
+    if hopper {
+        let (bytes, _) = store(&uniform(&mut r, 64 * 64, -1.0, 1.0), DType::BF16);
+        let wd = dev
+            .upload_matrix(MatRef {
+                dtype: DType::BF16,
+                rows: 64,
+                cols: 64,
+                data: &bytes,
+            })
+            .unwrap();
+        let xd = dev.zeros::<f32>(2 * 64).unwrap();
+        let mut out = dev.zeros::<f32>(2 * 64).unwrap();
+        let err = dev
+            .gemv_with(GemvLayout::Staged, &xd, 2, &wd, &mut out)
+            .unwrap_err();
+        assert!(
+            matches!(err, CudaError::Unsupported(ref m) if m.contains("staged")),
+            "{err}"
+        );
+    }
+}
+
 #[test]
 fn gemv_rows_do_not_depend_on_the_batch() {
     let Some(dev) = device() else { return };
