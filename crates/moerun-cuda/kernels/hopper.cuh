@@ -125,17 +125,6 @@ __device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
                  : "memory");
 }
 
-// `bytes` (a multiple of 16, both addresses 16-byte aligned) global -> shared by the bulk copy
-// engine, no registers held: the barrier's transaction count drops by `bytes` when they land
-// (pair with mbar_expect_tx). Each block is its own cluster of one here, so the shared::cluster
-// destination is this CTA's shared memory.
-__device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
-        "l"(src), "r"(bytes), "r"(bar)
-        : "memory");
-}
-
 // Arrive on the barrier at the same shared offset in CTA `rank` of the cluster.
 __device__ __forceinline__ void mbar_arrive_cluster(u32 bar, u32 rank) {
     asm volatile(

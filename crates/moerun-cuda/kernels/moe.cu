@@ -108,8 +108,7 @@ extern "C" __global__ void __launch_bounds__(1024)
 // totals.
 // WAIT: the first step's weights are issued before the kernel waits for the one before it
 // (programmatic dependent launch, common.cuh); x is only read after. Same steps, same order.
-// SMEM: the rows are in shared memory (moe_staged_down), read with plain loads; same steps.
-template <typename C, int M, int R, int U, bool WAIT = false, bool SMEM = false>
+template <typename C, int M, int R, int U, bool WAIT = false>
 __device__ __forceinline__ void moe_warp_rows(const uint4* const (&w)[R], const float* const (&x)[M],
                                               int chunks, float (&acc)[M][R]) {
     const int lane = threadIdx.x & 31;
@@ -124,8 +123,7 @@ __device__ __forceinline__ void moe_warp_rows(const uint4* const (&w)[R], const 
             const int c = c0 + 32 * u;
 #pragma unroll
             for (int r = 0; r < R; ++r)
-                q[u][r] = c < chunks ? (SMEM ? w[r][c] : load_stream(w[r] + c))
-                                     : make_uint4(0u, 0u, 0u, 0u);
+                q[u][r] = c < chunks ? load_stream(w[r] + c) : make_uint4(0u, 0u, 0u, 0u);
         }
     };
     auto step = [&](int c0) {
@@ -189,7 +187,7 @@ __device__ __forceinline__ void moe_pass_pairs(const u32* __restrict__ list, int
 
 // The warp's JW intermediate indices j .. j + JW (those < inter): gate and up rows of each, one
 // fmaf chain per row exactly as with one index per warp, so JW changes no bit of h.
-template <typename C, int M, int JW = 1, int U = MOE_GU_UNROLL / JW>
+template <typename C, int M, int JW = 1>
 __device__ __forceinline__ void moe_gate_up_pass(const uint4* wg, const uint4* wu,
                                                  const float* __restrict__ x, const u32 (&p)[M],
                                                  int taken, int top_k, int hidden, int inter, int j,
@@ -206,9 +204,8 @@ __device__ __forceinline__ void moe_gate_up_pass(const uint4* wg, const uint4* w
         w[2 * jw + 1] = wu + (u64)jj * chunks;
     }
     float acc[M][2 * JW];
-    // By default the same bytes in flight per lane for any JW: 2 JW rows x MOE_GU_UNROLL / JW
-    // chunks. U changes when loads issue, never the order of the sums.
-    moe_warp_rows<C, M, 2 * JW, U>(w, xr, chunks, acc);
+    // The same bytes in flight per lane for any JW: 2 JW rows x MOE_GU_UNROLL / JW chunks.
+    moe_warp_rows<C, M, 2 * JW, MOE_GU_UNROLL / JW>(w, xr, chunks, acc);
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int m = 0; m < M; ++m) {
@@ -460,7 +457,7 @@ MOE_DOWN_KERNEL(moe_down_f32_m8, ChunkF32, 8, 1)
 #define MOE_TINY_MAX_K 32
 #define MOE_TINY_JW 2  // intermediate indices per warp of moe_tiny_gate_up
 
-template <typename C, int JW, int U = MOE_GU_UNROLL / JW>
+template <typename C, int JW>
 __device__ __forceinline__ void moe_tiny_gate_up(const void* __restrict__ gate_up,
                                                  const float* __restrict__ x,
                                                  const u32* __restrict__ ids, int pairs_n,
@@ -489,7 +486,7 @@ __device__ __forceinline__ void moe_tiny_gate_up(const void* __restrict__ gate_u
     while (todo != 0u) {
         const u32 p[1] = {(u32)(__ffs(todo) - 1)};
         todo &= todo - 1u;
-        moe_gate_up_pass<C, 1, JW, U>(wg, wu, x, p, 1, top_k, hidden, inter, j, h, act);
+        moe_gate_up_pass<C, 1, JW>(wg, wu, x, p, 1, top_k, hidden, inter, j, h, act);
     }
 }
 
@@ -540,93 +537,6 @@ __device__ __forceinline__ void moe_tiny_down(const void* __restrict__ down,
     }
 }
 
-// ---- one token: down's rows in shared memory before the wait ----
-//
-// moe_staged_down_<dt>: grid ceil(H / rb), block 256, for a batch of one token (its k pairs).
-// Block b computes rows rb b .. + rb of out. Before griddepcontrol.wait, thread 0 reads the
-// token's expert ids (route_topk's, two kernels back, finished before gate_up let this kernel
-// launch; read through L2) and hands the rows of the first `staged` ranks to the bulk copy
-// engine, one copy per rank (an expert's rows are contiguous), each completing on its own
-// mbarrier: under programmatic dependent launch they stream beside gate_up's instead of after
-// it. The later ranks (what did not fit) stream from global memory after the wait. Then warp w
-// takes ranks w, w + 8, ... and computes each row exactly as moe_tiny_down does (the same
-// moe_warp_rows chains, NaN for an out-of-range id), and a thread per row sums the ranks in order:
-// the bits of moe_tiny_down. Dynamic shared memory: staged x rb rows of weights, then k x rb
-// floats of per-rank rows.
-template <typename C>
-__device__ __forceinline__ void moe_staged_down(const void* __restrict__ down,
-                                                const float* __restrict__ h,
-                                                const u32* __restrict__ ids,
-                                                const float* __restrict__ weights,
-                                                float* __restrict__ out, int experts, int hidden,
-                                                int inter, int top_k, int rb, int staged) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    extern __shared__ __align__(128) uint4 sd_w[];
-    __shared__ __align__(8) u64 sd_bars[MOE_TINY_MAX_K];
-    const int chunks = inter / C::N;
-    const int row0 = blockIdx.x * rb;
-    const int rows = min(rb, hidden - row0);  // >= 1: the grid is ceil(H / rb)
-    float* ys = reinterpret_cast<float*>(sd_w + (u64)staged * rb * chunks);  // [top_k][rb]
-    const uint4* dw = reinterpret_cast<const uint4*>(down);
-    if (threadIdx.x == 0) {
-        for (int r = 0; r < staged; ++r) mbar_init(smem_u32(&sd_bars[r]), 1);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        for (int r = 0; r < staged; ++r) {
-            const u32 e = __float_as_uint(load_cg(reinterpret_cast<const float*>(ids + r)));
-            const u32 bar = smem_u32(&sd_bars[r]);
-            if (e < (u32)experts) {
-                const u32 bytes = (u32)(rows * chunks * 16);
-                mbar_expect_tx(bar, bytes);
-                bulk_load(smem_u32(sd_w + (u64)r * rb * chunks),
-                          dw + ((u64)e * hidden + row0) * chunks, bytes, bar);
-            } else {
-                mbar_arrive(bar);  // nothing to load: its rows are NaN
-            }
-        }
-    }
-    __syncthreads();  // the barriers exist before anyone waits on them
-    pdl_entry();
-    const int warp = threadIdx.x >> 5;
-    const int lane = threadIdx.x & 31;
-    for (int r = warp; r < top_k; r += MOE_WARPS) {
-        const u32 e = __float_as_uint(load_cg(reinterpret_cast<const float*>(ids + r)));
-        const bool valid = e < (u32)experts;
-        const float* const xr[1] = {h + (u64)r * inter};
-        if (r < staged) mbar_wait(smem_u32(&sd_bars[r]), 0);
-        for (int j = 0; j < rows; j += MOE_DOWN_ROWS) {
-            const int rows_here = min(MOE_DOWN_ROWS, rows - j);
-            float acc[1][MOE_DOWN_ROWS];
-            const uint4* w[MOE_DOWN_ROWS];
-            if (!valid) {
-#pragma unroll
-                for (int q = 0; q < MOE_DOWN_ROWS; ++q) acc[0][q] = __int_as_float(0x7fffffff);
-            } else if (r < staged) {
-#pragma unroll
-                for (int q = 0; q < MOE_DOWN_ROWS; ++q)
-                    w[q] = sd_w + ((u64)r * rb + j + min(q, rows_here - 1)) * chunks;
-                moe_warp_rows<C, 1, MOE_DOWN_ROWS, 1, false, true>(w, xr, chunks, acc);
-            } else {
-#pragma unroll
-                for (int q = 0; q < MOE_DOWN_ROWS; ++q)
-                    w[q] = dw + ((u64)e * hidden + row0 + j + min(q, rows_here - 1)) * chunks;
-                moe_warp_rows<C, 1, MOE_DOWN_ROWS, 1>(w, xr, chunks, acc);
-            }
-            if (lane == 0) {
-#pragma unroll
-                for (int q = 0; q < MOE_DOWN_ROWS; ++q)
-                    if (q < rows_here) ys[r * rb + j + q] = acc[0][q];
-            }
-        }
-    }
-    __syncthreads();
-    for (int j = threadIdx.x; j < rows; j += MOE_THREADS) {
-        float s = 0.0f;
-        for (int r = 0; r < top_k; ++r) s = fmaf(weights[r], ys[r * rb + j], s);
-        out[row0 + j] = s;
-    }
-#endif
-}
-
 #define MOE_TINY_KERNELS(DT, CHUNK)                                                              \
     extern "C" __global__ void __launch_bounds__(MOE_THREADS, 3)                                 \
         moe_tiny_gate_up_##DT(const void* gate_up, const float* x, const u32* ids, int pairs_n,  \
@@ -645,26 +555,3 @@ __device__ __forceinline__ void moe_staged_down(const void* __restrict__ down,
 MOE_TINY_KERNELS(bf16, ChunkBf16)
 MOE_TINY_KERNELS(f16, ChunkF16)
 MOE_TINY_KERNELS(f32, ChunkF32)
-
-// moe_tiny_gate_up_lean_<dt>: moe_tiny_gate_up at 64 registers (4 blocks per SM) with one chunk
-// per row in flight (half the bytes), so that beside its ~3 blocks per SM a moe_staged_down block
-// (256 threads, 64 registers) still fits. Same chains, same h.
-// f32 weights keep the tiny pair (at 64 registers their wider chunks spill).
-#define MOE_STAGED_KERNELS(DT, CHUNK)                                                            \
-    extern "C" __global__ void __launch_bounds__(MOE_THREADS, 4)                                 \
-        moe_tiny_gate_up_lean_##DT(const void* gate_up, const float* x, const u32* ids,          \
-                                   int pairs_n, float* h, int experts, int hidden, int inter,    \
-                                   int top_k, int act) {                                         \
-        moe_tiny_gate_up<CHUNK, MOE_TINY_JW, 1>(gate_up, x, ids, pairs_n, h, experts, hidden,   \
-                                                inter, top_k, act);                              \
-    }                                                                                            \
-    extern "C" __global__ void __launch_bounds__(MOE_THREADS, 4)                                 \
-        moe_staged_down_##DT(const void* down, const float* h, const u32* ids,                   \
-                             const float* weights, float* out, int experts, int hidden,          \
-                             int inter, int top_k, int rb, int staged) {                         \
-        moe_staged_down<CHUNK>(down, h, ids, weights, out, experts, hidden, inter, top_k, rb,    \
-                               staged);                                                          \
-    }
-
-MOE_STAGED_KERNELS(bf16, ChunkBf16)
-MOE_STAGED_KERNELS(f16, ChunkF16)

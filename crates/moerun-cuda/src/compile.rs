@@ -133,11 +133,10 @@ pub const KERNEL_FILES: &[KernelFile] = &[
 ];
 
 /// Kernel files built for the architecture-specific target `sm_90a` on compute capability 9.0
-/// devices (wgmma, setmaxnreg exist only there), and given the Hopper prelude (mbarriers, bulk
-/// copies). Each guards its Hopper-only bodies with `__CUDA_ARCH_FEAT_SM90_ALL`, so on any other
-/// architecture those compile to entry points that are never launched (the GEMV file's other
-/// kernels are plain and run everywhere).
-pub const SM90A_FILES: &[&str] = &["moe_wgmma", "attention_wgmma", "gemv", "moe"];
+/// devices (wgmma, setmaxnreg exist only there). Each guards its bodies with
+/// `__CUDA_ARCH_FEAT_SM90_ALL`, so on any other architecture it compiles to entry points that are
+/// never launched.
+pub const SM90A_FILES: &[&str] = &["moe_wgmma", "attention_wgmma"];
 
 /// The target `file` is compiled for on a device whose plain target is `arch`: `sm_90a` (or
 /// `compute_90a`) for the files of [`SM90A_FILES`] on sm_90, else `arch` itself.

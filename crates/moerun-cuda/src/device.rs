@@ -8,7 +8,7 @@
 use std::sync::Arc;
 
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::sys::{self, CUdevice_attribute, CUevent_flags, CUfunction_attribute};
+use cudarc::driver::sys::{self, CUdevice_attribute, CUevent_flags};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
     DeviceRepr, ValidAsZeroBits,
@@ -63,52 +63,12 @@ pub(crate) struct Kernels {
     /// `[layout][dtype_slot][i]` for x-row counts `GEMV_ROWS[i]`; layout 0 is warp per row,
     /// 1 block per rows (see `ops::gemv`).
     pub gemv: [[[CudaFunction; 4]; 3]; 2],
-    /// The staged batch-1 GEMV, indexed by [`dtype_slot`] (see `ops::gemv`; launched on sm_90
-    /// only), each opted in to `ops::gemv::STAGED_SMEM_MAX` bytes of shared memory where the
-    /// device allows it (`None` where it does not).
-    pub gemv_staged: [Option<CudaFunction>; 3],
     pub elementwise: crate::ops::ElementwiseKernels,
     pub fused: crate::ops::FusedKernels,
     pub moe: crate::ops::MoeKernels,
     pub attention: crate::ops::AttentionKernels,
     pub gemma: crate::ops::GemmaKernels,
     pub gated_delta: crate::ops::GatedDeltaKernels,
-}
-
-/// Kernels that run beside a staged GEMV (ops::gemv) in a decode step: the ones it waits behind
-/// (the norms, the decode attention) and the ones that wait behind it (the attention prologue,
-/// the router's top-k, the norm after o_proj).
-const STAGED_NEIGHBOURS: &[&str] = &[
-    "gemv_staged_",
-    "add_rms_norm_f32",
-    "attn_cluster_",
-    "attn_split_",
-    "qkv_split_norm_rope",
-    "route_topk_",
-];
-
-/// The L1 / shared memory split `func` asks for (percent of the SM's 228 KiB given to shared
-/// memory), or `None` for the driver's choice. An SM runs blocks of two kernels side by side
-/// only while its split suits both, and a staged GEMV launched early under programmatic
-/// dependent launch needs up to 192 KiB beside the kernel before it: with the driver's
-/// per-kernel choice the SM first drains and is reconfigured. So on sm_90 the staged GEMV and
-/// its neighbours ask for the largest share; the rest keep the driver's choice (a larger L1:
-/// the MoE decode kernels reread x and h through it). `MOERUN_CUDA_CARVEOUT=all|default`
-/// overrides it (every kernel, or none).
-fn shared_memory_carveout(arch: &str, func: &str) -> Option<i32> {
-    let scope = std::env::var("MOERUN_CUDA_CARVEOUT").unwrap_or_default();
-    if arch != "sm_90" {
-        return None;
-    }
-    match scope.as_str() {
-        "default" => None,
-        "all" => Some(100),
-        s if s.starts_with("all:") => s[4..].parse().ok(),
-        _ => STAGED_NEIGHBOURS
-            .iter()
-            .any(|p| func.starts_with(p))
-            .then_some(100),
-    }
 }
 
 /// Rows of x one GEMV launch handles, one kernel instantiation each.
@@ -138,15 +98,8 @@ impl Kernels {
                 .iter()
                 .find(|(n, _)| *n == file)
                 .expect("every kernel file is compiled above");
-            let f = m
-                .load_function(func)
-                .ctx(&format!("loading {func} from {file}.cu"))?;
-            if let Some(share) = shared_memory_carveout(arch, func) {
-                let attr = CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT;
-                // A hint: a device that ignores it runs as before.
-                let _ = f.set_attribute(attr, share);
-            }
-            Ok(f)
+            m.load_function(func)
+                .ctx(&format!("loading {func} from {file}.cu"))
         };
         let gemv = |prefix: &str, dt: &str| -> Result<[CudaFunction; 4]> {
             Ok([
@@ -182,11 +135,6 @@ impl Kernels {
                 get("embedding", "embed_f32")?,
             ],
             gemv: [layout("gemv")?, layout("gemv_rows")?],
-            gemv_staged: [
-                crate::ops::staged_gemv_kernel(get("gemv", "gemv_staged_bf16")?),
-                crate::ops::staged_gemv_kernel(get("gemv", "gemv_staged_f16")?),
-                crate::ops::staged_gemv_kernel(get("gemv", "gemv_staged_f32")?),
-            ],
             elementwise: crate::ops::ElementwiseKernels::load(|f| get("elementwise", f))?,
             fused: crate::ops::FusedKernels::load(|f| get("fused", f))?,
             moe: crate::ops::MoeKernels::load(get)?,

@@ -9,25 +9,16 @@
 //!   L1 serves four rows and rows of a few KiB need no serial loop; partial sums meet in shared
 //!   memory.
 //!
-//! - [`GemvLayout::Staged`] (sm_90, one row of x): grid at most one block per SM, each block's
-//!   whole slice of weight rows handed to the bulk copy engine before the kernel waits for the
-//!   one before it, so under programmatic dependent launch the weights stream into shared memory
-//!   during that kernel (the decode attention before o_proj, the norms before q/k/v and the
-//!   router) instead of after it. It computes exactly as `BlockPerRows` does, so the bits are the
-//!   same; [`CudaDevice::gemv`] takes it for every batch of one row where the slice fits.
-//!
 //! A batch of m rows runs as launches of 8, 4, 2 and 1 rows (m = 3 is a 2-row and a 1-row
 //! launch), each reading the weights once. Each output is summed in an order fixed by k and the
 //! layout, never by m or the other rows, so GEMV results are batch invariant among themselves (but
 //! not bit-equal to the CPU's or to the cuBLAS GEMM's).
 
-use std::sync::OnceLock;
-
-use cudarc::driver::{CudaFunction, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
 use super::{blocks, to_i32};
 use crate::device::{dtype_slot, GEMV_ROWS};
-use crate::error::{ensure, CudaError, DriverContext, Result};
+use crate::error::{ensure, DriverContext, Result};
 use crate::{CudaDevice, DeviceMatrix};
 
 /// How the GEMV kernel maps weight rows to threads (see the module doc).
@@ -35,19 +26,18 @@ use crate::{CudaDevice, DeviceMatrix};
 pub enum GemvLayout {
     WarpPerRow,
     BlockPerRows,
-    Staged,
 }
 
 impl GemvLayout {
-    /// The layout [`CudaDevice::gemv`] uses where [`GemvLayout::Staged`] does not apply: the
-    /// faster of the other two on every shape measured (docs/perf/cuda-ops.md).
+    /// The layout [`CudaDevice::gemv`] uses: the faster of the two on every shape measured
+    /// (docs/perf/cuda-ops.md).
     pub const DEFAULT: GemvLayout = GemvLayout::BlockPerRows;
 
-    /// Weight rows per block of the streaming layouts.
+    /// Weight rows per block.
     fn rows_per_block(self) -> usize {
         match self {
             GemvLayout::WarpPerRow => 8,
-            GemvLayout::BlockPerRows | GemvLayout::Staged => 4,
+            GemvLayout::BlockPerRows => 4,
         }
     }
 
@@ -55,44 +45,9 @@ impl GemvLayout {
     fn slot(self) -> usize {
         match self {
             GemvLayout::WarpPerRow => 0,
-            GemvLayout::BlockPerRows | GemvLayout::Staged => 1,
+            GemvLayout::BlockPerRows => 1,
         }
     }
-}
-
-/// Most dynamic shared memory one staged GEMV block takes. Its point is to be resident beside
-/// the kernel it waits behind (a decode attention block takes ~20 KiB, a norm none), inside the
-/// SM's 228 KiB.
-pub(crate) const STAGED_SMEM_MAX: usize = 192 << 10;
-
-/// Groups of 4 rows a staged block may hold (`STAGED_MAX_GROUPS` in gemv.cu: one mbarrier each).
-const STAGED_MAX_GROUPS: usize = 64;
-
-/// `f` opted in to [`STAGED_SMEM_MAX`] bytes of dynamic shared memory, or `None` where the device
-/// does not allow that much (then the staged layout never runs there).
-pub(crate) fn staged_gemv_kernel(f: CudaFunction) -> Option<CudaFunction> {
-    super::with_dynamic_smem(f, STAGED_SMEM_MAX)
-}
-
-/// Rows per block and dynamic shared memory of a staged GEMV over `n` rows of `row_bytes`, in at
-/// most `blocks` blocks: the fewest rows (a multiple of 4) that keep the grid within them, or
-/// `None` where that slice passes [`STAGED_SMEM_MAX`].
-pub(crate) fn staged_plan(n: usize, row_bytes: usize, blocks: usize) -> Option<(usize, usize)> {
-    let rpb = n.div_ceil(blocks.max(1)).next_multiple_of(4);
-    let smem = rpb * row_bytes;
-    (rpb / 4 <= STAGED_MAX_GROUPS && smem <= STAGED_SMEM_MAX).then_some((rpb, smem))
-}
-
-/// Staged blocks per SM the plan aims at (`MOERUN_CUDA_GEMV_STAGED=<n>`; 0 turns the layout off:
-/// an A/B switch without a rebuild).
-fn staged_blocks_per_sm() -> usize {
-    static PER_SM: OnceLock<usize> = OnceLock::new();
-    *PER_SM.get_or_init(|| {
-        std::env::var("MOERUN_CUDA_GEMV_STAGED")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(1)
-    })
 }
 
 impl CudaDevice {
@@ -106,26 +61,7 @@ impl CudaDevice {
         w: &DeviceMatrix,
         out: &mut impl DevicePtrMut<f32>,
     ) -> Result<()> {
-        let layout = if self.staged_gemv(m, w).is_some() {
-            GemvLayout::Staged
-        } else {
-            GemvLayout::DEFAULT
-        };
-        self.gemv_with(layout, x, m, w, out)
-    }
-
-    /// The staged kernel and its plan for `m` rows of x against `w`, where that layout applies:
-    /// one row, compute capability 9.0, and a slice per block that fits (see [`staged_plan`]).
-    fn staged_gemv(&self, m: usize, w: &DeviceMatrix) -> Option<(&CudaFunction, usize, usize)> {
-        let f = self.kernels.gemv_staged[dtype_slot(w.dtype())].as_ref()?;
-        let per_sm = staged_blocks_per_sm();
-        if m != 1 || self.info().compute_capability != (9, 0) || per_sm == 0 {
-            return None;
-        }
-        let row_bytes = w.cols() * w.dtype().size();
-        let blocks = self.info().multiprocessors as usize * per_sm;
-        let (rpb, smem) = staged_plan(w.rows(), row_bytes, blocks)?;
-        Some((f, rpb, smem))
+        self.gemv_with(GemvLayout::DEFAULT, x, m, w, out)
     }
 
     /// [`CudaDevice::gemv`] in an explicit layout (tests and the bench cover both).
@@ -155,34 +91,6 @@ impl CudaDevice {
             "gemv: x and w must start 16-byte aligned".to_string()
         })?;
         let (n_i, k_i) = (to_i32(n, "n")?, to_i32(k, "k")?);
-        if layout == GemvLayout::Staged {
-            let Some((f, rpb, smem)) = self.staged_gemv(m, w) else {
-                return Err(CudaError::Unsupported(format!(
-                    "the staged GEMV for {m} rows of x against {n} x {k} {} weights on {} \
-                     (one row, sm_90, at most {} KiB of weights per SM)",
-                    w.dtype(),
-                    self.info().arch,
-                    STAGED_SMEM_MAX >> 10
-                )));
-            };
-            if crate::skip::gemv_skipped(n) {
-                return Ok(());
-            }
-            let cfg = LaunchConfig {
-                grid_dim: (blocks(n, rpb)?, 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: smem as u32,
-            };
-            let rpb_i = to_i32(rpb, "rows per block")?;
-            let mut b = self.stream.launch_builder(f);
-            b.arg(&wp).arg(&xp).arg(&op).arg(&n_i).arg(&k_i).arg(&rpb_i);
-            // SAFETY: w holds n * k elements of the kernel's dtype with k a multiple of the
-            // 16-byte chunk, 16-byte aligned (checked above), so every block's bulk copies of
-            // its rows (row0 .. row0 + rpb, clipped to n) stay inside w and inside the rpb rows
-            // of dynamic shared memory given; x holds one row of k f32 and out n f32 (m == 1).
-            unsafe { b.launch(cfg) }.ctx("gemv staged")?;
-            return Ok(());
-        }
         let cfg = LaunchConfig {
             grid_dim: (blocks(n, layout.rows_per_block())?, 1, 1),
             block_dim: (256, 1, 1),
@@ -207,24 +115,5 @@ impl CudaDevice {
             row += GEMV_ROWS[slot];
         }
         Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn staged_plan_keeps_one_block_per_sm_and_refuses_what_does_not_fit() {
-        // Qwen3-30B-A3B on an H200's 132 SMs: q/k/v 5120 rows of 2048 bf16, o_proj 2048 of 4096.
-        assert_eq!(staged_plan(5120, 4096, 132), Some((40, 160 << 10)));
-        assert_eq!(staged_plan(2048, 8192, 132), Some((16, 128 << 10)));
-        assert_eq!(staged_plan(128, 4096, 132), Some((4, 16 << 10)));
-        assert_eq!(staged_plan(1001, 4112, 132), Some((8, 8 * 4112)));
-        // The lm_head (151936 rows) passes both the shared memory and the barriers.
-        assert_eq!(staged_plan(151_936, 4096, 132), None);
-        // 48 rows of 4 KiB would be 192 KiB (fits); 52 would not.
-        assert!(staged_plan(48 * 132, 4096, 132).is_some());
-        assert!(staged_plan(52 * 132, 4096, 132).is_none());
     }
 }

@@ -32,7 +32,6 @@ pub(crate) use gated_delta::GatedDeltaKernels;
 pub use gated_delta::{DeltaSeqs, DeltaShape, DELTA_MAX_KEY_DIM, DELTA_MAX_TAPS};
 pub use gemm::GemmOut;
 pub(crate) use gemma::GemmaKernels;
-pub(crate) use gemv::staged_gemv_kernel;
 pub use gemv::GemvLayout;
 pub(crate) use moe::MoeKernels;
 pub use moe::{DecodePass, DeviceExperts, ExpertActivation, MoePath, MoeScratch, WgmmaTile};
@@ -40,17 +39,6 @@ pub use rope::DeviceRope;
 pub use router::RouterShape;
 
 use crate::error::{CudaError, Result};
-
-/// `f` opted in to `bytes` of dynamic shared memory per block, or `None` where the device does
-/// not allow that much.
-pub(crate) fn with_dynamic_smem(
-    f: cudarc::driver::CudaFunction,
-    bytes: usize,
-) -> Option<cudarc::driver::CudaFunction> {
-    let attr =
-        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
-    f.set_attribute(attr, bytes as i32).ok().map(|()| f)
-}
 
 /// `v` as a kernel's `int` argument, or an error naming what overflowed.
 pub(crate) fn to_i32(v: usize, what: &str) -> Result<i32> {

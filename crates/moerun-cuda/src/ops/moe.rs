@@ -65,9 +65,6 @@ pub(crate) struct MoeKernels {
     /// `[dtype_slot]`, for [`DecodePass::Tiny`].
     tiny_gate_up: [CudaFunction; 3],
     tiny_down: [CudaFunction; 3],
-    /// `[dtype_slot]`, for [`DecodePass::Staged`]: the lean gate_up and the staged down (bf16
-    /// and f16 only; `None` where the device refuses the shared memory).
-    staged: [Option<(CudaFunction, CudaFunction)>; 3],
     gather_bf16: CudaFunction,
     silu_mul_bf16: CudaFunction,
     combine_bf16: CudaFunction,
@@ -102,24 +99,12 @@ impl MoeKernels {
                 get("moe", "moe_tiny_down_f16")?,
                 get("moe", "moe_tiny_down_f32")?,
             ],
-            staged: [staged_pair(&get, "bf16")?, staged_pair(&get, "f16")?, None],
             gather_bf16: get("moe_prefill", "moe_gather_bf16")?,
             silu_mul_bf16: get("moe_prefill", "moe_silu_mul_bf16")?,
             combine_bf16: get("moe_prefill", "moe_combine_bf16")?,
             wgmma: wgmma::WgmmaKernels::load(&get)?,
         })
     }
-}
-
-/// The [`DecodePass::Staged`] kernels of dtype `dt`, the down one opted in to
-/// [`decode::STAGED_DOWN_SMEM_MAX`] bytes of shared memory (`None` where the device refuses).
-fn staged_pair(
-    get: &impl Fn(&str, &str) -> Result<CudaFunction>,
-    dt: &str,
-) -> Result<Option<(CudaFunction, CudaFunction)>> {
-    let gate_up = get("moe", &format!("moe_tiny_gate_up_lean_{dt}"))?;
-    let down = get("moe", &format!("moe_staged_down_{dt}"))?;
-    Ok(super::with_dynamic_smem(down, decode::STAGED_DOWN_SMEM_MAX).map(|d| (gate_up, d)))
 }
 
 /// How [`CudaDevice::moe_experts`] computes a call (see the module doc).
@@ -164,11 +149,6 @@ pub enum DecodePass {
     /// projection runs per token with all its k ranks in one block, so the rank-order sum needs
     /// no arrival counters (an expert two tokens share is read once per token).
     Tiny,
-    /// One token on sm_90 (bf16 or f16 experts): the tiny pass with the down rows of the
-    /// token's experts handed to the bulk copy engine before the down kernel waits for gate_up,
-    /// so they stream beside gate_up's rows (as many ranks as fit in shared memory; the rest
-    /// stream after). The same bits as `Tiny`. Taken automatically where it applies.
-    Staged,
     /// One token per pass: 62-72 registers, 4 blocks of 256 threads per SM.
     One,
     /// Up to 4 tokens: 112-127 registers, 2 blocks per SM.
@@ -184,7 +164,7 @@ impl DecodePass {
     /// Most tokens one pass takes.
     pub fn tokens(self) -> usize {
         match self {
-            DecodePass::Tiny | DecodePass::Staged | DecodePass::One => 1,
+            DecodePass::Tiny | DecodePass::One => 1,
             DecodePass::Four => 4,
             DecodePass::Eight => 8,
         }
@@ -206,7 +186,7 @@ impl DecodePass {
 
     fn slot(self) -> usize {
         match self {
-            DecodePass::Tiny | DecodePass::Staged | DecodePass::One => 0,
+            DecodePass::Tiny | DecodePass::One => 0,
             DecodePass::Four => 1,
             DecodePass::Eight => 2,
         }

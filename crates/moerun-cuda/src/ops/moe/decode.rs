@@ -20,100 +20,23 @@
 //! - `moe_tiny_down_<dt>`: grid (ceil(H / 4), n), block 256. Block (bx, t) computes token t's 4
 //!   rows for all k ranks (a warp per rank) into shared memory and sums them in rank order.
 //!
-//! One token on sm_90 ([`DecodePass::Staged`], bf16/f16 experts) takes a variant of the tiny
-//! pair:
-//!
-//! - `moe_tiny_gate_up_lean_<dt>`: the same kernel at 64 registers, one chunk per row in flight.
-//! - `moe_staged_down_<dt>`: grid ceil(H / rb) (about one block per SM), block 256, dynamic
-//!   shared memory for the block's rows of `staged` ranks. Before it waits for gate_up, thread 0
-//!   hands those rows to the bulk copy engine (one copy per rank), so down's bytes stream beside
-//!   gate_up's; after it, a warp per rank computes the rows as `moe_tiny_down` does and a thread
-//!   per row sums the ranks in order.
-//!
 //! Each output is one f32 fmaf chain per lane in a fixed order plus a butterfly, and the ranks
 //! are summed by one fmaf chain in rank order, the same in every variant and independent of how
 //! many tokens an expert has: a token's result does not depend on the rest of the batch, bit for
 //! bit. Against the f32 CPU reference: ~1e-7 relative (summation order only).
 
-use std::sync::OnceLock;
-
-use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
+use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use super::{
     decode_kernel, DecodePass, DeviceExperts, MoeCall, MoeScratch, DOWN_TILE, GATE_UP_TILE,
     TINY_DOWN_ROWS, TINY_GATE_UP_TILE,
 };
 use crate::device::dtype_slot;
-use crate::error::{ensure, CudaError, DriverContext, Result};
+use crate::error::{ensure, DriverContext, Result};
 use crate::ops::{blocks, to_i32};
 use crate::CudaDevice;
 
-/// Most dynamic shared memory a `moe_staged_down` block may take (what the kernel is opted in to).
-pub(crate) const STAGED_DOWN_SMEM_MAX: usize = 200 << 10;
-
-/// `moe_staged_down`'s launch: rows per block, ranks staged, dynamic shared memory.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct StagedDown {
-    pub rows: usize,
-    pub staged: usize,
-    pub smem: usize,
-}
-
-/// The staged down pass of one token over `hidden` rows of `row_bytes` with `top_k` ranks, in
-/// at most `blocks` blocks with `budget` bytes of shared memory each: the fewest rows per block
-/// (a multiple of 4) that keep the grid within `blocks`, then as many ranks as fit beside the
-/// per-rank outputs. `None` when not one rank fits, or top_k passes the kernel's 32.
-pub(crate) fn staged_down_plan(
-    hidden: usize,
-    row_bytes: usize,
-    top_k: usize,
-    blocks: usize,
-    budget: usize,
-) -> Option<StagedDown> {
-    let rows = hidden.div_ceil(blocks.max(1)).next_multiple_of(4);
-    let outputs = top_k * rows * 4;
-    let staged =
-        (budget.min(STAGED_DOWN_SMEM_MAX).checked_sub(outputs)? / (rows * row_bytes)).min(top_k);
-    (staged > 0 && top_k <= DecodePass::TINY_PAIRS).then_some(StagedDown {
-        rows,
-        staged,
-        smem: staged * rows * row_bytes + outputs,
-    })
-}
-
-/// Shared memory the staged down pass may take per block, in bytes
-/// (`MOERUN_CUDA_MOE_STAGED=<KiB>`; 0 turns the pass off: an A/B switch without a rebuild).
-fn staged_down_budget() -> usize {
-    static BUDGET: OnceLock<usize> = OnceLock::new();
-    *BUDGET.get_or_init(|| {
-        std::env::var("MOERUN_CUDA_MOE_STAGED")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .unwrap_or(160)
-            << 10
-    })
-}
-
 impl CudaDevice {
-    /// The staged pair and its down launch for a call of `tokens` tokens, where
-    /// [`DecodePass::Staged`] applies: one token, compute capability 9.0, bf16/f16 experts whose
-    /// down rows of at least one rank fit the budget.
-    fn staged_down(
-        &self,
-        tokens: usize,
-        top_k: usize,
-        w: &DeviceExperts,
-    ) -> Option<(&(CudaFunction, CudaFunction), StagedDown)> {
-        let pair = self.kernels.moe.staged[dtype_slot(w.dtype)].as_ref()?;
-        if tokens != 1 || self.info().compute_capability != (9, 0) {
-            return None;
-        }
-        let row_bytes = w.intermediate * w.dtype.size();
-        let blocks = self.info().multiprocessors as usize;
-        let plan = staged_down_plan(w.hidden, row_bytes, top_k, blocks, staged_down_budget())?;
-        Some((pair, plan))
-    }
-
     pub(super) fn moe_decode(
         &self,
         c: &MoeCall,
@@ -124,21 +47,8 @@ impl CudaDevice {
         let pass = s
             .pass
             .unwrap_or_else(|| DecodePass::for_pairs(pairs, w.experts));
-        let staged = self.staged_down(c.tokens, c.top_k, w);
-        match (pass, staged) {
-            (DecodePass::Staged, None) => {
-                return Err(CudaError::Unsupported(format!(
-                    "the staged MoE decode pass for {} tokens of {} experts on {} (one token, \
-                     bf16 or f16, sm_90, MOERUN_CUDA_MOE_STAGED not 0)",
-                    c.tokens,
-                    w.dtype,
-                    self.info().arch
-                )))
-            }
-            (DecodePass::Staged, Some(st)) => return self.moe_decode_tiny(c, w, s, Some(st)),
-            (DecodePass::Tiny, st) if s.pass.is_none() => return self.moe_decode_tiny(c, w, s, st),
-            (DecodePass::Tiny, _) => return self.moe_decode_tiny(c, w, s, None),
-            _ => {}
+        if pass == DecodePass::Tiny {
+            return self.moe_decode_tiny(c, w, s);
         }
         let groups = w.experts + 1;
         let slots = groups.min(pairs);
@@ -204,15 +114,8 @@ impl CudaDevice {
         Ok(())
     }
 
-    /// [`DecodePass::Tiny`], or with `staged` [`DecodePass::Staged`]: two launches, no
-    /// alignment (see the module doc).
-    fn moe_decode_tiny(
-        &self,
-        c: &MoeCall,
-        w: &DeviceExperts,
-        s: &mut MoeScratch,
-        staged: Option<(&(CudaFunction, CudaFunction), StagedDown)>,
-    ) -> Result<()> {
+    /// [`DecodePass::Tiny`]: two launches, no alignment (see the module doc).
+    fn moe_decode_tiny(&self, c: &MoeCall, w: &DeviceExperts, s: &mut MoeScratch) -> Result<()> {
         let pairs = c.tokens * c.top_k;
         ensure(pairs <= DecodePass::TINY_PAIRS, || {
             format!(
@@ -242,8 +145,7 @@ impl CudaDevice {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let gate_up_kernel = staged.map_or(&k.tiny_gate_up[slot], |(pair, _)| &pair.0);
-        let mut b = self.stream.launch_builder(gate_up_kernel);
+        let mut b = self.stream.launch_builder(&k.tiny_gate_up[slot]);
         b.arg(&gate_up).arg(&c.x).arg(&c.ids).arg(&pairs_i).arg(&h);
         b.arg(&experts_i).arg(&hidden_i).arg(&inter_i).arg(&k_i);
         let act = w.activation().code();
@@ -255,26 +157,6 @@ impl CudaDevice {
             unsafe { b.launch(cfg) }.ctx("moe_tiny_gate_up")?;
         }
 
-        if let Some(((_, down_kernel), plan)) = staged {
-            let cfg = LaunchConfig {
-                grid_dim: (blocks(w.hidden, plan.rows)?, 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: plan.smem as u32,
-            };
-            let (rows_i, staged_i) = (to_i32(plan.rows, "rows")?, to_i32(plan.staged, "staged")?);
-            let mut b = self.stream.launch_builder(down_kernel);
-            b.arg(&down).arg(&h).arg(&c.ids).arg(&c.weights).arg(&c.out);
-            b.arg(&experts_i).arg(&hidden_i).arg(&inter_i).arg(&k_i);
-            b.arg(&rows_i).arg(&staged_i);
-            if !crate::skip::skipped("moe_down") {
-                // SAFETY: as for moe_tiny_down below, for one token (n == 1); each block's bulk
-                // copies read rows row0 .. row0 + rows (clipped to H) of an in-range expert's
-                // down matrix, and the dynamic shared memory holds `staged` ranks of `rows` rows
-                // plus k x rows f32 (staged_down_plan).
-                unsafe { b.launch(cfg) }.ctx("moe_staged_down")?;
-            }
-            return Ok(());
-        }
         let cfg = LaunchConfig {
             grid_dim: (blocks(w.hidden, TINY_DOWN_ROWS)?, c.tokens as u32, 1), // n <= 32
             block_dim: (256, 1, 1),
@@ -335,23 +217,5 @@ impl CudaDevice {
         // two u32 per group; the argument list matches the kernel's.
         unsafe { b.launch(cfg) }.ctx("moe_align")?;
         Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn staged_down_plan_fills_the_budget_with_whole_ranks() {
-        // Qwen3-30B-A3B (H 2048, I 768 bf16, top-8) on 132 SMs: 16 rows of 1536 bytes per rank.
-        let p = staged_down_plan(2048, 1536, 8, 132, 160 << 10).unwrap();
-        assert_eq!((p.rows, p.staged), (16, 6));
-        assert_eq!(p.smem, 6 * 16 * 1536 + 8 * 16 * 4);
-        let all = staged_down_plan(2048, 1536, 8, 132, 200 << 10).unwrap();
-        assert_eq!(all.staged, 8);
-        // Mixtral-sized rows (I 14336 bf16): not one rank of 32 rows fits.
-        assert_eq!(staged_down_plan(4096, 28_672, 2, 132, 160 << 10), None);
-        assert_eq!(staged_down_plan(2048, 1536, 33, 132, 200 << 10), None);
     }
 }
