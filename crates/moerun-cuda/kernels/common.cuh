@@ -98,6 +98,31 @@ struct ChunkF32 {
     }
 };
 
+// ---- GEMV row blocks (gemv_rows_<dt>_m<M>, add_rms_norm_route) ----
+
+// acc[m][r] += chunk r of the weights . chunk c of x row m, for R rows at once: each x chunk is
+// read once for all R rows.
+template <typename C, int M, int R>
+__device__ __forceinline__ void fma_rows(const uint4* q, const float* __restrict__ x, int k, int c,
+                                         float (&acc)[M][R]) {
+    float f[R][C::N];
+#pragma unroll
+    for (int r = 0; r < R; ++r) C::widen(q[r], f[r]);
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+        const float4* xv = reinterpret_cast<const float4*>(x + (u64)m * k + (u64)c * C::N);
+#pragma unroll
+        for (int v = 0; v < C::N / 4; ++v) {
+            const float4 xx = xv[v];
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                acc[m][r] += f[r][4 * v] * xx.x + f[r][4 * v + 1] * xx.y + f[r][4 * v + 2] * xx.z +
+                             f[r][4 * v + 3] * xx.w;
+            }
+        }
+    }
+}
+
 // A load served by L2, the point of coherence: it sees what other blocks of the same launch
 // published (after their fence), never a stale L1 line.
 __device__ __forceinline__ float load_cg(const float* p) {
@@ -120,3 +145,85 @@ __device__ __forceinline__ void pdl_entry() {
 #endif
 }
 
+// ---- one row's residual add and RMSNorm by a block (add_rms_norm_f32, add_rms_norm_route) ----
+
+// Sum of `v` over the block (blockDim.x a multiple of 32, at most 1024); every thread gets it.
+__device__ __forceinline__ float block_sum(float v) {
+    __shared__ float partial[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum(v);
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    const int warps = blockDim.x >> 5;
+    v = lane < warps ? partial[lane] : 0.0f;
+    v = warp_sum(v);
+    __syncthreads();  // `partial` may be reused by a following call
+    return v;
+}
+
+// Values of x (and of the norm weights) a thread loads before waiting for the kernel before
+// (programmatic launch): x is the residual stream, which only these kernels (and a final add)
+// write, never the kernel right before them (forward.rs: a layer's residual adds are separated
+// by its attention or FFN), so its loads may start early; y is that kernel's output and is read
+// after the wait.
+#define ADD_NORM_EARLY 4
+
+// Before the wait: this thread's first residual values and norm weights.
+__device__ __forceinline__ void add_norm_early(const float* xr, const float* __restrict__ w,
+                                               int width, float (&v)[ADD_NORM_EARLY],
+                                               float (&wv)[ADD_NORM_EARLY]) {
+#pragma unroll
+    for (int u = 0; u < ADD_NORM_EARLY; ++u) {
+        const int i = threadIdx.x + u * blockDim.x;
+        v[u] = i < width ? xr[i] : 0.0f;
+        wv[u] = i < width ? w[i] : 0.0f;
+    }
+}
+
+// After it: sums[i] = x[i] + y[i] (sums may be x itself: each thread rereads only what it
+// wrote) and the row's 1 / rms, the squares summed per thread in one fixed order, then by
+// block_sum. The early sums stay in v: no second read behind the reduction (at batch 1 this is a
+// chain of dependent steps).
+__device__ __forceinline__ float add_norm_sums(const float* xr, const float* __restrict__ yr,
+                                               float* sums, int width, float eps,
+                                               float (&v)[ADD_NORM_EARLY]) {
+    float ss = 0.0f;
+#pragma unroll
+    for (int u = 0; u < ADD_NORM_EARLY; ++u) {
+        const int i = threadIdx.x + u * blockDim.x;
+        if (i < width) {
+            v[u] += yr[i];
+            sums[i] = v[u];
+            ss += v[u] * v[u];
+        }
+    }
+    for (int i = threadIdx.x + ADD_NORM_EARLY * blockDim.x; i < width; i += blockDim.x) {
+        const float a = xr[i] + yr[i];
+        sums[i] = a;
+        ss += a * a;
+    }
+    ss = block_sum(ss);
+    return 1.0f / sqrtf(ss / (float)width + eps);
+}
+
+// out[i] = w[i] * (sums[i] * inv), the formula of rms_norm_f32, and its bf16 rounding where ob
+// is non-null.
+__device__ __forceinline__ void add_norm_write(const float* sums, const float* __restrict__ w,
+                                               float* o, u16* ob, int width, float inv,
+                                               const float (&v)[ADD_NORM_EARLY],
+                                               const float (&wv)[ADD_NORM_EARLY]) {
+#pragma unroll
+    for (int u = 0; u < ADD_NORM_EARLY; ++u) {
+        const int i = threadIdx.x + u * blockDim.x;
+        if (i < width) {
+            const float r = wv[u] * (v[u] * inv);
+            o[i] = r;
+            if (ob) ob[i] = f32_to_bf16(r);
+        }
+    }
+    for (int i = threadIdx.x + ADD_NORM_EARLY * blockDim.x; i < width; i += blockDim.x) {
+        const float r = w[i] * (sums[i] * inv);
+        o[i] = r;
+        if (ob) ob[i] = f32_to_bf16(r);
+    }
+}

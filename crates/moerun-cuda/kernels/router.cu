@@ -99,3 +99,115 @@ ROUTE_TOPK_KERNEL(route_topk_f32_l2, 2)
 ROUTE_TOPK_KERNEL(route_topk_f32_l4, 4)
 ROUTE_TOPK_KERNEL(route_topk_f32_l8, 8)
 ROUTE_TOPK_KERNEL(route_topk_f32_l16, 16)
+
+// ---- one token's post-attention step in one launch ----
+//
+// add_rms_norm_route_<dt>_l<L>: grid ceil(experts / 16), block 1024, dynamic shared memory
+// (2 width + experts) f32. The chain add_rms_norm_f32 -> gemv_rows_<dt>_m1 (the router) ->
+// route_topk_f32_l<L> of a batch-1 decode step, whose three launches each wait for the one
+// before, as one:
+// 1. Every block computes x + y and its RMSNorm into shared memory with add_rms_norm_f32's
+//    steps (the same device functions at the same 1024 threads: the same bits), having loaded
+//    the residual row, the norm weights and the first chunk of each of its router rows before
+//    griddepcontrol.wait.
+// 2. Its four groups of 256 threads compute 4 router rows each exactly as gemv_block_rows<C, 1>
+//    does (same thread-to-chunk map, fmaf order and reductions) and write the logits.
+// 3. The last block to count itself done (a fence, then an atomic on `counter`) writes the new
+//    residual x and the normed row (nobody reads x after its count), reads every block's logits
+//    through L2 and ranks them with warp_route_topk<L> (route_topk's warp), then resets the
+//    counter for the next launch (CUDA graph replays included).
+#define ROUTE_GROUP 256                  // threads per 4-row GEMV group, as gemv_rows
+#define ROUTE_GROUPS 4                   // groups per block of 1024
+#define ROUTE_ROWS (4 * ROUTE_GROUPS)    // router rows per block
+
+template <typename C, int L>
+__device__ __forceinline__ void add_rms_norm_route(float* x, const float* __restrict__ y,
+                                                   const float* __restrict__ nw, float* out,
+                                                   int width, float eps, const void* rw,
+                                                   float* logits, int experts, int k,
+                                                   int renormalise, u32* __restrict__ out_ids,
+                                                   float* __restrict__ out_weights,
+                                                   u32* counter) {
+    extern __shared__ float route_smem[];
+    float* sums = route_smem;         // [width]: x + y
+    float* normed = sums + width;     // [width]: the norm's output, the router's input
+    float* ranked = normed + width;   // [experts]: every block's logits (last block)
+    __shared__ float gpart[ROUTE_GROUPS][ROUTE_GROUP / 32][4];
+    __shared__ int s_last;
+    const int tid = threadIdx.x;
+    const int g = tid / ROUTE_GROUP;
+    const int t = tid - g * ROUTE_GROUP;
+    const int lane = tid & 31;
+    const int row0 = blockIdx.x * ROUTE_ROWS + g * 4;
+    const int rows_here = max(0, min(4, experts - row0));  // group-uniform
+    const int chunks = width / C::N;
+    const uint4* w = reinterpret_cast<const uint4*>(rw) + (u64)max(row0, 0) * chunks;
+    float v[ADD_NORM_EARLY], wv[ADD_NORM_EARLY];
+    add_norm_early(x, nw, width, v, wv);
+    uint4 first[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+        first[r] = r < rows_here && t < chunks ? load_stream(w + (u64)r * chunks + t)
+                                               : make_uint4(0u, 0u, 0u, 0u);
+    pdl_entry();
+    const float inv = add_norm_sums(x, y, sums, width, eps, v);
+    add_norm_write(sums, nw, normed, nullptr, width, inv, v, wv);
+    __syncthreads();
+    float acc[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}};
+    for (int c = t; c < chunks; c += ROUTE_GROUP) {
+        uint4 q[4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+            q[r] = c == t ? first[r]
+                          : (r < rows_here ? load_stream(w + (u64)r * chunks + c)
+                                           : make_uint4(0u, 0u, 0u, 0u));
+        fma_rows<C, 1, 4>(q, normed, width, c, acc);
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        const float s = warp_sum(acc[0][r]);
+        if (lane == 0) gpart[g][t >> 5][r] = s;
+    }
+    __syncthreads();
+    if (t < rows_here) {
+        float s = 0.0f;
+#pragma unroll
+        for (int i = 0; i < ROUTE_GROUP / 32; ++i) s += gpart[g][i][t];
+        logits[row0 + t] = s;
+    }
+    // Publish this block's logits, then count it done.
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) s_last = atomicAdd(counter, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!s_last) return;  // block-uniform
+    __threadfence();      // the other blocks' logits, published before their counts
+    for (int i = tid; i < experts; i += blockDim.x) ranked[i] = load_cg(logits + i);
+    for (int i = tid; i < width; i += blockDim.x) {
+        x[i] = sums[i];
+        out[i] = normed[i];
+    }
+    __syncthreads();
+    if (tid < 32) warp_route_topk<L>(ranked, experts, k, renormalise, out_ids, out_weights);
+    if (tid == 0) *counter = 0u;
+}
+
+#define ADD_RMS_NORM_ROUTE_KERNEL(DT, CHUNK, L)                                                  \
+    extern "C" __global__ void __launch_bounds__(ROUTE_GROUP * ROUTE_GROUPS)                     \
+        add_rms_norm_route_##DT##_l##L(float* x, const float* y, const float* nw, float* out,    \
+                                       int width, float eps, const void* rw, float* logits,      \
+                                       int experts, int k, int renormalise, u32* out_ids,        \
+                                       float* out_weights, u32* counter) {                       \
+        add_rms_norm_route<CHUNK, L>(x, y, nw, out, width, eps, rw, logits, experts, k,         \
+                                     renormalise, out_ids, out_weights, counter);                \
+    }
+#define ADD_RMS_NORM_ROUTE_KERNELS(DT, CHUNK)                                                    \
+    ADD_RMS_NORM_ROUTE_KERNEL(DT, CHUNK, 1)                                                      \
+    ADD_RMS_NORM_ROUTE_KERNEL(DT, CHUNK, 2)                                                      \
+    ADD_RMS_NORM_ROUTE_KERNEL(DT, CHUNK, 4)                                                      \
+    ADD_RMS_NORM_ROUTE_KERNEL(DT, CHUNK, 8)                                                      \
+    ADD_RMS_NORM_ROUTE_KERNEL(DT, CHUNK, 16)
+
+ADD_RMS_NORM_ROUTE_KERNELS(bf16, ChunkBf16)
+ADD_RMS_NORM_ROUTE_KERNELS(f16, ChunkF16)
+ADD_RMS_NORM_ROUTE_KERNELS(f32, ChunkF32)
