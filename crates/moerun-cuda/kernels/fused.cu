@@ -27,17 +27,77 @@
 // 4096 x 40 blocks of one warp cost 105 us a layer, scheduling-bound.
 #define QKV_HEADS_PER_BLOCK 4
 
+// Sum of `v` over the block (blockDim.x a multiple of 32, at most 1024); every thread gets it.
+__device__ __forceinline__ float block_sum(float v) {
+    __shared__ float partial[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum(v);
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    const int warps = blockDim.x >> 5;
+    v = lane < warps ? partial[lane] : 0.0f;
+    v = warp_sum(v);
+    __syncthreads();  // `partial` may be reused by a following call
+    return v;
+}
+
+// Values of x (and of the norm weights) a thread loads before waiting for the kernel before
+// (programmatic launch): x is the residual stream, which only this kernel (and a final add)
+// writes, never the kernel right before it (forward.rs: a layer's residual adds are separated by
+// its attention or FFN), so its loads may start early; y is that kernel's output and is read
+// after the wait.
+#define ADD_NORM_EARLY 4
+
 extern "C" __global__ void add_rms_norm_f32(float* x, const float* __restrict__ y,
                                             const float* __restrict__ w, float* out, int width,
                                             float eps, u16* __restrict__ out_bf16) {
     const u64 row = blockIdx.x;
     float* xr = x + row * width;
+    const float* yr = y + row * width;
+    float* o = out + row * width;
+    u16* ob = out_bf16 ? out_bf16 + row * width : nullptr;
+    // Before the wait: this thread's residual values and norm weights (neither comes from the
+    // kernel before). After it, the sums stay in registers: no second read of x or of w behind
+    // the reduction (at batch 1 this kernel is a chain of dependent steps).
     float v[ADD_NORM_EARLY], wv[ADD_NORM_EARLY];
-    add_norm_early(xr, w, width, v, wv);
+#pragma unroll
+    for (int u = 0; u < ADD_NORM_EARLY; ++u) {
+        const int i = threadIdx.x + u * blockDim.x;
+        v[u] = i < width ? xr[i] : 0.0f;
+        wv[u] = i < width ? w[i] : 0.0f;
+    }
     pdl_entry();
-    const float inv = add_norm_sums(xr, y + row * width, xr, width, eps, v);
-    add_norm_write(xr, w, out + row * width, out_bf16 ? out_bf16 + row * width : nullptr, width,
-                   inv, v, wv);
+    float ss = 0.0f;
+#pragma unroll
+    for (int u = 0; u < ADD_NORM_EARLY; ++u) {
+        const int i = threadIdx.x + u * blockDim.x;
+        if (i < width) {
+            v[u] += yr[i];
+            xr[i] = v[u];
+            ss += v[u] * v[u];
+        }
+    }
+    for (int i = threadIdx.x + ADD_NORM_EARLY * blockDim.x; i < width; i += blockDim.x) {
+        const float a = xr[i] + yr[i];
+        xr[i] = a;
+        ss += a * a;
+    }
+    ss = block_sum(ss);
+    const float inv = 1.0f / sqrtf(ss / (float)width + eps);
+#pragma unroll
+    for (int u = 0; u < ADD_NORM_EARLY; ++u) {
+        const int i = threadIdx.x + u * blockDim.x;
+        if (i < width) {
+            const float r = wv[u] * (v[u] * inv);
+            o[i] = r;
+            if (ob) ob[i] = f32_to_bf16(r);
+        }
+    }
+    for (int i = threadIdx.x + ADD_NORM_EARLY * blockDim.x; i < width; i += blockDim.x) {
+        const float r = w[i] * (xr[i] * inv);
+        o[i] = r;
+        if (ob) ob[i] = f32_to_bf16(r);
+    }
 }
 
 // RMSNorm of wide rows (hidden states), a block per row: out may alias x.

@@ -100,6 +100,29 @@ GEMV_KERNEL(gemv_f32_m8, ChunkF32, 8)
 #define ROWS_WARPS (ROWS_THREADS / 32)
 #define ROWS_PER_BLOCK 4
 
+// acc[m][r] += chunk r of the weights . chunk c of x row m, for R rows at once: each x chunk is
+// read once for all R rows.
+template <typename C, int M, int R>
+__device__ __forceinline__ void fma_rows(const uint4* q, const float* __restrict__ x, int k, int c,
+                                         float (&acc)[M][R]) {
+    float f[R][C::N];
+#pragma unroll
+    for (int r = 0; r < R; ++r) C::widen(q[r], f[r]);
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+        const float4* xv = reinterpret_cast<const float4*>(x + (u64)m * k + (u64)c * C::N);
+#pragma unroll
+        for (int v = 0; v < C::N / 4; ++v) {
+            const float4 xx = xv[v];
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                acc[m][r] += f[r][4 * v] * xx.x + f[r][4 * v + 1] * xx.y + f[r][4 * v + 2] * xx.z +
+                             f[r][4 * v + 3] * xx.w;
+            }
+        }
+    }
+}
+
 template <typename C, int M, int U>
 __device__ __forceinline__ void gemv_block_rows(const void* __restrict__ w_raw,
                                                 const float* __restrict__ x, float* __restrict__ y,

@@ -58,8 +58,6 @@ pub(crate) struct Kernels {
     pub f32_to_bf16_split: CudaFunction,
     /// Indexed by log2 of the experts each lane holds (1, 2, 4, 8, 16; see ops::router).
     pub route_topk: [CudaFunction; 5],
-    /// `[dtype_slot][log2 experts per lane]` (see ops::router).
-    pub add_rms_norm_route: [[CudaFunction; 5]; 3],
     /// Indexed by [`dtype_slot`].
     pub embed: [CudaFunction; 3],
     /// `[layout][dtype_slot][i]` for x-row counts `GEMV_ROWS[i]`; layout 0 is warp per row,
@@ -111,15 +109,6 @@ impl Kernels {
                 get("gemv", &format!("{prefix}_{dt}_m8"))?,
             ])
         };
-        let route_builds = |dt: &str| -> Result<[CudaFunction; 5]> {
-            Ok([
-                get("router", &format!("add_rms_norm_route_{dt}_l1"))?,
-                get("router", &format!("add_rms_norm_route_{dt}_l2"))?,
-                get("router", &format!("add_rms_norm_route_{dt}_l4"))?,
-                get("router", &format!("add_rms_norm_route_{dt}_l8"))?,
-                get("router", &format!("add_rms_norm_route_{dt}_l16"))?,
-            ])
-        };
         let layout = |prefix: &str| -> Result<[[CudaFunction; 4]; 3]> {
             Ok([
                 gemv(prefix, "bf16")?,
@@ -139,11 +128,6 @@ impl Kernels {
                 get("router", "route_topk_f32_l4")?,
                 get("router", "route_topk_f32_l8")?,
                 get("router", "route_topk_f32_l16")?,
-            ],
-            add_rms_norm_route: [
-                route_builds("bf16")?,
-                route_builds("f16")?,
-                route_builds("f32")?,
             ],
             embed: [
                 get("embedding", "embed_bf16")?,
@@ -170,9 +154,6 @@ pub struct CudaDevice {
     pub(crate) kernels: Kernels,
     info: DeviceInfo,
     cache: CacheReport,
-    /// The blocks of `add_rms_norm_route` count themselves done here; its last block resets it
-    /// to zero (launches are ordered on the one stream, so one counter serves them all).
-    pub(crate) route_counter: CudaSlice<u32>,
 }
 
 impl CudaDevice {
@@ -231,9 +212,6 @@ impl CudaDevice {
             ..CacheReport::default()
         };
         let kernels = Kernels::load(&ctx, &info.arch, &mut cache)?;
-        let route_counter = stream
-            .alloc_zeros(1)
-            .ctx("allocating the routing counter")?;
         Ok(CudaDevice {
             ctx,
             stream,
@@ -241,7 +219,6 @@ impl CudaDevice {
             kernels,
             info,
             cache,
-            route_counter,
         })
     }
 

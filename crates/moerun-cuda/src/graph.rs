@@ -23,7 +23,6 @@ pub const PDL_KERNELS: &[&str] = &[
     "add_bias_f32",
     "add_f32",
     "add_rms_norm_f32",
-    "add_rms_norm_route_*",
     "add_sigmoid_scaled_f32",
     "attn_cluster_d*",
     "attn_split_d*",

@@ -33,6 +33,4 @@ pub use ops::{
 };
 pub use ops::{DecodePass, DeviceExperts, ExpertActivation, MoePath, MoeScratch, WgmmaTile};
 pub use ops::{DeltaSeqs, DeltaShape};
-pub use ops::{
-    DeviceRope, GemmOut, GemvLayout, QkvShape, RouteOut, RouterShape, FUSED_MAX_HEAD_DIM,
-};
+pub use ops::{DeviceRope, GemmOut, GemvLayout, QkvShape, RouterShape, FUSED_MAX_HEAD_DIM};

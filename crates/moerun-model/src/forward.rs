@@ -45,15 +45,12 @@ pub fn decoder_logits<B: Backend>(
             }
             MixerWeights::GatedDeltaNet(gw) => b.gated_deltanet(l, gw, &xn)?,
         };
-        let norm = &layer.post_attention_layernorm;
+        let post = b.add_rms_norm(&mut x, &mixed, &layer.post_attention_layernorm, eps)?;
         let ffn_out = match &layer.ffn {
-            FfnWeights::Dense(mlp) => {
-                let post = b.add_rms_norm(&mut x, &mixed, norm, eps)?;
-                b.mlp(&post, mlp)?
-            }
+            FfnWeights::Dense(mlp) => b.mlp(&post, mlp)?,
             FfnWeights::Moe(moe) => {
                 let moe_cfg = cfg.moe.as_ref().expect("MoE weights imply a MoE config");
-                b.add_rms_norm_moe(&mut x, &mixed, norm, eps, moe_cfg, moe)?
+                b.moe(&post, moe_cfg, moe)?
             }
         };
         // The residual add, then the next layer's input norm (the final norm comes after the

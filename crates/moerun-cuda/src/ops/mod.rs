@@ -36,7 +36,7 @@ pub use gemv::GemvLayout;
 pub(crate) use moe::MoeKernels;
 pub use moe::{DecodePass, DeviceExperts, ExpertActivation, MoePath, MoeScratch, WgmmaTile};
 pub use rope::DeviceRope;
-pub use router::{RouteOut, RouterShape};
+pub use router::RouterShape;
 
 use crate::error::{CudaError, Result};
 

@@ -110,20 +110,6 @@ pub trait Backend {
     /// The MoE block: route, run the selected experts, sum in rank order, add the shared expert
     /// as the family defines.
     fn moe(&mut self, x: &Self::Act, cfg: &MoeConfig, w: &MoeWeights) -> Result<Self::Act>;
-    /// `x += y`, the RMSNorm of the new `x` (the post-attention norm), then the MoE block over
-    /// it. A backend may fuse the norm with the routing; the composition is the reference.
-    fn add_rms_norm_moe(
-        &mut self,
-        x: &mut Self::Act,
-        y: &Self::Act,
-        weight: &[f32],
-        eps: f32,
-        cfg: &MoeConfig,
-        w: &MoeWeights,
-    ) -> Result<Self::Act> {
-        let post = self.add_rms_norm(x, y, weight, eps)?;
-        self.moe(&post, cfg, w)
-    }
     /// Qwen3.5's Gated DeltaNet layer `layer` over the normed input, advancing each sequence's
     /// state.
     fn gated_deltanet(

@@ -52,6 +52,7 @@ pub(crate) fn vec_key(v: &[f32]) -> (usize, usize) {
     (v.as_ptr() as usize, v.len())
 }
 
+/// A model's weights on one GPU.
 /// Whether a model of bf16 weights (`bf16`) has its prefill norms write bf16 GEMM inputs
 /// ([`CudaModel::bf16_gemm_inputs`]): yes, unless `MOERUN_CUDA_BF16_INPUTS=0` asks for the
 /// conversions instead (an A/B switch; the results are the same bits either way).
@@ -61,15 +62,6 @@ pub(crate) fn bf16_gemm_inputs(bf16: bool) -> bool {
         .get_or_init(|| std::env::var_os("MOERUN_CUDA_BF16_INPUTS").is_none_or(|v| v != "0"))
 }
 
-/// Whether one token's post-attention add + norm, router and top-k run as one launch
-/// ([`CudaModel::fused_route`], `CudaDevice::add_rms_norm_route`): yes, unless
-/// `MOERUN_CUDA_FUSED_ROUTE=0` asks for the three launches (an A/B switch; the same bits).
-pub(crate) fn fused_route() -> bool {
-    static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ALLOWED.get_or_init(|| std::env::var_os("MOERUN_CUDA_FUSED_ROUTE").is_none_or(|v| v != "0"))
-}
-
-/// A model's weights on one GPU.
 pub struct CudaModel {
     pub(crate) dev: CudaDevice,
     pub(crate) mats: HashMap<(usize, usize), DeviceMatrix>,
@@ -86,8 +78,6 @@ pub struct CudaModel {
     /// A bf16 model: its prefill norms also write their output rounded to bf16, which the bf16
     /// GEMMs that read it (q/k/v, router, the MoE's wgmma path) take instead of converting.
     pub(crate) bf16_gemm_inputs: bool,
-    /// Whether a one-token MoE layer takes `add_rms_norm_route` (see [`fused_route`]).
-    pub(crate) fused_route: bool,
     /// Bytes of weights resident on the device.
     pub(crate) weight_bytes: usize,
     /// Gemma 4's extras (its two RoPEs, unit norm weights), when the model is Gemma 4.

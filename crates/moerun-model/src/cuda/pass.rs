@@ -11,7 +11,7 @@
 use moerun_core::{DType, Error, Result, Tensor};
 use moerun_cuda::{
     AttentionShape, BatchKvBf16, CudaDevice, CudaSlice, DeviceBuffer, DeviceKvPool, DeviceMatrix,
-    GemmOut, QkvShape, RouteOut, RouterShape, TokenPlacement,
+    GemmOut, QkvShape, RouterShape, TokenPlacement,
 };
 
 use super::{dev_err, profile, tensor_key, CudaModel, DeviceKv, PassScratch};
@@ -181,49 +181,6 @@ impl<'a> CudaPass<'a> {
     /// An output buffer the op about to run writes in full (see [`PassScratch::activation`]).
     pub(crate) fn alloc(&self, len: usize) -> Result<DeviceBuffer<f32>> {
         self.scratch.activation(&self.m.dev, len)
-    }
-
-    /// Buffers for `rows` tokens' `top_k` expert choices (ids, weights), written in full by the
-    /// routing op (no memset: a launch per layer in a decode step).
-    fn choices(&self, rows: usize, top_k: usize) -> Result<(DeviceBuffer<u32>, DeviceBuffer<f32>)> {
-        let ids = self.scratch.activation::<u32>(&self.m.dev, rows * top_k)?;
-        Ok((ids, self.alloc(rows * top_k)?))
-    }
-
-    /// The MoE block after routing: the chosen experts over `x`, summed in rank order, plus the
-    /// shared expert as the family defines.
-    fn routed_experts(
-        &mut self,
-        x: &DeviceBuffer<f32>,
-        ids: &DeviceBuffer<u32>,
-        weights: &DeviceBuffer<f32>,
-        cfg: &MoeConfig,
-        w: &MoeWeights,
-    ) -> Result<DeviceBuffer<f32>> {
-        let dev = &self.m.dev;
-        let hidden = w.router.shape[1];
-        let rows = x.len() / hidden;
-        let k = cfg.top_k;
-        let experts = self.m.experts.get(&tensor_key(&w.router)).ok_or_else(|| {
-            Error::Device("internal: a MoE layer's experts were not uploaded".into())
-        })?;
-        let mut out = self.alloc(rows * hidden)?;
-        let scratch = self.scratch.moe(dev, experts, rows, k)?;
-        let xb = x.bf16().map(|b| &**b);
-        dev.moe_experts_with_bf16_x(x, xb, ids, weights, k, experts, scratch, &mut out)
-            .map_err(dev_err)?;
-        if let Some(shared) = &w.shared_expert {
-            let s = self.mlp(x, shared)?;
-            let gate = match &w.shared_expert_gate {
-                Some(g) => Some(self.product(x, g)?),
-                None => None,
-            };
-            self.m
-                .dev
-                .add_sigmoid_scaled(&mut out, &s, gate.as_deref(), hidden)
-                .map_err(dev_err)?;
-        }
-        Ok(out)
     }
 
     /// `x · Wᵀ` for the device copy of `w`.
@@ -533,50 +490,40 @@ impl Backend for CudaPass<'_> {
         let m = self.m;
         profile::timed(&m.dev, "moe", || {
             let dev = &self.m.dev;
-            let rows = x.len() / w.router.shape[1];
+            let hidden = w.router.shape[1];
+            let rows = x.len() / hidden;
+            let k = cfg.top_k;
             let logits = self.product(x, &w.router)?;
             // route_topk writes every choice: no memset (a launch per layer in a decode step).
-            let (mut ids, mut weights) = self.choices(rows, cfg.top_k)?;
-            dev.route_topk(&logits, router_shape(cfg), &mut ids, &mut weights)
-                .map_err(dev_err)?;
-            self.routed_experts(x, &ids, &weights, cfg, w)
-        })
-    }
-
-    fn add_rms_norm_moe(
-        &mut self,
-        x: &mut DeviceBuffer<f32>,
-        y: &DeviceBuffer<f32>,
-        weight: &[f32],
-        eps: f32,
-        cfg: &MoeConfig,
-        w: &MoeWeights,
-    ) -> Result<DeviceBuffer<f32>> {
-        let m = self.m;
-        let width = weight.len();
-        // One token (a batch-1 decode step): the add + norm, router and top-k in one launch.
-        if !(m.fused_route
-            && x.len() == width
-            && m.dev.add_rms_norm_route_fits(width, cfg.num_experts))
-        {
-            let post = self.add_rms_norm(x, y, weight, eps)?;
-            return self.moe(&post, cfg, w);
-        }
-        profile::timed(&m.dev, "add_rms_norm_moe", || {
-            let norm = m.vec(weight)?;
-            let router = m.mat(&w.router)?;
-            let mut post = self.alloc(width)?;
-            let mut logits = self.alloc(cfg.num_experts)?;
-            let (mut ids, mut weights) = self.choices(1, cfg.top_k)?;
-            let dst = RouteOut {
-                logits: &mut logits,
-                experts: &mut ids,
-                weights: &mut weights,
+            let mut ids = self.scratch.activation::<u32>(&self.m.dev, rows * k)?;
+            let mut weights = self.alloc(rows * k)?;
+            let shape = RouterShape {
+                experts: cfg.num_experts,
+                top_k: k,
+                renormalise: cfg.norm_topk_prob,
             };
-            m.dev
-                .add_rms_norm_route(x, y, norm, eps, router, router_shape(cfg), &mut post, dst)
+            dev.route_topk(&logits, shape, &mut ids, &mut weights)
                 .map_err(dev_err)?;
-            self.routed_experts(&post, &ids, &weights, cfg, w)
+            let experts = self.m.experts.get(&tensor_key(&w.router)).ok_or_else(|| {
+                Error::Device("internal: a MoE layer's experts were not uploaded".into())
+            })?;
+            let mut out = self.alloc(rows * hidden)?;
+            let scratch = self.scratch.moe(dev, experts, rows, k)?;
+            let xb = x.bf16().map(|b| &**b);
+            dev.moe_experts_with_bf16_x(x, xb, &ids, &weights, k, experts, scratch, &mut out)
+                .map_err(dev_err)?;
+            if let Some(shared) = &w.shared_expert {
+                let s = self.mlp(x, shared)?;
+                let gate = match &w.shared_expert_gate {
+                    Some(g) => Some(self.product(x, g)?),
+                    None => None,
+                };
+                self.m
+                    .dev
+                    .add_sigmoid_scaled(&mut out, &s, gate.as_deref(), hidden)
+                    .map_err(dev_err)?;
+            }
+            Ok(out)
         })
     }
 
@@ -636,14 +583,5 @@ impl Backend for CudaPass<'_> {
             return Ok(Vec::new());
         }
         self.m.dev.download(&x).map_err(dev_err)
-    }
-}
-
-/// The device router's view of a MoE config.
-fn router_shape(cfg: &MoeConfig) -> RouterShape {
-    RouterShape {
-        experts: cfg.num_experts,
-        top_k: cfg.top_k,
-        renormalise: cfg.norm_topk_prob,
     }
 }

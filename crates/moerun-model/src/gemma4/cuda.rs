@@ -87,7 +87,6 @@ pub(crate) fn upload(
             AttentionPrefill::ExactF32
         },
         bf16_gemm_inputs: crate::cuda::bf16_gemm_inputs(bf16),
-        fused_route: crate::cuda::fused_route(),
         dev,
         mats,
         vecs,
