@@ -106,53 +106,11 @@ extern "C" __global__ void __launch_bounds__(1024)
 // chunks l, l + 32, ..., U of them in flight per row, each widened once and applied to all M rows
 // of x. Every output is one fmaf chain in a fixed order, then a butterfly; all lanes end with the
 // totals.
-// Wait: when active, the first step's weights are issued before the warp waits (NoWait: no
-// wait; PdlWait: for the kernel before, programmatic dependent launch, common.cuh; FlagWait: for
-// a counter other blocks of the same launch raise, moe_b1); x is only read after. Same steps,
-// same order. A FlagWait's x was written by other blocks of the launch: it is read through L2.
-struct NoWait {
-    static constexpr bool active = false;
-    static constexpr bool l2_x = false;
-    __device__ void operator()() const {}
-};
-struct PdlWait {
-    static constexpr bool active = true;
-    static constexpr bool l2_x = false;
-    __device__ void operator()() const { pdl_entry(); }
-};
-struct FlagWait {
-    static constexpr bool active = true;
-    static constexpr bool l2_x = true;
-    const u32* flag;
-    u32 target;
-    // Lane 0 polls (acquire, backing off), the warp then goes on; a spin that never ends traps
-    // (a launch whose blocks cannot all be resident would otherwise hang the device).
-    __device__ void operator()() const {
-        if ((threadIdx.x & 31) == 0) {
-            u32 spins = 0;
-            for (;;) {
-                u32 v;
-                asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
-                if (v >= target) break;
-                if (++spins > (1u << 24)) asm volatile("trap;");
-                __nanosleep(64);
-            }
-        }
-        __syncwarp();
-    }
-};
-
-__device__ __forceinline__ float4 load_cg4(const float4* p) {
-    float4 v;
-    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];"
-                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-                 : "l"(p));
-    return v;
-}
-
-template <typename C, int M, int R, int U, typename Wait = NoWait>
+// WAIT: the first step's weights are issued before the kernel waits for the one before it
+// (programmatic dependent launch, common.cuh); x is only read after. Same steps, same order.
+template <typename C, int M, int R, int U, bool WAIT = false>
 __device__ __forceinline__ void moe_warp_rows(const uint4* const (&w)[R], const float* const (&x)[M],
-                                              int chunks, float (&acc)[M][R], Wait wait = Wait{}) {
+                                              int chunks, float (&acc)[M][R]) {
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int m = 0; m < M; ++m)
@@ -182,7 +140,7 @@ __device__ __forceinline__ void moe_warp_rows(const uint4* const (&w)[R], const 
                     float xv[C::N];
 #pragma unroll
                     for (int v = 0; v < C::N / 4; ++v) {
-                        const float4 t = Wait::l2_x ? load_cg4(xp + v) : xp[v];
+                        const float4 t = xp[v];
                         xv[4 * v] = t.x;
                         xv[4 * v + 1] = t.y;
                         xv[4 * v + 2] = t.z;
@@ -196,10 +154,10 @@ __device__ __forceinline__ void moe_warp_rows(const uint4* const (&w)[R], const 
             }
         }
     };
-    if constexpr (Wait::active) {
+    if constexpr (WAIT) {
         int c0 = lane;
         load(c0);
-        wait();
+        pdl_entry();
         while (c0 < chunks) {
             step(c0);
             c0 += 32 * U;
@@ -344,13 +302,12 @@ MOE_GATE_UP_KERNEL(moe_gate_up_f32_m8, ChunkF32, 8, 1)
 
 // acc[m][r] = row row0 + r of the expert's down matrix at wexp . h[p[m]], for rows_here >= 1
 // rows; NaN for the out-of-range group (wexp null), so its tokens' sums become NaN too.
-template <typename C, int M, typename Wait = NoWait>
+template <typename C, int M, bool WAIT = false>
 __device__ __forceinline__ void moe_down_rows(const uint4* wexp, const float* __restrict__ h,
                                               const u32 (&p)[M], int inter, int row0,
-                                              int rows_here, float (&acc)[M][MOE_DOWN_ROWS],
-                                              Wait wait = Wait{}) {
+                                              int rows_here, float (&acc)[M][MOE_DOWN_ROWS]) {
     if (wexp == nullptr) {
-        if (Wait::active) wait();
+        if (WAIT) pdl_entry();
 #pragma unroll
         for (int m = 0; m < M; ++m)
 #pragma unroll
@@ -364,7 +321,7 @@ __device__ __forceinline__ void moe_down_rows(const uint4* wexp, const float* __
 #pragma unroll
         for (int r = 0; r < MOE_DOWN_ROWS; ++r)
             w[r] = wexp + (u64)(row0 + min(r, rows_here - 1)) * chunks;  // in bounds; unused rows
-        moe_warp_rows<C, M, MOE_DOWN_ROWS, MOE_DOWN_UNROLL>(w, xr, chunks, acc, wait);
+        moe_warp_rows<C, M, MOE_DOWN_ROWS, MOE_DOWN_UNROLL, WAIT>(w, xr, chunks, acc);
     }
 }
 
@@ -562,7 +519,7 @@ __device__ __forceinline__ void moe_tiny_down(const void* __restrict__ down,
         if (waited) {
             moe_down_rows<C, 1>(wexp, h, p, inter, row0, rows_here, acc);
         } else {
-            moe_down_rows<C, 1, PdlWait>(wexp, h, p, inter, row0, rows_here, acc);
+            moe_down_rows<C, 1, true>(wexp, h, p, inter, row0, rows_here, acc);
             waited = true;
         }
         if (lane == 0) {
@@ -598,114 +555,3 @@ __device__ __forceinline__ void moe_tiny_down(const void* __restrict__ down,
 MOE_TINY_KERNELS(bf16, ChunkBf16)
 MOE_TINY_KERNELS(f16, ChunkF16)
 MOE_TINY_KERNELS(f32, ChunkF32)
-
-// ---- one token in one launch: routing, gate_up and down in a resident grid ----
-//
-// moe_b1_<dt>_l<L>: grid G, block 256, for a batch of one token after its router GEMV. G is at
-// most what the device keeps resident at once (ops/moe/decode.rs asks the occupancy API), so
-// every block a warp may wait on is running: the waits below cannot deadlock.
-// 1. After griddepcontrol.wait every block ranks the router logits itself (warp 0,
-//    warp_route_topk<L>, route_topk's steps: the same choices) into shared memory: no launch and
-//    no round trip through global memory for the ids.
-// 2. gate_up items i = blockIdx.x, + G, ... of k * ceil(I / 8): rank r = i / ceil(I / 8), warp w
-//    of the item computes intermediate index 8 (i % ceil(I / 8)) + w of rank r's expert exactly as
-//    moe_tiny_gate_up does (moe_gate_up_pass: the same h). Then the block counts one arrival on
-//    arrive[r] (each writer fenced first).
-// 3. down items d = blockIdx.x, + G, ... of ceil(H / 4): rows 4d .. 4d + 4; warp w takes ranks w,
-//    w + 8, ...: it issues its rank's first weight chunks, waits (FlagWait, lane 0 polling) until
-//    all of rank r's gate_up items have arrived, then computes the rows as moe_tiny_down does
-//    (moe_down_rows, h read through L2), and a thread per row sums the ranks in order: the bits
-//    of route_topk + moe_tiny_gate_up + moe_tiny_down.
-// 4. Each block counts itself done on arrive[k]; the last one zeroes arrive[0..k] for the next
-//    launch (every other block has finished waiting by then).
-#define MOE_B1_GU_TILE MOE_WARPS  // intermediate indices per gate_up item: one per warp
-
-template <typename C, int L>
-__device__ __forceinline__ void moe_b1(const float* __restrict__ logits, int experts, int top_k,
-                                       int renormalise, const void* __restrict__ gate_up,
-                                       const void* __restrict__ down,
-                                       const float* __restrict__ x, float* h,
-                                       float* __restrict__ out, u32* arrive, int hidden,
-                                       int inter, int act) {
-    __shared__ u32 s_ids[MOE_TINY_MAX_K];
-    __shared__ float s_w[MOE_TINY_MAX_K];
-    __shared__ float ys[MOE_TINY_MAX_K][MOE_DOWN_ROWS];
-    __shared__ int s_last;
-    const int warp = threadIdx.x >> 5;
-    const int lane = threadIdx.x & 31;
-    pdl_entry();
-    if (warp == 0) warp_route_topk<L>(logits, experts, top_k, renormalise, s_ids, s_w);
-    __syncthreads();
-
-    const u64 gu_chunks = (u64)(hidden / C::N);
-    const int tiles = (inter + MOE_B1_GU_TILE - 1) / MOE_B1_GU_TILE;
-    for (int it = blockIdx.x; it < top_k * tiles; it += gridDim.x) {
-        const int r = it / tiles;
-        const int j = (it - r * tiles) * MOE_B1_GU_TILE + warp;
-        const u32 e = s_ids[r];
-        if (e < (u32)experts && j < inter) {
-            const uint4* base =
-                reinterpret_cast<const uint4*>(gate_up) + (u64)e * 2 * inter * gu_chunks;
-            const u32 p[1] = {(u32)r};
-            moe_gate_up_pass<C, 1, 1>(base + (u64)j * gu_chunks, base + (u64)(inter + j) * gu_chunks,
-                                      x, p, 1, top_k, hidden, inter, j, h, act);
-        }
-        __threadfence();  // this thread's h, before the block's arrival
-        __syncthreads();
-        if (threadIdx.x == 0) atomicAdd(&arrive[r], 1u);
-    }
-
-    const u64 d_chunks = (u64)(inter / C::N);
-    for (int it = blockIdx.x; it < (hidden + MOE_DOWN_ROWS - 1) / MOE_DOWN_ROWS; it += gridDim.x) {
-        const int row0 = it * MOE_DOWN_ROWS;
-        const int rows_here = min(MOE_DOWN_ROWS, hidden - row0);
-        for (int r = warp; r < top_k; r += MOE_WARPS) {
-            const u32 e = s_ids[r];
-            const uint4* wexp = e < (u32)experts
-                                    ? reinterpret_cast<const uint4*>(down) + (u64)e * hidden * d_chunks
-                                    : nullptr;
-            const u32 p[1] = {(u32)r};
-            float acc[1][MOE_DOWN_ROWS];
-            moe_down_rows<C, 1>(wexp, h, p, inter, row0, rows_here, acc,
-                                FlagWait{arrive + r, (u32)tiles});
-            if (lane == 0) {
-#pragma unroll
-                for (int i = 0; i < MOE_DOWN_ROWS; ++i) ys[r][i] = acc[0][i];
-            }
-        }
-        __syncthreads();
-        if ((int)threadIdx.x < rows_here) {
-            float s = 0.0f;
-            for (int r = 0; r < top_k; ++r) s = fmaf(s_w[r], ys[r][threadIdx.x], s);
-            out[row0 + threadIdx.x] = s;
-        }
-        __syncthreads();  // ys is rewritten by the next item
-    }
-
-    if (threadIdx.x == 0) {
-        s_last = atomicAdd(&arrive[top_k], 1u) == gridDim.x - 1;
-        if (s_last) {
-            for (int r = 0; r <= top_k; ++r) arrive[r] = 0u;
-            __threadfence();
-        }
-    }
-}
-
-#define MOE_B1_KERNEL(DT, CHUNK, L)                                                              \
-    extern "C" __global__ void __launch_bounds__(MOE_THREADS, 3)                                 \
-        moe_b1_##DT##_l##L(const float* logits, int experts, int top_k, int renormalise,         \
-                           const void* gate_up, const void* down, const float* x, float* h,      \
-                           float* out, u32* arrive, int hidden, int inter, int act) {            \
-        moe_b1<CHUNK, L>(logits, experts, top_k, renormalise, gate_up, down, x, h, out, arrive,  \
-                         hidden, inter, act);                                                    \
-    }
-#define MOE_B1_KERNELS(DT, CHUNK)                                                                \
-    MOE_B1_KERNEL(DT, CHUNK, 1)                                                                  \
-    MOE_B1_KERNEL(DT, CHUNK, 2)                                                                  \
-    MOE_B1_KERNEL(DT, CHUNK, 4)                                                                  \
-    MOE_B1_KERNEL(DT, CHUNK, 8)                                                                  \
-    MOE_B1_KERNEL(DT, CHUNK, 16)
-
-MOE_B1_KERNELS(bf16, ChunkBf16)
-MOE_B1_KERNELS(f16, ChunkF16)
-MOE_B1_KERNELS(f32, ChunkF32)

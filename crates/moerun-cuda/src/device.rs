@@ -154,9 +154,6 @@ pub struct CudaDevice {
     pub(crate) kernels: Kernels,
     info: DeviceInfo,
     cache: CacheReport,
-    /// `moe_b1`'s arrival counters (one per rank, then one for finished blocks); its last block
-    /// resets them to zero (launches are ordered on the one stream: one set serves them all).
-    pub(crate) moe_b1_arrive: CudaSlice<u32>,
 }
 
 impl CudaDevice {
@@ -215,9 +212,6 @@ impl CudaDevice {
             ..CacheReport::default()
         };
         let kernels = Kernels::load(&ctx, &info.arch, &mut cache)?;
-        let moe_b1_arrive = stream
-            .alloc_zeros(crate::ops::DecodePass::TINY_PAIRS + 1)
-            .ctx("allocating the one-token MoE counters")?;
         Ok(CudaDevice {
             ctx,
             stream,
@@ -225,7 +219,6 @@ impl CudaDevice {
             kernels,
             info,
             cache,
-            moe_b1_arrive,
         })
     }
 

@@ -42,7 +42,6 @@ pub const PDL_KERNELS: &[&str] = &[
     "gemv_f16_m*",
     "gemv_f32_m*",
     "gemv_rows_*",
-    "moe_b1_*",
     "moe_tiny_down_*",
     "moe_tiny_gate_up_*",
     "qkv_split_norm_rope_early_f32",

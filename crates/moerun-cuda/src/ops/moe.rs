@@ -65,8 +65,6 @@ pub(crate) struct MoeKernels {
     /// `[dtype_slot]`, for [`DecodePass::Tiny`].
     tiny_gate_up: [CudaFunction; 3],
     tiny_down: [CudaFunction; 3],
-    /// `[dtype_slot][log2 experts per lane]`: `moe_b1` (see decode.rs).
-    b1: [[CudaFunction; 5]; 3],
     gather_bf16: CudaFunction,
     silu_mul_bf16: CudaFunction,
     combine_bf16: CudaFunction,
@@ -87,15 +85,6 @@ impl MoeKernels {
             // Indexed by dtype_slot: bf16, f16, f32.
             Ok([dt("bf16")?, dt("f16")?, dt("f32")?])
         };
-        let b1 = |dt: &str| -> Result<[CudaFunction; 5]> {
-            Ok([
-                get("moe", &format!("moe_b1_{dt}_l1"))?,
-                get("moe", &format!("moe_b1_{dt}_l2"))?,
-                get("moe", &format!("moe_b1_{dt}_l4"))?,
-                get("moe", &format!("moe_b1_{dt}_l8"))?,
-                get("moe", &format!("moe_b1_{dt}_l16"))?,
-            ])
-        };
         Ok(MoeKernels {
             align: get("moe", "moe_align")?,
             gate_up: variants("gate_up")?,
@@ -110,7 +99,6 @@ impl MoeKernels {
                 get("moe", "moe_tiny_down_f16")?,
                 get("moe", "moe_tiny_down_f32")?,
             ],
-            b1: [b1("bf16")?, b1("f16")?, b1("f32")?],
             gather_bf16: get("moe_prefill", "moe_gather_bf16")?,
             silu_mul_bf16: get("moe_prefill", "moe_silu_mul_bf16")?,
             combine_bf16: get("moe_prefill", "moe_combine_bf16")?,

@@ -52,6 +52,7 @@ pub(crate) fn vec_key(v: &[f32]) -> (usize, usize) {
     (v.as_ptr() as usize, v.len())
 }
 
+/// A model's weights on one GPU.
 /// Whether a model of bf16 weights (`bf16`) has its prefill norms write bf16 GEMM inputs
 /// ([`CudaModel::bf16_gemm_inputs`]): yes, unless `MOERUN_CUDA_BF16_INPUTS=0` asks for the
 /// conversions instead (an A/B switch; the results are the same bits either way).
@@ -61,15 +62,6 @@ pub(crate) fn bf16_gemm_inputs(bf16: bool) -> bool {
         .get_or_init(|| std::env::var_os("MOERUN_CUDA_BF16_INPUTS").is_none_or(|v| v != "0"))
 }
 
-/// Whether one-token MoE layers run routing and experts as one launch
-/// ([`CudaModel::moe_b1`], `CudaDevice::moe_experts_b1`): yes, unless `MOERUN_CUDA_MOE_B1=0` asks
-/// for route_topk and the tiny pair (an A/B switch; the same bits).
-pub(crate) fn moe_b1() -> bool {
-    static WANTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *WANTED.get_or_init(|| std::env::var_os("MOERUN_CUDA_MOE_B1").is_none_or(|v| v != "0"))
-}
-
-/// A model's weights on one GPU.
 pub struct CudaModel {
     pub(crate) dev: CudaDevice,
     pub(crate) mats: HashMap<(usize, usize), DeviceMatrix>,
@@ -86,8 +78,6 @@ pub struct CudaModel {
     /// A bf16 model: its prefill norms also write their output rounded to bf16, which the bf16
     /// GEMMs that read it (q/k/v, router, the MoE's wgmma path) take instead of converting.
     pub(crate) bf16_gemm_inputs: bool,
-    /// Whether a one-token MoE layer takes `moe_experts_b1` (see [`moe_b1`]).
-    pub(crate) moe_b1: bool,
     /// Bytes of weights resident on the device.
     pub(crate) weight_bytes: usize,
     /// Gemma 4's extras (its two RoPEs, unit norm weights), when the model is Gemma 4.

@@ -10,8 +10,8 @@
 
 use moerun_core::{DType, Error, Result, Tensor};
 use moerun_cuda::{
-    AttentionShape, BatchKvBf16, CudaDevice, CudaSlice, DecodePass, DeviceBuffer, DeviceKvPool,
-    DeviceMatrix, GemmOut, QkvShape, RouterShape, TokenPlacement,
+    AttentionShape, BatchKvBf16, CudaDevice, CudaSlice, DeviceBuffer, DeviceKvPool, DeviceMatrix,
+    GemmOut, QkvShape, RouterShape, TokenPlacement,
 };
 
 use super::{dev_err, profile, tensor_key, CudaModel, DeviceKv, PassScratch};
@@ -494,31 +494,24 @@ impl Backend for CudaPass<'_> {
             let rows = x.len() / hidden;
             let k = cfg.top_k;
             let logits = self.product(x, &w.router)?;
+            // route_topk writes every choice: no memset (a launch per layer in a decode step).
+            let mut ids = self.scratch.activation::<u32>(&self.m.dev, rows * k)?;
+            let mut weights = self.alloc(rows * k)?;
             let shape = RouterShape {
                 experts: cfg.num_experts,
                 top_k: k,
                 renormalise: cfg.norm_topk_prob,
             };
+            dev.route_topk(&logits, shape, &mut ids, &mut weights)
+                .map_err(dev_err)?;
             let experts = self.m.experts.get(&tensor_key(&w.router)).ok_or_else(|| {
                 Error::Device("internal: a MoE layer's experts were not uploaded".into())
             })?;
             let mut out = self.alloc(rows * hidden)?;
-            // One token (a batch-1 decode step): routing and experts in one launch.
-            if rows == 1 && m.moe_b1 && k <= DecodePass::TINY_PAIRS {
-                let scratch = self.scratch.moe(dev, experts, rows, k)?;
-                dev.moe_experts_b1(&logits, shape, x, experts, scratch, &mut out)
-                    .map_err(dev_err)?;
-            } else {
-                // route_topk writes every choice: no memset (a launch per layer in a decode step).
-                let mut ids = self.scratch.activation::<u32>(&self.m.dev, rows * k)?;
-                let mut weights = self.alloc(rows * k)?;
-                dev.route_topk(&logits, shape, &mut ids, &mut weights)
-                    .map_err(dev_err)?;
-                let scratch = self.scratch.moe(dev, experts, rows, k)?;
-                let xb = x.bf16().map(|b| &**b);
-                dev.moe_experts_with_bf16_x(x, xb, &ids, &weights, k, experts, scratch, &mut out)
-                    .map_err(dev_err)?;
-            }
+            let scratch = self.scratch.moe(dev, experts, rows, k)?;
+            let xb = x.bf16().map(|b| &**b);
+            dev.moe_experts_with_bf16_x(x, xb, &ids, &weights, k, experts, scratch, &mut out)
+                .map_err(dev_err)?;
             if let Some(shared) = &w.shared_expert {
                 let s = self.mlp(x, shared)?;
                 let gate = match &w.shared_expert_gate {

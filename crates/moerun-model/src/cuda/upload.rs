@@ -338,7 +338,6 @@ pub(crate) fn upload(
         gemma4: None,
         prefill_attention,
         bf16_gemm_inputs: crate::cuda::bf16_gemm_inputs(bf16),
-        moe_b1: crate::cuda::moe_b1(),
         dev,
         mats,
         vecs,

@@ -87,7 +87,6 @@ pub(crate) fn upload(
             AttentionPrefill::ExactF32
         },
         bf16_gemm_inputs: crate::cuda::bf16_gemm_inputs(bf16),
-        moe_b1: crate::cuda::moe_b1(),
         dev,
         mats,
         vecs,

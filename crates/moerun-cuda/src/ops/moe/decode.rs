@@ -20,18 +20,12 @@
 //! - `moe_tiny_down_<dt>`: grid (ceil(H / 4), n), block 256. Block (bx, t) computes token t's 4
 //!   rows for all k ranks (a warp per rank) into shared memory and sums them in rank order.
 //!
-//! One token from its router logits, in one launch ([`CudaDevice::moe_experts_b1`],
-//! `moe_b1_<dt>_l<L>`, grid = what stays resident, block 256): every block ranks the logits
-//! itself, takes gate_up items (a rank's 8 intermediate indices), counts them on the rank's
-//! counter, then down items (4 rows of all ranks) whose warps wait on their rank's counter only.
-//! The bits of `route_topk` + the tiny pair.
-//!
 //! Each output is one f32 fmaf chain per lane in a fixed order plus a butterfly, and the ranks
 //! are summed by one fmaf chain in rank order, the same in every variant and independent of how
 //! many tokens an expert has: a token's result does not depend on the rest of the batch, bit for
 //! bit. Against the f32 CPU reference: ~1e-7 relative (summation order only).
 
-use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use super::{
     decode_kernel, DecodePass, DeviceExperts, MoeCall, MoeScratch, DOWN_TILE, GATE_UP_TILE,
@@ -40,111 +34,9 @@ use super::{
 use crate::device::dtype_slot;
 use crate::error::{ensure, DriverContext, Result};
 use crate::ops::{blocks, to_i32};
-use crate::{CudaDevice, RouterShape};
+use crate::CudaDevice;
 
 impl CudaDevice {
-    /// One token's MoE from its router `logits` in one launch: the top-k of `shape` (as
-    /// [`CudaDevice::route_topk`]), then the experts (as [`CudaDevice::moe_experts`]'s tiny pass),
-    /// summed in rank order into `out` (`[H]`). The same bits as those two calls.
-    pub fn moe_experts_b1(
-        &self,
-        logits: &impl DevicePtr<f32>,
-        shape: RouterShape,
-        x: &impl DevicePtr<f32>,
-        w: &DeviceExperts,
-        s: &mut MoeScratch,
-        out: &mut impl DevicePtrMut<f32>,
-    ) -> Result<()> {
-        const OP: &str = "moe_experts_b1";
-        let RouterShape {
-            experts,
-            top_k,
-            renormalise,
-        } = shape;
-        ensure(experts == w.experts, || {
-            format!(
-                "{OP}: the router ranks {experts} experts, the layer has {}",
-                w.experts
-            )
-        })?;
-        ensure(
-            (1..=experts.min(DecodePass::TINY_PAIRS)).contains(&top_k)
-                && experts <= crate::ops::router::MAX_EXPERTS,
-            || format!("{OP}: top_k {top_k} of {experts} experts (at most 32 of 512)"),
-        )?;
-        ensure(
-            logits.len() == experts && x.len() == w.hidden && out.len() == w.hidden,
-            || {
-                format!(
-                    "{OP}: one token: logits {}, x {}, out {} (experts {experts}, H {})",
-                    logits.len(),
-                    x.len(),
-                    out.len(),
-                    w.hidden
-                )
-            },
-        )?;
-        ensure(
-            (s.experts, s.hidden, s.intermediate) == (w.experts, w.hidden, w.intermediate)
-                && s.top_k >= top_k,
-            || format!("{OP}: the scratch was made for another layer shape or a smaller top_k"),
-        )?;
-        let k = &self.kernels.moe;
-        let slot = experts.div_ceil(32).next_power_of_two().trailing_zeros() as usize;
-        let f = &k.b1[dtype_slot(w.dtype)][slot];
-        // Every block must be resident at once (warps wait on other blocks' counts): no more
-        // blocks than the device holds, and about two down items each.
-        let per_sm = f
-            .occupancy_max_active_blocks_per_multiprocessor(256, 0, None)
-            .ctx("moe_b1 occupancy")? as usize;
-        let resident = per_sm * self.info().multiprocessors as usize;
-        ensure(resident > 0, || {
-            format!("{OP}: the kernel cannot run on this device")
-        })?;
-        let grid = resident
-            .min(w.hidden.div_ceil(TINY_DOWN_ROWS).div_ceil(2))
-            .max(1);
-        let lp = self.ptr(logits, "moe_b1 logits")?;
-        let xp = self.ptr(x, "moe_b1 x")?;
-        let h = self.ptr_mut(&mut s.inner, "moe_b1 h")?;
-        let op = self.ptr_mut(out, "moe_b1 out")?;
-        let gate_up = self.ptr(&w.gate_up, "moe_b1 gate_up")?;
-        let down = self.ptr(&w.down, "moe_b1 down")?;
-        // Written by the kernel through its address: the device's own counters, zero between
-        // launches (the last block of each launch resets them), touched by this op only.
-        let arrive = self.ptr(&self.moe_b1_arrive, "moe_b1 counters")?;
-        let (experts_i, k_i, renorm_i) = (
-            to_i32(experts, "experts")?,
-            to_i32(top_k, "top_k")?,
-            renormalise as i32,
-        );
-        let (hidden_i, inter_i) = (
-            to_i32(w.hidden, "hidden")?,
-            to_i32(w.intermediate, "intermediate")?,
-        );
-        let act = w.activation().code();
-        let cfg = LaunchConfig {
-            grid_dim: (grid as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut b = self.stream.launch_builder(f);
-        b.arg(&lp).arg(&experts_i).arg(&k_i).arg(&renorm_i);
-        b.arg(&gate_up)
-            .arg(&down)
-            .arg(&xp)
-            .arg(&h)
-            .arg(&op)
-            .arg(&arrive);
-        b.arg(&hidden_i).arg(&inter_i).arg(&act);
-        // SAFETY: logits hold `experts` f32 (<= 512, what warp_route_topk<L> holds for this L); x
-        // and out H f32; gate_up and down E · 2I · H and E · H · I elements of the kernel's dtype
-        // (H and I multiples of the chunk, checked at upload); h holds >= k · I f32 (the scratch's
-        // top_k >= k); the counters hold 33 u32 >= k + 1; the grid is at most what is resident.
-        unsafe { b.launch(cfg) }.ctx(OP)?;
-        Ok(())
-    }
-
     pub(super) fn moe_decode(
         &self,
         c: &MoeCall,
