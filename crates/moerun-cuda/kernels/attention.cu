@@ -1160,18 +1160,8 @@ __device__ __forceinline__ void attn_tile_bf16(const AttnArgs& a) {
         }
     }
     tile_key_range(a, t0, &s_kmin, &s_kend);
-    const int kmin = s_kmin, kend = s_kend;
-    const int ntiles = kmin < kend ? (kend - kmin + TILE_N - 1) / TILE_N : 0;
-    int kloc = 0x7fffffff;
-    if (a.copy_k) {
-        batch_copy_start<TC_M>(a, t0, kmin, &s_kloc, &s_bad);
-        kloc = s_kloc;
-    }
-    // Tiles 0 .. npool - 1 start before the copy's first key: they come from the pool (all of
-    // them without a copy: kloc is then INT_MAX, compared, never offset).
-    const int npool = kloc <= kmin   ? 0
-                      : kloc >= kend ? ntiles
-                                     : min(ntiles, (kloc - kmin + TILE_N - 1) / TILE_N);
+    const KeyTiles kt = key_tiles<TC_M, TILE_N>(a, t0, &s_kmin, &s_kend, &s_kloc, &s_bad);
+    const int kmin = kt.kmin, kend = kt.kend, ntiles = kt.ntiles, npool = kt.npool;
 
     auto ld_state = [&](int& kend_, int& c_, int& kh_, int& ts_) {
         if constexpr (QS) {

@@ -1,7 +1,7 @@
 // Shared by the attention kernel files (attention.cu, attention_wgmma.cu; compile.rs prepends it
 // to both, after common.cuh): the one argument struct every attention kernel takes by value
 // (ops/attention.rs `AttnArgs`, the same C layout), the pool addressing, the tile rule, the
-// key range and batch-copy scan of a prefill tile, and two bf16/exp2 helpers. attention.cu's
+// key range, batch-copy scan and key tiles of a prefill tile, and two bf16/exp2 helpers. attention.cu's
 // header describes the contract.
 
 struct AttnArgs {
@@ -133,6 +133,31 @@ __device__ __forceinline__ void batch_copy_start(const AttnArgs& a, int t0, int 
     const bool tile_bad = __syncthreads_or(bad_hi) != 0;  // also orders the atomics before the read
     if (threadIdx.x == 0) *s_kloc = tile_bad ? 0x7fffffff : *s_bad + 1 + c;
     __syncthreads();
+}
+
+// The key tiles of N keys of token tile t0 (M rows), after tile_key_range filled *s_kmin and
+// *s_kend: the range, how many tiles, and how many of them (the first) come from the pool rather
+// than the batch copy (all of them without a copy: the copy's first key is then INT_MAX,
+// compared, never offset). Every thread must call it (batch_copy_start's barriers).
+struct KeyTiles {
+    int kmin, kend, ntiles, npool;
+};
+template <int M, int N>
+__device__ __forceinline__ KeyTiles key_tiles(const AttnArgs& a, int t0, const int* s_kmin,
+                                              const int* s_kend, int* s_kloc, int* s_bad) {
+    KeyTiles k;
+    k.kmin = *s_kmin;
+    k.kend = *s_kend;
+    k.ntiles = k.kmin < k.kend ? (k.kend - k.kmin + N - 1) / N : 0;
+    int kloc = 0x7fffffff;
+    if (a.copy_k) {
+        batch_copy_start<M>(a, t0, k.kmin, s_kloc, s_bad);
+        kloc = *s_kloc;
+    }
+    k.npool = kloc <= k.kmin   ? 0
+              : kloc >= k.kend ? k.ntiles
+                               : min(k.ntiles, (kloc - k.kmin + N - 1) / N);
+    return k;
 }
 
 // Two f32 as a bf16x2 register, `lo` in the low half (the lower column of a fragment).

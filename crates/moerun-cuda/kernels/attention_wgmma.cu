@@ -12,8 +12,8 @@
 // ex2.approx.ftz, P rounded to bf16, one normalisation at the end: the arithmetic of the mma.sync
 // kernel, in another accumulation order (so other bits, the same tolerance).
 //
-// AttnArgs, kv_offset, window_lo, tile_owned, tile_key_range and batch_copy_start come from
-// attention_common.cuh, which compile.rs prepends to this file and to attention.cu alike.
+// AttnArgs, kv_offset, window_lo, tile_owned, tile_key_range, batch_copy_start and key_tiles come
+// from attention_common.cuh, which compile.rs prepends to this file and to attention.cu alike.
 //
 // CTA: grid (n / 64, num_heads / HEADS), 128 (HEADS + 1) threads, one CTA per SM.
 // - warpgroup 0, the producer: per key tile of FA_N = 128 keys, waits for a free stage of a ring
@@ -123,20 +123,9 @@ __device__ __forceinline__ void fa_mma_rs(float (&d)[64], const u32 (&a)[4], u64
     asm volatile(
         "{\n.reg .pred p;\n"
         "setp.ne.b32 p, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
-        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
-        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" WG_REGS_0_63
         "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : WG_ACC64(d, 0)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
 }
 
@@ -368,18 +357,8 @@ __device__ __forceinline__ void fa_prefill(const AttnArgs& a, const FaMap* kmap,
     // Both CTAs of a cluster own the same token tile (same t0), so both get here; the partner's
     // barriers exist before anything reaches them.
     if (TMA == 2) fa_cluster_sync();
-    const int kmin = s_kmin, kend = s_kend;
-    const int ntiles = kmin < kend ? (kend - kmin + FA_N - 1) / FA_N : 0;
-    int kloc = 0x7fffffff;
-    if (a.copy_k) {
-        batch_copy_start<FA_M>(a, t0, kmin, &s_kloc, &s_bad);
-        kloc = s_kloc;
-    }
-    // Tiles starting before the copy's first key come from the pool (all of them without a
-    // copy: kloc is then INT_MAX, compared, never offset).
-    const int npool = kloc <= kmin   ? 0
-                      : kloc >= kend ? ntiles
-                                     : min(ntiles, (kloc - kmin + FA_N - 1) / FA_N);
+    const KeyTiles kt = key_tiles<FA_M, FA_N>(a, t0, &s_kmin, &s_kend, &s_kloc, &s_bad);
+    const int kmin = kt.kmin, kend = kt.kend, ntiles = kt.ntiles, npool = kt.npool;
     const int h0 = blockIdx.y * HEADS;
     const int kh = h0 / a.group;
     const int wg = tid >> 7;

@@ -262,26 +262,12 @@ pub fn rows(dev: &CudaDevice, rng: &mut XorShift) -> Result<Vec<Row>> {
             ((3072, 1024), Keys::Pool),
             ((3072, 1024), Keys::BatchCopy),
         ] {
-            rows.push(prefill_row(dev, rng, chunk, tensor, keys, None)?);
-            for heads in [1, 2, 4] {
-                rows.push(prefill_row(
-                    dev,
-                    rng,
-                    chunk,
-                    tensor,
-                    keys,
-                    Some(Tc::MmaSync(heads)),
-                )?);
-            }
-            for &b in builds.iter().filter(|_| wgmma) {
-                rows.push(prefill_row(
-                    dev,
-                    rng,
-                    chunk,
-                    tensor,
-                    keys,
-                    Some(Tc::Wgmma(b)),
-                )?);
+            // The default tile kernel, each mma.sync head count, then each wgmma build.
+            let mma = [1, 2, 4].map(Tc::MmaSync);
+            let wgmma_builds = builds.iter().filter(|_| wgmma).map(|&b| Tc::Wgmma(b));
+            let tiles = mma.into_iter().chain(wgmma_builds).map(Some);
+            for tc in std::iter::once(None).chain(tiles) {
+                rows.push(prefill_row(dev, rng, chunk, tensor, keys, tc)?);
             }
         }
     }
