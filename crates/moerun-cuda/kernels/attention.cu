@@ -283,9 +283,12 @@ __device__ __forceinline__ void merge_splits(const AttnArgs& a, int i, int h0, i
 // in shared memory: unnormalised acc in s_acc [W][GM][d], (max, sum) in s_ml [W][GM][2], for
 // h < gh; ends in a barrier. An empty range leaves (-inf, 0) and zeros.
 // EARLY (programmatic dependent launch, common.cuh): the kernel has not waited for the one before
-// it yet. Keys before `fresh` were written by earlier passes, so the first step's rows of those
-// load first; then the wait, and q and the fresh rows (the previous kernel writes them) after.
-template <int W, int L, int VPL, int GM, bool EARLY = false, int U = SPLIT_KEYS / VPL>
+// it yet. Keys before `fresh` were written by earlier passes, so the first DEPTH steps' rows of
+// those load first; then the wait, and q and the fresh rows (the previous kernel writes them)
+// after. DEPTH 2 keeps two steps of rows in flight (the step after next loads while one computes),
+// so a block of up to three steps waits on memory once after the wait instead of three times.
+template <int W, int L, int VPL, int GM, bool EARLY = false, int U = SPLIT_KEYS / VPL,
+          int DEPTH = 1>
 __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, int h0, int gh, int ts,
                                             int k0, int k1, float* s_acc, float* s_ml,
                                             int fresh = 0) {
@@ -299,13 +302,24 @@ __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, in
     const int sub = lane & (L - 1);
     const int grp = threadIdx.x / L;
 
+    static_assert(DEPTH == 1 || DEPTH == 2, "one or two steps of rows loaded ahead");
+    constexpr int STEP = GROUPS * U;
     float4 kr[U][VPL], vr[U][VPL];
     bool ok[U];
+    // The next step's rows (DEPTH 2 only; unused otherwise).
+    float4 kr2[U][VPL], vr2[U][VPL];
+    bool ok2[U];
     if constexpr (EARLY) {
-        fetch_keys<W, L, VPL, U>(a, ts, kh, k0, min(k1, fresh), grp, sub, d4, kr, vr, ok);
+        const int old_end = min(k1, fresh);
+        fetch_keys<W, L, VPL, U>(a, ts, kh, k0, old_end, grp, sub, d4, kr, vr, ok);
+        if constexpr (DEPTH == 2)
+            fetch_keys<W, L, VPL, U>(a, ts, kh, k0 + STEP, old_end, grp, sub, d4, kr2, vr2, ok2);
         pdl_entry();
-        if (fresh < k1 && fresh < k0 + GROUPS * U)  // block-uniform
+        if (fresh < k1 && fresh < k0 + STEP)  // block-uniform
             fetch_keys<W, L, VPL, U>(a, ts, kh, k0, k1, grp, sub, d4, kr, vr, ok);
+        if constexpr (DEPTH == 2)
+            if (fresh < k1 && fresh < k0 + 2 * STEP)
+                fetch_keys<W, L, VPL, U>(a, ts, kh, k0 + STEP, k1, grp, sub, d4, kr2, vr2, ok2);
     }
     float4 qr[GM][VPL];
 #pragma unroll
@@ -331,24 +345,15 @@ __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, in
 #pragma unroll
         for (int v = 0; v < VPL; ++v) acc[h][v] = zero4();
 
-    if constexpr (!EARLY) fetch_keys<W, L, VPL, U>(a, ts, kh, k0, k1, grp, sub, d4, kr, vr, ok);
-    // The loop bound is block-uniform so that every lane takes part in the shuffles; a group past
-    // k1 sees its keys as masked.
-    for (int jb = k0; jb < k1; jb += GROUPS * U) {
-        float4 kc[U][VPL], vc[U][VPL];
-        bool okc[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            okc[u] = ok[u];
-#pragma unroll
-            for (int v = 0; v < VPL; ++v) {
-                kc[u][v] = kr[u][v];
-                vc[u][v] = vr[u][v];
-            }
-        }
-        // The next step's rows load while this one computes.
-        fetch_keys<W, L, VPL, U>(a, ts, kh, jb + GROUPS * U, k1, grp, sub, d4, kr, vr, ok);
-
+    if constexpr (!EARLY) {
+        fetch_keys<W, L, VPL, U>(a, ts, kh, k0, k1, grp, sub, d4, kr, vr, ok);
+        if constexpr (DEPTH == 2)
+            fetch_keys<W, L, VPL, U>(a, ts, kh, k0 + STEP, k1, grp, sub, d4, kr2, vr2, ok2);
+    }
+    // One step: the U keys of each group (rows kc, vc; okc says which are real) into the running
+    // max, sum and accumulator. Steps go in key order, whatever the loop shape below.
+    auto attend_step = [&](const float4 (&kc)[U][VPL], const float4 (&vc)[U][VPL],
+                           const bool (&okc)[U]) {
         float x[U][GM];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -391,6 +396,37 @@ __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, in
 #pragma unroll
                 for (int v = 0; v < VPL; ++v) acc[h][v] = axpy4(ph, vc[u][v], acc[h][v]);
             }
+        }
+    };
+    // The loop bound is block-uniform so that every lane takes part in the shuffles; a group past
+    // k1 sees its keys as masked.
+    if constexpr (DEPTH == 2) {
+        // Ping-pong: kr holds step jb, kr2 step jb + STEP (both loaded before the first step,
+        // for EARLY before the wait); a buffer refills with the step two ahead once computed.
+        // (Shifting kr2 into kr instead would wait for the step after next before computing.)
+        for (int jb = k0; jb < k1; jb += 2 * STEP) {
+            attend_step(kr, vr, ok);
+            fetch_keys<W, L, VPL, U>(a, ts, kh, jb + 2 * STEP, k1, grp, sub, d4, kr, vr, ok);
+            if (jb + STEP >= k1) break;
+            attend_step(kr2, vr2, ok2);
+            fetch_keys<W, L, VPL, U>(a, ts, kh, jb + 3 * STEP, k1, grp, sub, d4, kr2, vr2, ok2);
+        }
+    } else {
+        for (int jb = k0; jb < k1; jb += STEP) {
+            float4 kc[U][VPL], vc[U][VPL];
+            bool okc[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                okc[u] = ok[u];
+#pragma unroll
+                for (int v = 0; v < VPL; ++v) {
+                    kc[u][v] = kr[u][v];
+                    vc[u][v] = vr[u][v];
+                }
+            }
+            // The next step's rows load while this one computes.
+            fetch_keys<W, L, VPL, U>(a, ts, kh, jb + STEP, k1, grp, sub, d4, kr, vr, ok);
+            attend_step(kc, vc, okc);
         }
     }
 
@@ -707,8 +743,11 @@ __device__ __forceinline__ void attn_cluster(const AttnArgs& a) {
     // by the kernel before (the attention prologue), older ones by earlier passes.
     int first = i;
     while (first > 0 && a.table_start[first - 1] == ts) --first;
-    attend_keys<CL_WARPS, L, VPL, GM, true>(a, i, kh, h0, gh, ts, k0, k1, s_acc, s_ml,
-                                            a.positions[first]);
+    // Two steps of rows in flight where the registers allow (4 query heads at most: the 8-head
+    // builds would reach 250 registers); batch 1 takes 4-head chunks (decode_head_cap).
+    constexpr int DEPTH = GM <= 4 ? 2 : 1;
+    attend_keys<CL_WARPS, L, VPL, GM, true, SPLIT_KEYS / VPL, DEPTH>(
+        a, i, kh, h0, gh, ts, k0, k1, s_acc, s_ml, a.positions[first]);
     for (int idx = threadIdx.x; idx < gh * d; idx += CL_THREADS) {
         const int h = idx / d;
         const int e = idx - h * d;
@@ -819,26 +858,35 @@ __device__ __forceinline__ void attn_cluster(const AttnArgs& a) {
         NAME(const AttnArgs a) {                                                                 \
         attn_cluster<L, VPL, GM>(a);                                                             \
     }
+// The 4-head builds of head_dim <= 128 (batch 1's blocks) fit 128 registers with two steps of
+// rows in flight: two blocks per SM, so the o_proj GEMV's blocks that launch behind them still
+// find room to load their weights during attention.
+#define ATTN_CLUSTER_2(NAME, L, VPL, GM)                                                         \
+    extern "C" __global__ void __launch_bounds__(CL_THREADS, 2) __cluster_dims__(1, CL_SIZE, 1) \
+        NAME(const AttnArgs a) {                                                                 \
+        attn_cluster<L, VPL, GM>(a);                                                             \
+    }
 #else
 #define ATTN_CLUSTER(NAME, L, VPL, GM)                                                           \
     extern "C" __global__ void __launch_bounds__(CL_THREADS) NAME(const AttnArgs a) {}
+#define ATTN_CLUSTER_2(NAME, L, VPL, GM) ATTN_CLUSTER(NAME, L, VPL, GM)
 #endif
 
 ATTN_CLUSTER(attn_cluster_d16_g1, 4, 1, 1)
 ATTN_CLUSTER(attn_cluster_d16_g2, 4, 1, 2)
-ATTN_CLUSTER(attn_cluster_d16_g4, 4, 1, 4)
+ATTN_CLUSTER_2(attn_cluster_d16_g4, 4, 1, 4)
 ATTN_CLUSTER(attn_cluster_d16_g8, 4, 1, 8)
 ATTN_CLUSTER(attn_cluster_d32_g1, 8, 1, 1)
 ATTN_CLUSTER(attn_cluster_d32_g2, 8, 1, 2)
-ATTN_CLUSTER(attn_cluster_d32_g4, 8, 1, 4)
+ATTN_CLUSTER_2(attn_cluster_d32_g4, 8, 1, 4)
 ATTN_CLUSTER(attn_cluster_d32_g8, 8, 1, 8)
 ATTN_CLUSTER(attn_cluster_d64_g1, 16, 1, 1)
 ATTN_CLUSTER(attn_cluster_d64_g2, 16, 1, 2)
-ATTN_CLUSTER(attn_cluster_d64_g4, 16, 1, 4)
+ATTN_CLUSTER_2(attn_cluster_d64_g4, 16, 1, 4)
 ATTN_CLUSTER(attn_cluster_d64_g8, 16, 1, 8)
 ATTN_CLUSTER(attn_cluster_d128_g1, 32, 1, 1)
 ATTN_CLUSTER(attn_cluster_d128_g2, 32, 1, 2)
-ATTN_CLUSTER(attn_cluster_d128_g4, 32, 1, 4)
+ATTN_CLUSTER_2(attn_cluster_d128_g4, 32, 1, 4)
 ATTN_CLUSTER(attn_cluster_d128_g8, 32, 1, 8)
 ATTN_CLUSTER(attn_cluster_d256_g1, 32, 2, 1)
 ATTN_CLUSTER(attn_cluster_d256_g2, 32, 2, 2)

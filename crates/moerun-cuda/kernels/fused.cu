@@ -66,7 +66,7 @@ extern "C" __global__ void add_rms_norm_f32(float* x, const float* __restrict__ 
         v[u] = i < width ? xr[i] : 0.0f;
         wv[u] = i < width ? w[i] : 0.0f;
     }
-    pdl_entry();
+    pdl_entry_launch_first();
     float ss = 0.0f;
 #pragma unroll
     for (int u = 0; u < ADD_NORM_EARLY; ++u) {
@@ -208,7 +208,7 @@ __device__ __forceinline__ void qkv_split_norm_rope(
         }
         slot = pool_slot(pos);
     }
-    pdl_entry();
+    pdl_entry_launch_first();
     // With an output gate (Qwen3.5) each q head's rows are its query then its gate.
     const int q_width = gate ? 2 * head_dim : head_dim;
     const int width = heads_q * q_width + 2 * heads_kv * head_dim;

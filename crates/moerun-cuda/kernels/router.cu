@@ -87,7 +87,7 @@ __device__ __forceinline__ void warp_route_topk(const float* __restrict__ logits
     extern "C" __global__ void NAME(const float* __restrict__ logits, int rows, int experts,      \
                                     int k, int renormalise, u32* __restrict__ out_experts,        \
                                     float* __restrict__ out_weights) {                            \
-        pdl_entry();                                                                              \
+        pdl_entry_launch_first();                                                                 \
         const int row = blockIdx.x * blockDim.y + threadIdx.y;                                    \
         if (row >= rows) return; /* no block-wide barrier: warps are independent */               \
         warp_route_topk<L>(logits + (u64)row * experts, experts, k, renormalise,                  \

@@ -58,6 +58,36 @@ pub const PDL_KERNELS: &[&str] = &[
     "split_query_gate_f32",
 ];
 
+/// Kernels of [`PDL_KERNELS`] that let their successor launch *before* they wait
+/// (`pdl_entry_launch_first`, kernels/common.cuh): latency-bound kernels of few blocks whose
+/// successor streams weights. Their successor's pre-wait part may then run while the kernel
+/// before them still runs.
+pub const LAUNCH_FIRST_KERNELS: &[&str] = &[
+    "add_rms_norm_f32",
+    "qkv_split_norm_rope_*",
+    "route_topk_f32_l*",
+];
+
+/// Kernels of [`PDL_KERNELS`] whose pre-wait part reads activations an earlier kernel of the pass
+/// wrote (add_rms_norm its residual, moe_tiny_down its expert ids): safe behind a kernel that
+/// waits before it lets them launch, not behind one of [`LAUNCH_FIRST_KERNELS`]. Such an edge
+/// keeps its ordinary dependency.
+pub const EARLY_ACTIVATION_READERS: &[&str] = &["add_rms_norm_f32", "moe_tiny_down_*"];
+
+fn named_in(list: &[&str], name: &str) -> bool {
+    list.iter().any(|k| pdl_entry_names(k, name))
+}
+
+/// Whether `name` is in [`LAUNCH_FIRST_KERNELS`].
+pub fn is_launch_first_kernel(name: &str) -> bool {
+    named_in(LAUNCH_FIRST_KERNELS, name)
+}
+
+/// Whether the edge from kernel `from` into kernel `to` may be programmatic.
+pub fn edge_may_be_programmatic(from: &str, to: &str) -> bool {
+    is_pdl_kernel(to) && !(is_launch_first_kernel(from) && named_in(EARLY_ACTIVATION_READERS, to))
+}
+
 /// Whether the [`PDL_KERNELS`] entry `entry` names kernel `name` (an entry ending in `*` names a
 /// template's family by prefix).
 pub fn pdl_entry_names(entry: &str, name: &str) -> bool {
@@ -69,7 +99,7 @@ pub fn pdl_entry_names(entry: &str, name: &str) -> bool {
 
 /// Whether `name` is in [`PDL_KERNELS`].
 pub fn is_pdl_kernel(name: &str) -> bool {
-    PDL_KERNELS.iter().any(|k| pdl_entry_names(k, name))
+    named_in(PDL_KERNELS, name)
 }
 
 /// Whether captured graphs get programmatic edges: on for Hopper and later, off with
@@ -248,6 +278,7 @@ unsafe fn kernel_name(node: sys::CUgraphNode) -> Option<String> {
 }
 
 /// Replace every edge from a kernel into a kernel of [`PDL_KERNELS`] by a programmatic one
+/// (but see [`edge_may_be_programmatic`])
 /// (the destination may launch once every block of the source has triggered, `pdl_entry`). An
 /// edge the driver will not convert is put back as it was. Returns how many were converted.
 ///
@@ -277,10 +308,13 @@ unsafe fn make_edges_programmatic(graph: sys::CUgraph) -> std::result::Result<us
     let mut converted = 0;
     for i in 0..count {
         let plain = data[i].type_ == 0 && data[i].from_port == 0;
-        if !plain || kernel_name(from[i]).is_none() {
+        if !plain {
             continue;
         }
-        if !kernel_name(to[i]).is_some_and(|n| is_pdl_kernel(&n)) {
+        let (Some(src), Some(dst)) = (kernel_name(from[i]), kernel_name(to[i])) else {
+            continue;
+        };
+        if !edge_may_be_programmatic(&src, &dst) {
             continue;
         }
         sys::cuGraphRemoveDependencies_v2(graph, &from[i], &to[i], &data[i], 1).result()?;
@@ -299,7 +333,43 @@ unsafe fn make_edges_programmatic(graph: sys::CUgraph) -> std::result::Result<us
 
 #[cfg(test)]
 mod tests {
-    use super::is_pdl_kernel;
+    use super::{edge_may_be_programmatic, is_pdl_kernel};
+
+    #[test]
+    fn a_launch_first_kernel_keeps_a_plain_edge_into_an_early_activation_reader() {
+        assert!(edge_may_be_programmatic(
+            "gemv_rows_bf16_m1",
+            "add_rms_norm_f32"
+        ));
+        assert!(edge_may_be_programmatic(
+            "add_rms_norm_f32",
+            "gemv_rows_bf16_m1"
+        ));
+        assert!(edge_may_be_programmatic(
+            "route_topk_f32_l4",
+            "moe_tiny_gate_up_bf16"
+        ));
+        assert!(edge_may_be_programmatic(
+            "moe_tiny_gate_up_bf16",
+            "moe_tiny_down_bf16"
+        ));
+        assert!(!edge_may_be_programmatic(
+            "route_topk_f32_l4",
+            "moe_tiny_down_bf16"
+        ));
+        assert!(!edge_may_be_programmatic(
+            "add_rms_norm_f32",
+            "add_rms_norm_f32"
+        ));
+        assert!(!edge_may_be_programmatic(
+            "qkv_split_norm_rope_early_f32",
+            "add_rms_norm_f32"
+        ));
+        assert!(!edge_may_be_programmatic(
+            "gemv_rows_bf16_m1",
+            "moe_gate_up_bf16_m4"
+        ));
+    }
 
     #[test]
     fn kernel_families_are_matched_by_prefix_and_others_exactly() {

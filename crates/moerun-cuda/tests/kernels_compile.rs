@@ -3,7 +3,9 @@
 //! elsewhere.
 
 use moerun_cuda::compile::{compile, compile_ptx, KERNEL_FILES, SM90A_FILES};
-use moerun_cuda::graph::{is_pdl_kernel, pdl_entry_names, PDL_KERNELS};
+use moerun_cuda::graph::{
+    is_launch_first_kernel, is_pdl_kernel, pdl_entry_names, LAUNCH_FIRST_KERNELS, PDL_KERNELS,
+};
 use moerun_cuda::probe::nvrtc_available;
 
 #[test]
@@ -61,6 +63,7 @@ fn every_early_launched_kernel_waits_for_the_one_before() {
         return;
     }
     let mut matched = vec![false; PDL_KERNELS.len()];
+    let mut matched_first = vec![false; LAUNCH_FIRST_KERNELS.len()];
     for file in KERNEL_FILES {
         let ptx = compile_ptx(file, "compute_90").unwrap_or_else(|e| panic!("{e}"));
         let mut entries = ptx.split(".entry ").skip(1);
@@ -72,14 +75,47 @@ fn every_early_launched_kernel_waits_for_the_one_before() {
             for (hit, k) in matched.iter_mut().zip(PDL_KERNELS) {
                 *hit |= pdl_entry_names(k, name);
             }
+            for (hit, k) in matched_first.iter_mut().zip(LAUNCH_FIRST_KERNELS) {
+                *hit |= pdl_entry_names(k, name);
+            }
             assert!(
                 body.contains("griddepcontrol.wait"),
                 "{}.cu: {name} is launched early in graphs but never waits for the kernel before",
                 file.name
             );
+            // Whether it lets its successor launch before it waits: graph.rs must know, to keep
+            // plain the edges into kernels that read activations before their wait.
+            let (wait, launch) = (
+                body.find("griddepcontrol.wait"),
+                body.find("griddepcontrol.launch_dependents"),
+            );
+            let launches_first = matches!((wait, launch), (Some(w), Some(l)) if l < w);
+            assert_eq!(
+                launches_first,
+                is_launch_first_kernel(name),
+                "{}.cu: {name} {} its successor launch before it waits, which \
+                 graph::LAUNCH_FIRST_KERNELS {}",
+                file.name,
+                if launches_first {
+                    "lets"
+                } else {
+                    "does not let"
+                },
+                if launches_first {
+                    "does not list"
+                } else {
+                    "lists"
+                },
+            );
         }
     }
     for (k, hit) in PDL_KERNELS.iter().zip(matched) {
         assert!(hit, "PDL_KERNELS names {k}, which is no kernel");
+    }
+    for (k, hit) in LAUNCH_FIRST_KERNELS.iter().zip(matched_first) {
+        assert!(
+            hit,
+            "LAUNCH_FIRST_KERNELS names {k}, which is no kernel of PDL_KERNELS"
+        );
     }
 }

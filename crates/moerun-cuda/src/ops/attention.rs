@@ -638,9 +638,12 @@ fn cluster_plan(
     if work == 0 || work > slots {
         return None;
     }
-    // Two steps per block at least: one step's latency is mostly its loads, which the second
-    // step's overlap. (MOERUN_CUDA_CLUSTER_MIN_STEPS overrides it, to measure the trade between
-    // steps per block and clusters to merge.)
+    // Four steps per block at least before a second cluster: the merge of several clusters'
+    // partials (a fence, an atomic, then L2 reads) costs more than steps whose rows are already
+    // in flight (two steps load before the programmatic wait, cluster_kernel's DEPTH). Measured
+    // at batch 1 over 512-560 keys (H200, ktrace timeline, docs/perf/cuda-model.md v10): one
+    // cluster of 3 steps 7.7 µs a layer, two of 2 steps 10.0, three of 1 step 8.6.
+    // (MOERUN_CUDA_CLUSTER_MIN_STEPS overrides it, to measure the trade.)
     let min_keys = cluster_min_steps() * step;
     let clusters = (slots / work)
         .min(context.max(1).div_ceil(CLUSTER_SIZE * min_keys))
@@ -676,13 +679,13 @@ fn decode_head_cap(tokens: usize, context: usize) -> Option<usize> {
     .or((tokens.saturating_mul(context.max(1)) <= SMALL_BATCH_KEYS).then_some(SMALL_BATCH_HEADS))
 }
 
-/// Fewest key steps a cluster kernel block takes: 2, or `MOERUN_CUDA_CLUSTER_MIN_STEPS`.
+/// Fewest key steps a cluster kernel block takes: 4, or `MOERUN_CUDA_CLUSTER_MIN_STEPS`.
 fn cluster_min_steps() -> usize {
     static STEPS: OnceLock<Option<usize>> = OnceLock::new();
     env_count(&STEPS, "MOERUN_CUDA_CLUSTER_MIN_STEPS", |s| {
         (1..=MAX_CLUSTER_STEPS).contains(&s)
     })
-    .unwrap_or(2)
+    .unwrap_or(4)
 }
 
 /// Index of the smallest class that holds `v`.
@@ -1429,12 +1432,18 @@ mod tests {
         let plan = |context| cluster_plan(4, context, 16, usize::MAX, 32).map(|p| p.clusters);
         assert_eq!(plan(1), Some(1));
         assert_eq!(plan(512), Some(1), "one cluster: no global merge");
-        assert_eq!(plan(2048), Some(4));
+        assert_eq!(
+            plan(1024),
+            Some(1),
+            "4 steps per block before a second cluster"
+        );
+        assert_eq!(plan(1025), Some(2));
+        assert_eq!(plan(2048), Some(2));
         assert_eq!(plan(8192), Some(4), "256 keys, 8 steps per block");
         assert_eq!(plan(8193), None);
         assert_eq!(
             cluster_plan(4, 512, 16, usize::MAX, 32).unwrap().min_keys,
-            64
+            128
         );
         // Groups that do not all run at once, or a scratch for one cluster only.
         assert_eq!(cluster_plan(17, 512, 16, usize::MAX, 32), None);
