@@ -100,21 +100,44 @@ extern "C" __global__ void add_rms_norm_f32(float* x, const float* __restrict__ 
     }
 }
 
-// RMSNorm of wide rows (hidden states), a block per row: out may alias x.
+// RMSNorm of wide rows (hidden states), a block per row: out may alias x. Like add_rms_norm, the
+// norm weights load before the wait and the row stays in registers (its first ADD_NORM_EARLY
+// values per thread), so the chain after the wait is one read of x, the reduction and the
+// write; and the kernel lets its successor launch first (Gemma 4 runs ~8 of these a layer).
 extern "C" __global__ void rms_norm_block_f32(const float* x, const float* __restrict__ w,
                                               float* out, int width, float eps) {
-    pdl_entry();
     const u64 row = blockIdx.x;
     const float* xr = x + row * width;
     float* o = out + row * width;
+    float v[ADD_NORM_EARLY], wv[ADD_NORM_EARLY];
+#pragma unroll
+    for (int u = 0; u < ADD_NORM_EARLY; ++u) {
+        const int i = threadIdx.x + u * blockDim.x;
+        wv[u] = i < width ? w[i] : 0.0f;
+    }
+    pdl_entry_launch_first();
     float ss = 0.0f;
-    for (int i = threadIdx.x; i < width; i += blockDim.x) {
-        const float v = xr[i];
-        ss += v * v;
+#pragma unroll
+    for (int u = 0; u < ADD_NORM_EARLY; ++u) {
+        const int i = threadIdx.x + u * blockDim.x;
+        v[u] = i < width ? xr[i] : 0.0f;
+        if (i < width) ss += v[u] * v[u];
+    }
+    for (int i = threadIdx.x + ADD_NORM_EARLY * blockDim.x; i < width; i += blockDim.x) {
+        const float a = xr[i];
+        ss += a * a;
     }
     ss = block_sum(ss);
     const float inv = 1.0f / sqrtf(ss / (float)width + eps);
-    for (int i = threadIdx.x; i < width; i += blockDim.x) o[i] = w[i] * (xr[i] * inv);
+    // Every thread has read its values (the reduction's barriers order that) before any writes:
+    // out may alias x.
+#pragma unroll
+    for (int u = 0; u < ADD_NORM_EARLY; ++u) {
+        const int i = threadIdx.x + u * blockDim.x;
+        if (i < width) o[i] = wv[u] * (v[u] * inv);
+    }
+    for (int i = threadIdx.x + ADD_NORM_EARLY * blockDim.x; i < width; i += blockDim.x)
+        o[i] = w[i] * (xr[i] * inv);
 }
 
 // Where the prologue writes K/V in the paged pool: the layout of ops/fused.rs's KvDest.

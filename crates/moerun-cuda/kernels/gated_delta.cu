@@ -84,7 +84,9 @@ extern "C" __global__ void deltanet_conv_silu_f32(float* x, const float* __restr
 
 // Per row of the conv output: l2norm of every q and k head (x / sqrt(sum(x^2) + 1e-6), in place),
 // beta = sigmoid(b) and g = -exp(A_log) * softplus(a + dt_bias) per value head (softplus as
-// torch: x above 20 passes through). Launch: grid (rows), block 128 (a warp per q/k head).
+// torch: x above 20 passes through). Launch: grid (rows), a warp per q/k head up to 32 warps
+// (gated_delta.rs): at one token a row is a latency chain, and 4 warps walking 32 heads took
+// ~6 µs a layer. A lane keeps its values of the head in registers between the sum and the scale.
 extern "C" __global__ void deltanet_gates_f32(float* qkv, const float* __restrict__ b,
                                               const float* __restrict__ a,
                                               const float* __restrict__ a_log,
@@ -97,11 +99,21 @@ extern "C" __global__ void deltanet_gates_f32(float* qkv, const float* __restric
     float* row = qkv + (u64)t * conv_dim;
     for (int hh = warp; hh < 2 * key_heads; hh += warps) {
         float* p = row + hh * key_dim;
+        float v[DELTA_MAX_DK / 32];
         float ss = 0.0f;
-        for (int i = lane; i < key_dim; i += 32) ss += p[i] * p[i];
+#pragma unroll
+        for (int j = 0; j < DELTA_MAX_DK / 32; ++j) {
+            const int i = lane + 32 * j;
+            v[j] = i < key_dim ? p[i] : 0.0f;
+            if (i < key_dim) ss += v[j] * v[j];
+        }
         ss = warp_sum(ss);
         const float inv = 1.0f / sqrtf(ss + 1e-6f);
-        for (int i = lane; i < key_dim; i += 32) p[i] *= inv;
+#pragma unroll
+        for (int j = 0; j < DELTA_MAX_DK / 32; ++j) {
+            const int i = lane + 32 * j;
+            if (i < key_dim) p[i] = v[j] * inv;
+        }
     }
     for (int h = threadIdx.x; h < value_heads; h += blockDim.x) {
         const u64 i = (u64)t * value_heads + h;

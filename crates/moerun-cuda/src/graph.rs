@@ -65,6 +65,7 @@ pub const PDL_KERNELS: &[&str] = &[
 pub const LAUNCH_FIRST_KERNELS: &[&str] = &[
     "add_rms_norm_f32",
     "qkv_split_norm_rope_*",
+    "rms_norm_block_f32",
     "route_topk_f32_l*",
 ];
 

@@ -327,9 +327,11 @@ impl CudaDevice {
             to_i32(shape.key_dim, "key_dim")?,
             to_i32(hv, "value heads")?,
         );
+        // A warp per q/k head, up to 32 warps (heads past that loop).
+        let warps = (2 * shape.key_heads).clamp(1, 32) as u32;
         let cfg = LaunchConfig {
             grid_dim: (blocks(rows, 1)?, 1, 1),
-            block_dim: (128, 1, 1),
+            block_dim: (32 * warps, 1, 1),
             shared_mem_bytes: 0,
         };
         let mut b = self.stream.launch_builder(&self.kernels.gated_delta.gates);
