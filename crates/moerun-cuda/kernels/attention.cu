@@ -285,8 +285,9 @@ __device__ __forceinline__ void merge_splits(const AttnArgs& a, int i, int h0, i
 // EARLY (programmatic dependent launch, common.cuh): the kernel has not waited for the one before
 // it yet. Keys before `fresh` were written by earlier passes, so the first DEPTH steps' rows of
 // those load first; then the wait, and q and the fresh rows (the previous kernel writes them)
-// after. DEPTH 2 keeps two steps of rows in flight (the step after next loads while one computes),
-// so a block of up to three steps waits on memory once after the wait instead of three times.
+// after. DEPTH 2 holds two steps of rows (two buffers in turn, each refilled with the step two
+// ahead once used), so a block of two steps has all its rows loaded when it starts computing,
+// and the loads of a longer block run a step further ahead.
 template <int W, int L, int VPL, int GM, bool EARLY = false, int U = SPLIT_KEYS / VPL,
           int DEPTH = 1>
 __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, int h0, int gh, int ts,
@@ -743,8 +744,8 @@ __device__ __forceinline__ void attn_cluster(const AttnArgs& a) {
     // by the kernel before (the attention prologue), older ones by earlier passes.
     int first = i;
     while (first > 0 && a.table_start[first - 1] == ts) --first;
-    // Two steps of rows in flight where the registers allow (4 query heads at most: the 8-head
-    // builds would reach 250 registers); batch 1 takes 4-head chunks (decode_head_cap).
+    // Two steps of rows where the registers allow (4 query heads at most: the 8-head builds
+    // already hold 170-250); batch 1 takes 4-head chunks (decode_head_cap).
     constexpr int DEPTH = GM <= 4 ? 2 : 1;
     attend_keys<CL_WARPS, L, VPL, GM, true, SPLIT_KEYS / VPL, DEPTH>(
         a, i, kh, h0, gh, ts, k0, k1, s_acc, s_ml, a.positions[first]);

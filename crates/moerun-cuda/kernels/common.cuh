@@ -120,13 +120,15 @@ __device__ __forceinline__ void pdl_entry() {
 #endif
 }
 
-// The entry of a latency-bound kernel of few blocks (add_rms_norm, the attention prologue,
-// route_topk) whose successor streams weights before its own wait: it lets the successor launch
-// *before* waiting, so the successor's blocks become resident, and start their loads, while the
-// kernel before this one still runs (measured: decode at batch 1 +0.7%, Qwen3.5 +1.3%;
-// docs/perf/cuda-model.md v10). The successor's pre-wait part then runs up to two kernels early,
-// so it may read nothing this kernel or the one before it writes: add_rms_norm's residual and
-// moe_tiny_down's expert ids are such reads, so neither may follow a kernel that enters here.
+// The entry of a latency-bound kernel of few blocks (graph::LAUNCH_FIRST_KERNELS: the norms, the
+// attention prologue, route_topk) whose successor streams weights before its own wait: it lets
+// the successor launch *before* waiting, so the successor's blocks become resident, and start
+// their loads, while the kernel before this one still runs (docs/perf/cuda-model.md v10). The
+// successor's pre-wait part then runs up to two kernels early, so it may read nothing this kernel
+// or the one before it writes: add_rms_norm's residual and moe_tiny_down's expert ids are such
+// reads, and graph capture keeps plain the edges into them from these kernels
+// (graph::EARLY_ACTIVATION_READERS). After its own wait the successor sees everything before, as
+// with pdl_entry: this kernel completes only after its wait, so after the one before it.
 __device__ __forceinline__ void pdl_entry_launch_first() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");

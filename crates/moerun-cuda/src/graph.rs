@@ -279,9 +279,9 @@ unsafe fn kernel_name(node: sys::CUgraphNode) -> Option<String> {
 }
 
 /// Replace every edge from a kernel into a kernel of [`PDL_KERNELS`] by a programmatic one
-/// (but see [`edge_may_be_programmatic`])
-/// (the destination may launch once every block of the source has triggered, `pdl_entry`). An
-/// edge the driver will not convert is put back as it was. Returns how many were converted.
+/// (the destination may launch once every block of the source has triggered, `pdl_entry`),
+/// except where [`edge_may_be_programmatic`] says no. An edge the driver will not convert is put
+/// back as it was. Returns how many were converted.
 ///
 /// # Safety
 /// `graph` must be a live graph that is not instantiated or used elsewhere meanwhile.
