@@ -6,8 +6,11 @@
 #   bash scripts/gpu-trace.sh [moerun bench args...]
 #   bash scripts/gpu-trace.sh --like qwen3-30b-a3b --prompt 512 --gen 48
 #
-# Prints the bench's figures without and with the tracer (tracing must not change them much),
-# then scripts/probes/ktrace_report.py's summary. The raw trace goes to $OUT (or /tmp).
+# Prints the bench's figures without and with the tracer (tracing costs ~10%; the per-kernel
+# `inc` figures are what to plan with), then scripts/probes/ktrace_report.py's summary of the
+# most common step. KTRACE_RANK=2 summarises the second most common instead (the 8-sequence
+# steps of `--concurrency 8`, say), KTRACE_SHOW=N lists N kernels of the step in order,
+# KTRACE_UNTRACED=0 skips the untraced run. The raw trace goes to $OUT (or /tmp), xz-packed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp}
@@ -37,5 +40,5 @@ echo "ktrace built with CUpti_ActivityKernel$built ($cupti)"
 [ "${KTRACE_UNTRACED:-1}" = 0 ] || echo "untraced: $("$bin/moerun" bench "$@" --device cuda 2>&1 | grep -E '^(prefill|decode)' | tr '\n' ' ')"
 CUDA_INJECTION64_PATH="$bin/libktrace.so" KTRACE_OUT="$out/ktrace.txt" \
     "$bin/moerun" bench "$@" --device cuda 2>&1 | grep -E '^(prefill|decode)|ktrace' | sed 's/^/traced:   /'
-python3 scripts/probes/ktrace_report.py "$out/ktrace.txt" --show "${KTRACE_SHOW:-30}"
+python3 scripts/probes/ktrace_report.py "$out/ktrace.txt" --show "${KTRACE_SHOW:-30}" --rank "${KTRACE_RANK:-1}"
 xz -f "$out/ktrace.txt"

@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """Summarise a ktrace timeline (scripts/probes/ktrace.cpp) of `moerun bench` decode steps.
 
-    python3 scripts/probes/ktrace_report.py trace.txt [--first-kernel embed] [--show N]
+    python3 scripts/probes/ktrace_report.py trace.txt [--first-kernel embed] [--show N] [--rank R]
 
 A step is the run of kernels from one launch of the first kernel (the embedding) to the next;
-the steps whose kernel sequence is the most common one are the decode steps of the bench's
-batch, and the later half of them (warm) is summarised. For each kernel of the step, in order:
+the steps whose kernel sequence is the most common one (`--rank 2`: the second most common,
+e.g. the 8-sequence steps of `bench --concurrency 8`) are the decode steps of one batch size,
+and the later half of them (warm) is summarised. For each kernel of the step, in order:
   dur   its own span (first block in to last block out; with PDL the first block comes in early)
   inc   how far it moved the end of the step: end of this kernel minus the latest end before it
   lead  how long before the previous kernel's end its first block came in (PDL overlap)
@@ -37,6 +38,7 @@ def main():
     ap.add_argument("trace")
     ap.add_argument("--first-kernel", default="embed")
     ap.add_argument("--show", type=int, default=40, help="kernels of the step to list in order")
+    ap.add_argument("--rank", type=int, default=1, help="which step sequence, by how common")
     a = ap.parse_args()
     rows = load(a.trace)
     steps, cur = [], []
@@ -48,7 +50,13 @@ def main():
     if cur:
         steps.append(cur)
     seqs = collections.Counter(tuple(short(r[4]) for r in s) for s in steps)
-    seq, count = seqs.most_common(1)[0]
+    common = seqs.most_common()
+    for i, (sq, c) in enumerate(common[:4]):
+        grids = next(s for s in steps if tuple(short(r[4]) for r in s) == sq)
+        print(f"sequence {i + 1}: {c} steps of {len(sq)} kernels, the 3rd on grid {grids[min(2, len(sq) - 1)][2]}")
+    if not 1 <= a.rank <= len(common):
+        raise SystemExit(f"--rank {a.rank}: the trace has {len(common)} step sequences")
+    seq, count = common[a.rank - 1]
     decode = [s for s in steps if tuple(short(r[4]) for r in s) == seq]
     warm = decode[len(decode) // 2:]
     print(f"{len(rows)} kernels, {len(steps)} steps, {count} with the common sequence of "
