@@ -6,13 +6,14 @@
 # prefill for each, decode at 8/32/128 sequences for the first. Ends with short tables: each check's relative error with pass/fail, the op speeds,
 # the model figures against the rooflines. Full logs go to $OUT (the device tool's output
 # folder; /tmp/gpu-check elsewhere): tests.log, bench.log, memcheck.log, nvidia-smi.txt,
-# model-bench.log and bench-models.json (the device tool brings back at most 8 files).
+# model-bench.log, bench-models.json and trace.log (the device tool brings back at most 8 files).
 #
 #   bash scripts/gpu-check.sh            # tests, op bench, memcheck, model bench
 #   bash scripts/gpu-check.sh tests      # tests and memcheck only
 #   bash scripts/gpu-check.sh bench      # model bench only
 # GPU_CHECK_MEMCHECK=0, GPU_CHECK_OPS_BENCH=0 skip memcheck and the op bench; GPU_CHECK_SHORT=1
-# skips the Qwen3.5 and Gemma 4 prefill benches (to fit a short device budget).
+# skips the Qwen3.5 and Gemma 4 prefill benches (to fit a short device budget); GPU_CHECK_TRACE=0
+# skips the kernel timeline of a decode step (scripts/gpu-trace.sh, ~30 s).
 # Exit status 0 only if every test passed on the GPU.
 #
 # The CUDA toolkit's libraries (NVRTC, cuBLAS) are found through LD_LIBRARY_PATH.
@@ -20,7 +21,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/gpu-check}
 mkdir -p "$out"
-rm -f "$out/tests.log" "$out/memcheck.log"
+rm -f "$out/tests.log" "$out/memcheck.log" "$out/trace.log"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 mode=${1:-all}
 bin=$(mktemp -d)
@@ -113,6 +114,13 @@ all_runs = {f[:-5]: json.load(open(os.path.join(runs, f))) for f in sorted(os.li
 json.dump(all_runs, open(dest, "w"), indent=1)
 PY
     tail -5 "$out/model-bench.log"
+    # Where a batch-1 decode step's time goes, kernel by kernel, overlaps included (a CUPTI
+    # timeline; GPU_CHECK_TRACE=0 skips it). Informational: it does not change the status.
+    if [ "${GPU_CHECK_TRACE:-1}" = 1 ]; then
+        OUT=$(mktemp -d) GPU_BIN="$bin" KTRACE_UNTRACED=0 KTRACE_SHOW=0 \
+            bash scripts/gpu-trace.sh --like qwen3-30b-a3b --prompt 512 --gen 48 \
+            >"$out/trace.log" 2>&1 || echo "timeline failed (trace.log)"
+    fi
 fi
 
 if [ "$mode" != bench ]; then
@@ -125,6 +133,11 @@ echo
 echo "== speed (scripts/gpu-check.sh -> ops_bench)"
 sed -n '/^device-to-device copy/,$p' "$out/bench.log"
 head -1 "$out/bench.log"
+fi
+if [ "$mode" != tests ] && [ -s "$out/trace.log" ]; then
+    echo
+    echo "== timeline of a Qwen3-30B-A3B decode step at batch 1 (scripts/gpu-trace.sh; traced runs are ~10% slower)"
+    sed -n '/^step: /p; /^per kernel name/,/^$/p' "$out/trace.log"
 fi
 if [ "$mode" != tests ]; then
     echo
