@@ -129,8 +129,7 @@ extern "C" __global__ void rms_norm_block_f32(const float* x, const float* __res
     }
     ss = block_sum(ss);
     const float inv = 1.0f / sqrtf(ss / (float)width + eps);
-    // Every thread has read its values (the reduction's barriers order that) before any writes:
-    // out may alias x.
+    // Each thread writes only the elements it read itself: out may alias x.
 #pragma unroll
     for (int u = 0; u < ADD_NORM_EARLY; ++u) {
         const int i = threadIdx.x + u * blockDim.x;
