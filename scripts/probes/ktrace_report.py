@@ -49,19 +49,21 @@ def main():
         cur.append(r)
     if cur:
         steps.append(cur)
-    seqs = collections.Counter(tuple(short(r[4]) for r in s) for s in steps)
-    common = seqs.most_common()
+    # Each step's kernel sequence, by name: the key that groups steps of one batch size.
+    keys = [tuple(short(r[4]) for r in s) for s in steps]
+    common = collections.Counter(keys).most_common()
     for i, (sq, c) in enumerate(common[:4]):
-        grids = next(s for s in steps if tuple(short(r[4]) for r in s) == sq)
-        print(f"sequence {i + 1}: {c} steps of {len(sq)} kernels, the 3rd on grid {grids[min(2, len(sq) - 1)][2]}")
+        first = steps[keys.index(sq)]
+        print(f"sequence {i + 1}: {c} steps of {len(sq)} kernels, "
+              f"the 3rd on grid {first[min(2, len(sq) - 1)][2]}")
     if not 1 <= a.rank <= len(common):
         raise SystemExit(f"--rank {a.rank}: the trace has {len(common)} step sequences")
     seq, count = common[a.rank - 1]
-    decode = [s for s in steps if tuple(short(r[4]) for r in s) == seq]
+    decode = [s for s, k in zip(steps, keys) if k == seq]
     warm = decode[len(decode) // 2:]
-    print(f"{len(rows)} kernels, {len(steps)} steps, {count} with the common sequence of "
+    print(f"{len(rows)} kernels, {len(steps)} steps, {count} with sequence {a.rank}, of "
           f"{len(seq)} kernels; summarising the last {len(warm)}")
-    step_us = [(s[-1][1] - s[0][0]) / 1e3 for s in warm]
+    step_us = [(max(r[1] for r in s) - s[0][0]) / 1e3 for s in warm]
     print(f"step: median {statistics.median(step_us):.1f} us (min {min(step_us):.1f}, "
           f"max {max(step_us):.1f})")
     n = len(seq)
@@ -75,7 +77,7 @@ def main():
             inc[i].append((max(r[1], latest) - latest) / 1e3)
             lead[i].append((latest - r[0]) / 1e3 if i else 0.0)
             latest = max(latest, r[1])
-    med = lambda v: statistics.median(v)
+    med = statistics.median
     by_name = collections.defaultdict(lambda: [0, 0.0, 0.0])
     for i, name in enumerate(seq):
         b = by_name[name]
@@ -88,7 +90,7 @@ def main():
     for name, (c, i_sum, d_sum) in sorted(by_name.items(), key=lambda x: -x[1][1]):
         print(f"{name[:48]:48s} {c:4d} {i_sum:9.1f} {i_sum / c:9.2f} {d_sum / c:9.2f} "
               f"{100 * i_sum / total:5.1f}%")
-    print(f"\nthe step in order (first {a.show}; grid, block; medians in us)")
+    print(f"\nthe step in order (first {a.show}; grid; medians in us)")
     print(f"{'#':>3s} {'kernel':44s} {'grid':>14s} {'dur':>7s} {'inc':>7s} {'lead':>7s}")
     ref = warm[-1]
     for i in range(min(a.show, n)):

@@ -303,7 +303,7 @@ __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, in
     const int sub = lane & (L - 1);
     const int grp = threadIdx.x / L;
 
-    static_assert(DEPTH == 1 || DEPTH == 2, "one or two steps of rows loaded ahead");
+    static_assert(DEPTH == 1 || (DEPTH == 2 && EARLY), "two steps ahead: the cluster kernel's");
     constexpr int STEP = GROUPS * U;
     float4 kr[U][VPL], vr[U][VPL];
     bool ok[U];
@@ -346,11 +346,7 @@ __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, in
 #pragma unroll
         for (int v = 0; v < VPL; ++v) acc[h][v] = zero4();
 
-    if constexpr (!EARLY) {
-        fetch_keys<W, L, VPL, U>(a, ts, kh, k0, k1, grp, sub, d4, kr, vr, ok);
-        if constexpr (DEPTH == 2)
-            fetch_keys<W, L, VPL, U>(a, ts, kh, k0 + STEP, k1, grp, sub, d4, kr2, vr2, ok2);
-    }
+    if constexpr (!EARLY) fetch_keys<W, L, VPL, U>(a, ts, kh, k0, k1, grp, sub, d4, kr, vr, ok);
     // One step: the U keys of each group (rows kc, vc; okc says which are real) into the running
     // max, sum and accumulator. Steps go in key order, whatever the loop shape below.
     auto attend_step = [&](const float4 (&kc)[U][VPL], const float4 (&vc)[U][VPL],
@@ -402,8 +398,8 @@ __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, in
     // The loop bound is block-uniform so that every lane takes part in the shuffles; a group past
     // k1 sees its keys as masked.
     if constexpr (DEPTH == 2) {
-        // Ping-pong: kr holds step jb, kr2 step jb + STEP (both loaded before the first step,
-        // for EARLY before the wait); a buffer refills with the step two ahead once computed.
+        // Ping-pong: kr holds step jb, kr2 step jb + STEP (both loaded before the wait); a
+        // buffer refills with the step two ahead once computed.
         // (Shifting kr2 into kr instead would wait for the step after next before computing.)
         for (int jb = k0; jb < k1; jb += 2 * STEP) {
             attend_step(kr, vr, ok);

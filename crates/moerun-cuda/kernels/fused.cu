@@ -41,29 +41,33 @@ __device__ __forceinline__ float block_sum(float v) {
     return v;
 }
 
-// Values of x (and of the norm weights) a thread loads before waiting for the kernel before
-// (programmatic launch): x is the residual stream, which only this kernel (and a final add)
-// writes, never the kernel right before it (forward.rs: a layer's residual adds are separated by
-// its attention or FFN), so its loads may start early; y is that kernel's output and is read
-// after the wait.
+// Values of the row (and of the norm weights) a thread keeps in registers: the first
+// ADD_NORM_EARLY of its elements; wider rows loop over the rest.
 #define ADD_NORM_EARLY 4
 
-extern "C" __global__ void add_rms_norm_f32(float* x, const float* __restrict__ y,
-                                            const float* __restrict__ w, float* out, int width,
-                                            float eps, u16* __restrict__ out_bf16) {
+// One row of RMSNorm, a block per row: out = w * x / rms(x), with ADD first x += y (written
+// back: the residual stream) and, given out_bf16, out rounded to bf16 too. At batch 1 this is a
+// chain of dependent steps, so the norm weights load before the programmatic wait, and with ADD
+// the residual x too: only this kernel (and a final add) writes it, never the kernel right
+// before it (forward.rs: a layer's residual adds are separated by its attention or FFN); y is
+// that kernel's output and is read after the wait. The kernel lets its successor launch first
+// (pdl_entry_launch_first). The row's values stay in registers between the reduction and the
+// output (no second read of x or w behind the block sum). Each thread writes only the elements
+// it read itself, so out may alias x.
+template <bool ADD>
+__device__ __forceinline__ void rms_norm_row(float* x, const float* __restrict__ y,
+                                             const float* __restrict__ w, float* out, int width,
+                                             float eps, u16* __restrict__ out_bf16) {
     const u64 row = blockIdx.x;
     float* xr = x + row * width;
-    const float* yr = y + row * width;
+    const float* yr = ADD ? y + row * width : nullptr;
     float* o = out + row * width;
     u16* ob = out_bf16 ? out_bf16 + row * width : nullptr;
-    // Before the wait: this thread's residual values and norm weights (neither comes from the
-    // kernel before). After it, the sums stay in registers: no second read of x or of w behind
-    // the reduction (at batch 1 this kernel is a chain of dependent steps).
     float v[ADD_NORM_EARLY], wv[ADD_NORM_EARLY];
 #pragma unroll
     for (int u = 0; u < ADD_NORM_EARLY; ++u) {
         const int i = threadIdx.x + u * blockDim.x;
-        v[u] = i < width ? xr[i] : 0.0f;
+        if constexpr (ADD) v[u] = i < width ? xr[i] : 0.0f;
         wv[u] = i < width ? w[i] : 0.0f;
     }
     pdl_entry_launch_first();
@@ -71,15 +75,20 @@ extern "C" __global__ void add_rms_norm_f32(float* x, const float* __restrict__ 
 #pragma unroll
     for (int u = 0; u < ADD_NORM_EARLY; ++u) {
         const int i = threadIdx.x + u * blockDim.x;
-        if (i < width) {
-            v[u] += yr[i];
-            xr[i] = v[u];
-            ss += v[u] * v[u];
+        if constexpr (ADD) {
+            if (i < width) {
+                v[u] += yr[i];
+                xr[i] = v[u];
+                ss += v[u] * v[u];
+            }
+        } else {
+            v[u] = i < width ? xr[i] : 0.0f;
+            if (i < width) ss += v[u] * v[u];
         }
     }
     for (int i = threadIdx.x + ADD_NORM_EARLY * blockDim.x; i < width; i += blockDim.x) {
-        const float a = xr[i] + yr[i];
-        xr[i] = a;
+        const float a = ADD ? xr[i] + yr[i] : xr[i];
+        if constexpr (ADD) xr[i] = a;
         ss += a * a;
     }
     ss = block_sum(ss);
@@ -100,43 +109,17 @@ extern "C" __global__ void add_rms_norm_f32(float* x, const float* __restrict__ 
     }
 }
 
-// RMSNorm of wide rows (hidden states), a block per row: out may alias x. Like add_rms_norm, the
-// norm weights load before the wait and the row stays in registers (its first ADD_NORM_EARLY
-// values per thread), so the chain after the wait is one read of x, the reduction and the
-// write; and the kernel lets its successor launch first (Gemma 4 runs ~8 of these a layer).
+extern "C" __global__ void add_rms_norm_f32(float* x, const float* __restrict__ y,
+                                            const float* __restrict__ w, float* out, int width,
+                                            float eps, u16* __restrict__ out_bf16) {
+    rms_norm_row<true>(x, y, w, out, width, eps, out_bf16);
+}
+
+// RMSNorm of wide rows (hidden states), a block per row: out may alias x (Gemma 4 runs ~8 of
+// these a layer). x is only read (rms_norm_row without ADD never writes it).
 extern "C" __global__ void rms_norm_block_f32(const float* x, const float* __restrict__ w,
                                               float* out, int width, float eps) {
-    const u64 row = blockIdx.x;
-    const float* xr = x + row * width;
-    float* o = out + row * width;
-    float v[ADD_NORM_EARLY], wv[ADD_NORM_EARLY];
-#pragma unroll
-    for (int u = 0; u < ADD_NORM_EARLY; ++u) {
-        const int i = threadIdx.x + u * blockDim.x;
-        wv[u] = i < width ? w[i] : 0.0f;
-    }
-    pdl_entry_launch_first();
-    float ss = 0.0f;
-#pragma unroll
-    for (int u = 0; u < ADD_NORM_EARLY; ++u) {
-        const int i = threadIdx.x + u * blockDim.x;
-        v[u] = i < width ? xr[i] : 0.0f;
-        if (i < width) ss += v[u] * v[u];
-    }
-    for (int i = threadIdx.x + ADD_NORM_EARLY * blockDim.x; i < width; i += blockDim.x) {
-        const float a = xr[i];
-        ss += a * a;
-    }
-    ss = block_sum(ss);
-    const float inv = 1.0f / sqrtf(ss / (float)width + eps);
-    // Each thread writes only the elements it read itself: out may alias x.
-#pragma unroll
-    for (int u = 0; u < ADD_NORM_EARLY; ++u) {
-        const int i = threadIdx.x + u * blockDim.x;
-        if (i < width) o[i] = wv[u] * (v[u] * inv);
-    }
-    for (int i = threadIdx.x + ADD_NORM_EARLY * blockDim.x; i < width; i += blockDim.x)
-        o[i] = w[i] * (xr[i] * inv);
+    rms_norm_row<false>(const_cast<float*>(x), nullptr, w, out, width, eps, nullptr);
 }
 
 // Where the prologue writes K/V in the paged pool: the layout of ops/fused.rs's KvDest.
