@@ -125,6 +125,18 @@ impl<'a> Uploader<'a> {
         Ok(())
     }
 
+    /// Bias-free matrices of the same input stacked into one, found (with `qkv`'s stacks) by the
+    /// first part: a shared expert's gate, up and gate rows; a dense MLP's gate and up (Gemma 4).
+    /// A single-token step runs one GEMV over them and reads each output as a slice.
+    pub(crate) fn stacked_rows(&mut self, parts: &[&Tensor]) -> Result<()> {
+        let mats: Vec<_> = parts.iter().map(|t| t.mat()).collect();
+        let weight = self.stack_matrices(&mats)?;
+        self.bytes += weight.byte_len();
+        self.qkv
+            .insert(tensor_key(parts[0]), StackedQkv { weight, bias: None });
+        Ok(())
+    }
+
     /// The rows of `mats` in turn as one device matrix (random ones drawn at the stacked shape).
     fn stack_matrices(&mut self, mats: &[moerun_core::MatRef<'_>]) -> Result<DeviceMatrix> {
         let (dtype, cols) = (mats[0].dtype, mats[0].cols);
@@ -250,14 +262,9 @@ impl<'a> Uploader<'a> {
             .as_ref()
             .filter(|s| s.gate_proj.bias.is_none() && s.up_proj.bias.is_none())
         {
-            let mut mats = vec![shared.gate_proj.weight.mat(), shared.up_proj.weight.mat()];
-            mats.extend(w.shared_expert_gate.as_ref().map(|g| g.mat()));
-            let weight = self.stack_matrices(&mats)?;
-            self.bytes += weight.byte_len();
-            self.qkv.insert(
-                tensor_key(&shared.gate_proj.weight),
-                StackedQkv { weight, bias: None },
-            );
+            let mut parts = vec![&shared.gate_proj.weight, &shared.up_proj.weight];
+            parts.extend(w.shared_expert_gate.as_ref());
+            self.stacked_rows(&parts)?;
         }
         let Some(first) = w.experts.first() else {
             return Ok(());
