@@ -183,11 +183,11 @@ impl CudaDevice {
     }
 
     /// `out[t, :] += sigmoid(gate[t]) * s[t, :]` (scale 1 without a gate), rows of `width`.
-    pub fn add_sigmoid_scaled(
+    pub fn add_sigmoid_scaled<G: DevicePtr<f32>>(
         &self,
         out: &mut impl DevicePtrMut<f32>,
         s: &impl DevicePtr<f32>,
-        gate: Option<&CudaSlice<f32>>,
+        gate: Option<&G>,
         width: usize,
     ) -> Result<()> {
         let n = out.len();

@@ -513,14 +513,44 @@ impl Backend for CudaPass<'_> {
             dev.moe_experts_with_bf16_x(x, xb, &ids, &weights, k, experts, scratch, &mut out)
                 .map_err(dev_err)?;
             if let Some(shared) = &w.shared_expert {
+                // One token: the shared expert's gate, up and gate rows in one GEMV (upload.rs
+                // stacks them), read as slices of its output; the same rows, so the same bits
+                // as three products.
+                let stacked = match self.m.qkv.get(&tensor_key(&shared.gate_proj.weight)) {
+                    Some(st) if rows == 1 => Some(self.product_with(x, &st.weight)?),
+                    _ => None,
+                };
+                if let Some(mut all) = stacked {
+                    let inter = shared.gate_proj.weight.shape[0];
+                    let gates = usize::from(w.shared_expert_gate.is_some());
+                    if all.len() != 2 * inter + gates {
+                        return Err(Error::Device(format!(
+                            "moe: the stacked shared expert gives {} values, expected {}",
+                            all.len(),
+                            2 * inter + gates
+                        )));
+                    }
+                    let (mut g, mut rest) = all.split_at_mut(inter);
+                    let (u, sg) = rest.split_at_mut(inter);
+                    dev.silu_mul(&mut g, &u).map_err(dev_err)?;
+                    let down = &shared.down_proj;
+                    let mut s = self.alloc(hidden)?;
+                    dev.gemv(&g, 1, self.m.mat(&down.weight)?, &mut s)
+                        .map_err(dev_err)?;
+                    if let Some(b) = &down.bias {
+                        dev.add_bias(&mut s, self.m.vec(b)?).map_err(dev_err)?;
+                    }
+                    let gate = (gates == 1).then_some(&sg);
+                    dev.add_sigmoid_scaled(&mut out, &s, gate, hidden)
+                        .map_err(dev_err)?;
+                    return Ok(out);
+                }
                 let s = self.mlp(x, shared)?;
                 let gate = match &w.shared_expert_gate {
                     Some(g) => Some(self.product(x, g)?),
                     None => None,
                 };
-                self.m
-                    .dev
-                    .add_sigmoid_scaled(&mut out, &s, gate.as_deref(), hidden)
+                dev.add_sigmoid_scaled(&mut out, &s, gate.as_deref(), hidden)
                     .map_err(dev_err)?;
             }
             Ok(out)

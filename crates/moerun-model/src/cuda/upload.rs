@@ -106,6 +106,39 @@ impl<'a> Uploader<'a> {
     /// input projections.
     pub(crate) fn stacked_qkv(&mut self, parts: &[&Linear]) -> Result<()> {
         let mats: Vec<_> = parts.iter().map(|l| l.weight.mat()).collect();
+        let weight = self.stack_matrices(&mats)?;
+        let bias = if parts.iter().any(|l| l.bias.is_some()) {
+            let mut b = Vec::with_capacity(weight.rows());
+            for (l, m) in parts.iter().zip(&mats) {
+                match &l.bias {
+                    Some(v) => b.extend_from_slice(v),
+                    None => b.extend(std::iter::repeat_n(0.0, m.rows)),
+                }
+            }
+            Some(self.dev.upload(&b).map_err(dev_err)?)
+        } else {
+            None
+        };
+        self.bytes += weight.byte_len();
+        self.qkv
+            .insert(tensor_key(&parts[0].weight), StackedQkv { weight, bias });
+        Ok(())
+    }
+
+    /// Bias-free matrices of the same input stacked into one, found (with `qkv`'s stacks) by the
+    /// first part: a shared expert's gate, up and gate rows; a dense MLP's gate and up (Gemma 4).
+    /// A single-token step runs one GEMV over them and reads each output as a slice.
+    pub(crate) fn stacked_rows(&mut self, parts: &[&Tensor]) -> Result<()> {
+        let mats: Vec<_> = parts.iter().map(|t| t.mat()).collect();
+        let weight = self.stack_matrices(&mats)?;
+        self.bytes += weight.byte_len();
+        self.qkv
+            .insert(tensor_key(parts[0]), StackedQkv { weight, bias: None });
+        Ok(())
+    }
+
+    /// The rows of `mats` in turn as one device matrix (random ones drawn at the stacked shape).
+    fn stack_matrices(&mut self, mats: &[moerun_core::MatRef<'_>]) -> Result<DeviceMatrix> {
         let (dtype, cols) = (mats[0].dtype, mats[0].cols);
         if mats.iter().any(|m| m.dtype != dtype || m.cols != cols) {
             return Err(moerun_core::Error::Config(
@@ -113,10 +146,10 @@ impl<'a> Uploader<'a> {
             ));
         }
         let rows: usize = mats.iter().map(|m| m.rows).sum();
-        let weight = match self.source {
+        match self.source {
             WeightSource::Host => {
                 let mut bytes = Vec::with_capacity(rows * cols * dtype.size());
-                for m in &mats {
+                for m in mats {
                     bytes.extend_from_slice(m.data);
                 }
                 self.dev.upload_matrix(moerun_core::MatRef {
@@ -132,23 +165,7 @@ impl<'a> Uploader<'a> {
                     .random_matrix(dtype, rows, cols, seed, RANDOM_BOUND)
             }
         }
-        .map_err(dev_err)?;
-        let bias = if parts.iter().any(|l| l.bias.is_some()) {
-            let mut b = Vec::with_capacity(rows);
-            for (l, m) in parts.iter().zip(&mats) {
-                match &l.bias {
-                    Some(v) => b.extend_from_slice(v),
-                    None => b.extend(std::iter::repeat_n(0.0, m.rows)),
-                }
-            }
-            Some(self.dev.upload(&b).map_err(dev_err)?)
-        } else {
-            None
-        };
-        self.bytes += weight.byte_len();
-        self.qkv
-            .insert(tensor_key(&parts[0].weight), StackedQkv { weight, bias });
-        Ok(())
+        .map_err(dev_err)
     }
 
     /// A Gated DeltaNet layer: its projections as every linear; the conv taps, `A_log`,
@@ -228,6 +245,10 @@ impl<'a> Uploader<'a> {
         Ok(buf)
     }
 
+    /// A MoE layer: the router and shared expert as every matrix, the experts stacked. A shared
+    /// expert without biases also gets its gate, up and (if any) `shared_expert_gate` rows
+    /// stacked into one matrix, found by `gate_proj`'s weight: a single-token step runs one GEMV
+    /// over them and reads the three outputs as slices (`CudaPass::moe`).
     fn moe(&mut self, w: &MoeWeights) -> Result<()> {
         self.matrix(&w.router)?;
         if let Some(shared) = &w.shared_expert {
@@ -235,6 +256,15 @@ impl<'a> Uploader<'a> {
         }
         if let Some(gate) = &w.shared_expert_gate {
             self.matrix(gate)?;
+        }
+        if let Some(shared) = w
+            .shared_expert
+            .as_ref()
+            .filter(|s| s.gate_proj.bias.is_none() && s.up_proj.bias.is_none())
+        {
+            let mut parts = vec![&shared.gate_proj.weight, &shared.up_proj.weight];
+            parts.extend(w.shared_expert_gate.as_ref());
+            self.stacked_rows(&parts)?;
         }
         let Some(first) = w.experts.first() else {
             return Ok(());

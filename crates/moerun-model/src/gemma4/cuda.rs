@@ -137,6 +137,10 @@ fn upload_layer(u: &mut Uploader, lw: &Gemma4LayerWeights) -> Result<()> {
         None => u.linear(&a.q_proj)?,
     }
     u.mlp(&lw.mlp)?;
+    if lw.mlp.gate_proj.bias.is_none() && lw.mlp.up_proj.bias.is_none() {
+        // Gate and up of one input: one GEMV at a single token (`mlp`).
+        u.stacked_rows(&[&lw.mlp.gate_proj.weight, &lw.mlp.up_proj.weight])?;
+    }
     if let Some(moe) = &lw.moe {
         upload_experts(u, moe)?;
     }
@@ -512,6 +516,35 @@ impl Pass<'_> {
         x: &DeviceBuffer<f32>,
         w: &crate::weights::MlpWeights,
     ) -> Result<DeviceBuffer<f32>> {
+        // One token: gate and up in one GEMV over their stacked rows (upload_layer), read as
+        // two slices; the same rows, so the same bits as two products.
+        let inter = w.gate_proj.weight.shape[0];
+        let stacked = match self.m.qkv.get(&tensor_key(&w.gate_proj.weight)) {
+            Some(st) if x.len() == self.cfg.hidden_size => Some(self.product_with(x, &st.weight)?),
+            _ => None,
+        };
+        if let Some(mut all) = stacked {
+            if all.len() != 2 * inter {
+                return Err(Error::Device(format!(
+                    "gemma4 mlp: the stacked gate and up give {} values, expected {}",
+                    all.len(),
+                    2 * inter
+                )));
+            }
+            let (mut gate, up) = all.split_at_mut(inter);
+            self.dev().gelu_tanh_mul(&mut gate, &up).map_err(dev_err)?;
+            let down = &w.down_proj;
+            let mut out = self.alloc(self.cfg.hidden_size)?;
+            self.dev()
+                .gemv(&gate, 1, self.m.mat(&down.weight)?, &mut out)
+                .map_err(dev_err)?;
+            if let Some(b) = &down.bias {
+                self.dev()
+                    .add_bias(&mut out, self.m.vec(b)?)
+                    .map_err(dev_err)?;
+            }
+            return Ok(out);
+        }
         let mut gate = self.linear(x, &w.gate_proj)?;
         let up = self.linear(x, &w.up_proj)?;
         self.dev().gelu_tanh_mul(&mut gate, &up).map_err(dev_err)?;
