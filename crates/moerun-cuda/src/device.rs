@@ -10,8 +10,8 @@ use std::sync::Arc;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::sys::{self, CUdevice_attribute, CUevent_flags};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
-    DeviceRepr, ValidAsZeroBits,
+    CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr,
+    DevicePtrMut, DeviceRepr, PinnedHostSlice, ValidAsZeroBits,
 };
 use cudarc::nvrtc::Ptx;
 use moerun_core::{DType, MatRef};
@@ -255,6 +255,37 @@ impl CudaDevice {
     pub fn alloc_u32(&self, len: usize) -> Result<CudaSlice<u32>> {
         // SAFETY: as alloc_f32; every u32 bit pattern is valid.
         unsafe { self.stream.alloc::<u32>(len) }.ctx("allocating")
+    }
+
+    /// `len` values of page-locked host memory, for copies the host reads without waiting for
+    /// the whole stream ([`CudaDevice::copy_to_host_async`]).
+    pub fn pinned_u32(&self, len: usize) -> Result<PinnedHostSlice<u32>> {
+        // SAFETY: the slice's values are only reachable through PinnedHostSlice's accessors,
+        // which wait for the copies recorded on it (its event) before handing them out.
+        unsafe { self.ctx.alloc_pinned_with_flags::<u32>(len, 0) }
+            .ctx("allocating page-locked host memory")
+    }
+
+    /// Enqueue a copy of `src` into `dst`, then record `done` after it: `dst` holds the values
+    /// once `done.synchronize()` returns, which waits for nothing the stream holds after the
+    /// copy. (The slice's own event is not recorded: this device switches off cudarc's event
+    /// tracking, see `open_checked`.)
+    pub fn copy_to_host_async(
+        &self,
+        src: &CudaSlice<u32>,
+        dst: &mut PinnedHostSlice<u32>,
+        done: &CudaEvent,
+    ) -> Result<()> {
+        self.check_stream(src.stream(), "copy_to_host_async")?;
+        self.stream
+            .memcpy_dtoh(src, dst)
+            .ctx("copying to the host")?;
+        done.record(&self.stream).ctx("recording an event")
+    }
+
+    /// An event to record on this device's stream ([`CudaDevice::copy_to_host_async`]).
+    pub fn new_event(&self) -> Result<CudaEvent> {
+        self.ctx.new_event(None).ctx("creating an event")
     }
 
     /// Copy host values into a new device buffer.

@@ -24,7 +24,10 @@ pub mod probe;
 mod skip;
 
 pub use arena::{ActivationArena, DeviceBuffer};
-pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr};
+pub use cudarc::driver::{
+    CudaEvent, CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr,
+    PinnedHostSlice,
+};
 pub use device::{CudaDevice, DeviceInfo, DeviceMatrix};
 pub use error::{CudaError, Result};
 pub use graph::DeviceGraph;

@@ -267,3 +267,69 @@ fn forty_sequences_decode_from_a_graph_as_each_alone_on_the_gpu() {
         }
     }
 }
+
+/// Greedy decode at batch 1 launches the next step before the host reads a step's pick
+/// (moerun-model's cuda/ahead.rs). Whatever the caller does next, the tokens are those of steps
+/// run one at a time (`LastOfEachSeq`: the logits come back, the host takes the arg-max, nothing
+/// is launched ahead), for every fixture over 40 steps (crossing blocks, where no step is launched
+/// ahead): one sequence fed its own picks; two sequences in one cache, decoded in turns (each
+/// call discards the step launched for the other); and a sequence fed a token other than its
+/// pick every fifth step (the step launched ahead decoded the pick, so it is discarded).
+#[test]
+fn greedy_steps_launched_ahead_give_the_tokens_of_steps_run_alone() {
+    const STEPS: usize = 40;
+    // The pick of each step through `which`; `feed(step, pick)` is the token the caller appends.
+    let decode =
+        |model: &Model, kv: &mut SequenceKv, seq: &mut Sequence, which: LogitsFor| -> u32 {
+            let out = run_step(model, kv, &mut [seq], &[usize::MAX], which).unwrap();
+            match which {
+                LogitsFor::GreedyOfEachSeq => out.tokens[0],
+                _ => moerun_model::argmax(&out.logits),
+            }
+        };
+    for name in fixture_names() {
+        let dir = fixtures_dir().join(&name);
+        let Some(model) = on_gpu(&dir) else { return };
+        let Ok(model) = model else { continue };
+        let t = load_reference(&dir).tokens;
+        let prompts = [t[..t.len().min(9)].to_vec(), t[t.len() / 2..].to_vec()];
+        let vocab = model.config.vocab_size as u32;
+        // Alone and in turns, each way.
+        let run = |which: LogitsFor, turns: bool, forced: bool| -> Vec<Vec<u32>> {
+            let room = prompts.iter().map(|p| p.len() + STEPS + 1).sum();
+            let mut kv = SequenceKv::for_model(&model, room).unwrap();
+            let mut seqs: Vec<Sequence> =
+                prompts.iter().map(|p| Sequence::new(p.clone())).collect();
+            let mut out = vec![Vec::new(); seqs.len()];
+            let order: Vec<usize> = match turns {
+                true => (0..STEPS).flat_map(|_| [0, 1]).collect(),
+                false => vec![0; STEPS],
+            };
+            for (step, &i) in order.iter().enumerate() {
+                let pick = decode(&model, &mut kv, &mut seqs[i], which);
+                out[i].push(pick);
+                let fed = match forced && step % 5 == 4 {
+                    true => (pick + 1) % vocab,
+                    false => pick,
+                };
+                seqs[i].tokens.push(fed);
+            }
+            out
+        };
+        for (turns, forced, what) in [
+            (false, false, "alone"),
+            (true, false, "in turns"),
+            (false, true, "fed other tokens"),
+        ] {
+            let ahead = run(LogitsFor::GreedyOfEachSeq, turns, forced);
+            let alone = run(LogitsFor::LastOfEachSeq, turns, forced);
+            let same = ahead == alone;
+            println!(
+                "RESULT|gpu {name} greedy steps launched ahead, {what}|{}|-|{}",
+                ahead.iter().map(Vec::len).sum::<usize>(),
+                if same { "ok" } else { "FAIL" }
+            );
+            assert_eq!(ahead, alone, "{name}: {what}");
+        }
+    }
+}

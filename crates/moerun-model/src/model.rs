@@ -378,6 +378,19 @@ impl Model {
         };
         let graph_state = linear.as_ref().map(|(s, a)| (&**s, a.as_slice()));
         let greedy = which == LogitsFor::GreedyOfEachSeq;
+        // A greedy step of one sequence may have been launched ahead by the call before, and
+        // launches the one after it (cuda/ahead.rs); every other call discards such a step.
+        if greedy && linear.is_none() {
+            if let Some(token) = crate::cuda::ahead::greedy_step(cuda, cfg, w, dkv, batch, &rows)? {
+                return Ok(ForwardOutput {
+                    rows,
+                    logits: Vec::new(),
+                    tokens: vec![token],
+                });
+            }
+        } else {
+            dkv.graphs.ahead = None;
+        }
         let graph = crate::cuda::graph::try_decode(cuda, cfg, w, dkv, batch, &rows, graph_state)?;
         let fetched = match graph {
             Some(logits) => crate::cuda::fetch(cuda.device(), &logits, cfg.vocab_size, greedy)?,

@@ -48,11 +48,16 @@ pub(crate) struct DecodeGraphs {
     by_bucket: HashMap<usize, DecodeGraph>,
     /// Why graphs are off for this cache, once a capture failed.
     disabled: Option<String>,
+    /// A greedy step launched ahead from the bucket-1 graph, and the buffers of its picks
+    /// (`ahead.rs`).
+    pub(crate) ahead: Option<super::ahead::Ahead>,
+    pub(crate) picks: Option<super::ahead::Picks>,
 }
 
 impl DecodeGraphs {
     pub(crate) fn clear(&mut self) {
         self.by_bucket.clear();
+        self.ahead = None;
     }
 
     /// Table width of a captured bucket (0 if none).
@@ -97,6 +102,42 @@ pub(crate) fn try_decode<'k>(
     rows: &[usize],
     linear: Option<(&LinearStateCache, &[u64])>,
 ) -> Result<Option<CudaView<'k, f32>>> {
+    let Some(bucket) = prepare(m, cfg, w, kv, batch, rows, linear.map(|(c, _)| c))? else {
+        return Ok(None);
+    };
+    let tokens: Vec<u32> = batch.seqs.iter().map(|s| s.tokens[0]).collect();
+    replay(
+        m,
+        kv,
+        bucket,
+        batch,
+        StepTokens::Host(&tokens),
+        linear.map(|(_, a)| a),
+    )?;
+    let g = &kv.graphs.by_bucket[&bucket];
+    let n = batch.seqs.len();
+    Ok(Some(g.logits.slice(0..n * cfg.vocab_size)))
+}
+
+/// Where a replayed step's token ids come from.
+pub(crate) enum StepTokens<'a> {
+    /// One per sequence, from the host.
+    Host(&'a [u32]),
+    /// The pick of the step before, in pick buffer `.0` on the device (`ahead.rs`; one sequence).
+    Pick(usize),
+}
+
+/// The bucket whose graph takes `batch` (captured now if it had no graph yet, or one too narrow
+/// for its block tables), or `None` where the step must run eagerly.
+pub(crate) fn prepare(
+    m: &CudaModel,
+    cfg: &ModelConfig,
+    w: &ModelWeights,
+    kv: &mut DeviceKv,
+    batch: &Batch,
+    rows: &[usize],
+    linear: Option<&LinearStateCache>,
+) -> Result<Option<usize>> {
     let n = batch.seqs.len();
     let decode = batch.seqs.iter().all(|s| s.tokens.len() == 1);
     if !decode || !rows.iter().copied().eq(0..n) || kv.graphs.disabled.is_some() {
@@ -148,9 +189,7 @@ pub(crate) fn try_decode<'k>(
         .is_some_and(|g| g.table_blocks >= need_blocks);
     if !fits {
         let table_blocks = need_blocks.next_power_of_two().max(MIN_TABLE_BLOCKS);
-        let step = |kv: &mut DeviceKv| {
-            capture(m, cfg, w, kv, bucket, table_blocks, linear.map(|(c, _)| c))
-        };
+        let step = |kv: &mut DeviceKv| capture(m, cfg, w, kv, bucket, table_blocks, linear);
         match capture_in_arena(&m.dev, kv, step) {
             Ok(g) => {
                 kv.graphs.by_bucket.insert(bucket, g);
@@ -163,18 +202,28 @@ pub(crate) fn try_decode<'k>(
             }
         }
     }
+    Ok(Some(bucket))
+}
+
+/// Write `batch`'s inputs (token ids from `tokens`, positions, block tables, state slots) into
+/// the captured graph of `bucket` and launch it. Its logits land in the graph's `logits`.
+pub(crate) fn replay(
+    m: &CudaModel,
+    kv: &mut DeviceKv,
+    bucket: usize,
+    batch: &Batch,
+    tokens: StepTokens<'_>,
+    linear_addrs: Option<&[u64]>,
+) -> Result<()> {
     let tables_init = padding_tables(kv, bucket, kv.graphs.table_width(bucket));
-    let g = kv
-        .graphs
-        .by_bucket
-        .get_mut(&bucket)
-        .expect("captured above");
-    let mut tokens = vec![0u32; bucket];
+    let g = kv.graphs.by_bucket.get_mut(&bucket).ok_or_else(|| {
+        Error::Device(format!("internal: no decode graph for {bucket} sequences"))
+    })?;
+    let n = batch.seqs.len();
     let mut positions = vec![0i32; bucket];
     let mut tables = tables_init;
     let width = g.table_blocks;
     for (i, seq) in batch.seqs.iter().enumerate() {
-        tokens[i] = seq.tokens[0];
         positions[i] = seq.start_pos as i32;
         for (j, &b) in seq.block_table.blocks.iter().enumerate() {
             tables[i * width + j] = b as i32;
@@ -189,22 +238,53 @@ pub(crate) fn try_decode<'k>(
     }
     let positions_u32: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
     let dev = &m.dev;
-    dev.copy_to_device(&tokens, &mut g.tokens)
-        .map_err(dev_err)?;
+    match tokens {
+        StepTokens::Host(ids) => {
+            let mut padded = vec![0u32; bucket];
+            padded[..n].copy_from_slice(ids);
+            dev.copy_to_device(&padded, &mut g.tokens)
+        }
+        StepTokens::Pick(slot) => {
+            let picks = kv.graphs.picks.as_ref().ok_or_else(|| {
+                Error::Device("internal: a step from a pick before any pick".into())
+            })?;
+            dev.copy_within(picks.device(slot), &mut g.tokens.slice_mut(0..n))
+        }
+    }
+    .map_err(dev_err)?;
     dev.copy_to_device(&positions, &mut g.at.positions)
         .map_err(dev_err)?;
     dev.copy_to_device(&positions_u32, &mut g.at.positions_u32)
         .map_err(dev_err)?;
     dev.copy_to_device(&tables, &mut g.at.block_tables)
         .map_err(dev_err)?;
-    if let (Some((lp, trash)), Some((_, addrs))) = (&mut g.linear, linear) {
+    if let (Some((lp, trash)), Some(addrs)) = (&mut g.linear, linear_addrs) {
         let trash = dev.state_address(trash).map_err(dev_err)?;
         let mut all = vec![trash; bucket];
         all[..n].copy_from_slice(addrs);
         lp.set_states(dev, &all)?;
     }
-    g.graph.launch().map_err(dev_err)?;
-    Ok(Some(g.logits.slice(0..n * cfg.vocab_size)))
+    g.graph.launch().map_err(dev_err)
+}
+
+/// The arg-max of row 0 of the logits a replay of `bucket` wrote, into pick buffer `slot`, and
+/// its copy to the host (enqueued: `ahead::Picks::read` waits for it).
+pub(crate) fn pick(
+    m: &CudaModel,
+    vocab: usize,
+    kv: &mut DeviceKv,
+    bucket: usize,
+    slot: usize,
+) -> Result<()> {
+    let g = kv.graphs.by_bucket.get(&bucket).ok_or_else(|| {
+        Error::Device(format!("internal: no decode graph for {bucket} sequences"))
+    })?;
+    let picks = kv
+        .graphs
+        .picks
+        .as_mut()
+        .ok_or_else(|| Error::Device("internal: no pick buffers".into()))?;
+    picks.pick(&m.dev, &g.logits.slice(0..vocab), vocab, slot)
 }
 
 /// Run `capture` (a decode step's [`capture`]), which takes every activation of the step from

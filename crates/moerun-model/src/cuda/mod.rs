@@ -12,6 +12,7 @@
 //! [`crate::LinearStateCache`] made by [`crate::Model::new_linear_state`] (see [`deltanet`]).
 //! Gemma 4 runs its own device forward (`crate::gemma4::cuda`), not [`CudaPass`].
 
+pub(crate) mod ahead;
 pub mod deltanet;
 #[cfg(test)]
 mod gemma4_tests;

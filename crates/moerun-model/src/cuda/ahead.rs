@@ -1,0 +1,189 @@
+//! Greedy decode at batch 1 with the next step already launched: between two decode steps the
+//! device used to wait for the host (the token's download, the sampler and scheduler, the input
+//! copies and the graph launch). On the H200 that was ~1% of a ~2.7 ms Qwen3-30B-A3B step
+//! (366-370 → 369-370 tok/s, docs/perf/cuda-model.md v11); on a slower host it is more.
+//!
+//! When a greedy decode step of one sequence runs from its CUDA graph, its pick (the arg-max) is
+//! written to a device buffer, and before the host waits for it, the *next* step is launched
+//! from the same graph: its token id copied on the device from that pick, its position one
+//! further, the same block table. On the next call, if the batch is exactly that step (the same
+//! sequence at that position with the picked token, its block table unchanged over the positions
+//! it reads), its pick is already computed or in flight: the host launches the step after it and
+//! reads the pick. Anything else discards the step launched ahead. It has written only what a
+//! later step rewrites first, in stream order: the K/V of its position (beyond the sequence's
+//! length, in a block the sequence holds alone: only full blocks are shared), the graph's logits
+//! and one of the two pick buffers.
+//!
+//! Not for models with recurrent state (a step launched ahead would advance it), sliding-window
+//! tables (the window moves every step) or Gemma 4 (its own flow); a step whose position needs a
+//! block the sequence does not hold yet is not launched ahead either (one step in each block runs
+//! without overlap). The results are those of the step run alone: the same graph, the same
+//! inputs. `MOERUN_CUDA_DECODE_AHEAD=0` switches it off.
+
+use moerun_core::{Error, Result};
+use moerun_cuda::{CudaDevice, CudaEvent, CudaSlice, CudaView, PinnedHostSlice};
+
+use super::graph::{self, StepTokens};
+use super::{dev_err, CudaModel, DeviceKv};
+use crate::batch::{Batch, SeqChunk};
+use crate::config::ModelConfig;
+use crate::weights::ModelWeights;
+
+/// The two pick buffers steps alternate between, on the device and in page-locked host memory,
+/// and the events recorded after each copy to the host.
+pub(crate) struct Picks {
+    device: [CudaSlice<u32>; 2],
+    host: [PinnedHostSlice<u32>; 2],
+    copied: [CudaEvent; 2],
+}
+
+impl Picks {
+    fn new(m: &CudaModel) -> Result<Picks> {
+        let dev = &m.dev;
+        Ok(Picks {
+            device: [
+                dev.zeros(1).map_err(dev_err)?,
+                dev.zeros(1).map_err(dev_err)?,
+            ],
+            host: [
+                dev.pinned_u32(1).map_err(dev_err)?,
+                dev.pinned_u32(1).map_err(dev_err)?,
+            ],
+            copied: [
+                dev.new_event().map_err(dev_err)?,
+                dev.new_event().map_err(dev_err)?,
+            ],
+        })
+    }
+
+    /// Pick buffer `slot` on the device.
+    pub(crate) fn device(&self, slot: usize) -> &CudaSlice<u32> {
+        &self.device[slot]
+    }
+
+    /// The arg-max of `logits` (one row of `vocab`) into buffer `slot`, and its copy to the host.
+    pub(crate) fn pick(
+        &mut self,
+        dev: &CudaDevice,
+        logits: &CudaView<'_, f32>,
+        vocab: usize,
+        slot: usize,
+    ) -> Result<()> {
+        dev.argmax_rows(logits, vocab, &mut self.device[slot])
+            .map_err(dev_err)?;
+        dev.copy_to_host_async(&self.device[slot], &mut self.host[slot], &self.copied[slot])
+            .map_err(dev_err)
+    }
+
+    /// The pick in buffer `slot`, once its copy to the host has completed.
+    fn read(&self, slot: usize) -> Result<u32> {
+        self.copied[slot]
+            .synchronize()
+            .map_err(|e| Error::Device(format!("waiting for the decode step's pick: {e}")))?;
+        let host = self.host[slot]
+            .as_slice()
+            .map_err(|e| Error::Device(format!("reading the decode step's pick: {e}")))?;
+        Ok(host[0])
+    }
+}
+
+/// A decode step launched ahead of the call that will ask for it.
+pub(crate) struct Ahead {
+    /// The position it decodes.
+    start_pos: usize,
+    /// Its sequence's blocks when it was launched.
+    blocks: Vec<u32>,
+    /// The token it decodes: the pick of the step before, known once that was read.
+    token: u32,
+    /// The pick buffer its arg-max goes to.
+    slot: usize,
+}
+
+impl Ahead {
+    /// Whether `batch` is exactly this step.
+    fn is(&self, batch: &Batch, block_size: usize) -> bool {
+        let [seq] = batch.seqs.as_slice() else {
+            return false;
+        };
+        let read = self.start_pos / block_size + 1;
+        seq.start_pos == self.start_pos
+            && seq.tokens == [self.token]
+            && seq.block_table.blocks.len() >= read
+            && self.blocks.len() >= read
+            && seq.block_table.blocks[..read] == self.blocks[..read]
+    }
+}
+
+/// Whether steps may be launched ahead (`MOERUN_CUDA_DECODE_AHEAD`, read once; `0`: never).
+fn enabled() -> bool {
+    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ENABLED.get_or_init(|| std::env::var_os("MOERUN_CUDA_DECODE_AHEAD").is_none_or(|v| v != "0"))
+}
+
+/// Run `batch` as a greedy decode step of one sequence with the next step launched ahead, and
+/// return its pick; `None` where this does not apply (the caller runs the step as usual). Any
+/// step launched ahead before this call is either this step or discarded.
+pub(crate) fn greedy_step(
+    m: &CudaModel,
+    cfg: &ModelConfig,
+    w: &ModelWeights,
+    kv: &mut DeviceKv,
+    batch: &Batch,
+    rows: &[usize],
+) -> Result<Option<u32>> {
+    let ahead = kv.graphs.ahead.take();
+    let applies = enabled()
+        && cfg.linear_attention.is_none()
+        && w.gemma4.is_none()
+        && batch.window_tables.is_empty()
+        && batch.seqs.len() == 1
+        && batch.seqs[0].tokens.len() == 1;
+    if !applies {
+        return Ok(None);
+    }
+    let Some(bucket) = graph::prepare(m, cfg, w, kv, batch, rows, None)? else {
+        return Ok(None);
+    };
+    let block_size = kv
+        .pools
+        .iter()
+        .flatten()
+        .next()
+        .map(|p| p.block_size())
+        .ok_or_else(|| Error::Device("a model without attention layers".into()))?;
+    if kv.graphs.picks.is_none() {
+        kv.graphs.picks = Some(Picks::new(m)?);
+    }
+    let slot = match ahead {
+        Some(a) if a.is(batch, block_size) => a.slot,
+        _ => {
+            let token = [batch.seqs[0].tokens[0]];
+            graph::replay(m, kv, bucket, batch, StepTokens::Host(&token), None)?;
+            graph::pick(m, cfg.vocab_size, kv, bucket, 0)?;
+            0
+        }
+    };
+    // The next step, if the sequence already holds its position's block.
+    let seq = &batch.seqs[0];
+    let next = seq.start_pos + 1;
+    if next < seq.block_table.blocks.len() * block_size {
+        let next_batch = Batch::new(vec![SeqChunk {
+            start_pos: next,
+            ..*seq
+        }]);
+        graph::replay(m, kv, bucket, &next_batch, StepTokens::Pick(slot), None)?;
+        graph::pick(m, cfg.vocab_size, kv, bucket, 1 - slot)?;
+        kv.graphs.ahead = Some(Ahead {
+            start_pos: next,
+            blocks: seq.block_table.blocks.clone(),
+            token: u32::MAX, // set below, once this step's pick is read
+            slot: 1 - slot,
+        });
+    }
+    let picks = kv.graphs.picks.as_ref().expect("made above");
+    let token = picks.read(slot)?;
+    if let Some(a) = &mut kv.graphs.ahead {
+        a.token = token;
+    }
+    Ok(Some(token))
+}
