@@ -381,7 +381,7 @@ impl Model {
         // A greedy step of one sequence may have been launched ahead by the call before, and
         // launches the one after it (cuda/ahead.rs); every other call discards such a step.
         if greedy && linear.is_none() {
-            if let Some(token) = crate::cuda::ahead::greedy_step(cuda, cfg, w, dkv, batch, &rows)? {
+            if let Some(token) = crate::cuda::ahead::greedy_step(cuda, (cfg, w), dkv, batch)? {
                 return Ok(ForwardOutput {
                     rows,
                     logits: Vec::new(),

@@ -120,16 +120,14 @@ fn enabled() -> bool {
     *ENABLED.get_or_init(|| std::env::var_os("MOERUN_CUDA_DECODE_AHEAD").is_none_or(|v| v != "0"))
 }
 
-/// Run `batch` as a greedy decode step of one sequence with the next step launched ahead, and
-/// return its pick; `None` where this does not apply (the caller runs the step as usual). Any
-/// step launched ahead before this call is either this step or discarded.
+/// Run `batch` as a greedy decode step of one sequence (its one row's pick wanted) with the next
+/// step launched ahead, and return its pick; `None` where this does not apply (the caller runs
+/// the step as usual). Any step launched ahead before this call is either this step or discarded.
 pub(crate) fn greedy_step(
     m: &CudaModel,
-    cfg: &ModelConfig,
-    w: &ModelWeights,
+    (cfg, w): (&ModelConfig, &ModelWeights),
     kv: &mut DeviceKv,
     batch: &Batch,
-    rows: &[usize],
 ) -> Result<Option<u32>> {
     let ahead = kv.graphs.ahead.take();
     let applies = enabled()
@@ -141,16 +139,10 @@ pub(crate) fn greedy_step(
     if !applies {
         return Ok(None);
     }
-    let Some(bucket) = graph::prepare(m, cfg, w, kv, batch, rows, None)? else {
+    let Some(bucket) = graph::prepare(m, cfg, w, kv, batch, &[0], None)? else {
         return Ok(None);
     };
-    let block_size = kv
-        .pools
-        .iter()
-        .flatten()
-        .next()
-        .map(|p| p.block_size())
-        .ok_or_else(|| Error::Device("a model without attention layers".into()))?;
+    let block_size = kv.block_size()?;
     if kv.graphs.picks.is_none() {
         kv.graphs.picks = Some(Picks::new(m)?);
     }

@@ -320,13 +320,7 @@ fn capture(
     linear: Option<&LinearStateCache>,
 ) -> Result<DecodeGraph> {
     let dev = &m.dev;
-    let block_size = kv
-        .pools
-        .iter()
-        .flatten()
-        .next()
-        .map(|p| p.block_size())
-        .ok_or_else(|| Error::Device("a model without attention layers".into()))?;
+    let block_size = kv.block_size()?;
     let table_start: Vec<i32> = (0..bucket).map(|i| (i * table_blocks) as i32).collect();
     // The window group's tables follow the others, one per row, when it has blocks of its own.
     let window_table_start: Option<Vec<i32>> = kv.window_trash_block.map(|_| {

@@ -279,6 +279,16 @@ impl DeviceKv {
         })
     }
 
+    /// Tokens per KV block (every pool's).
+    pub(crate) fn block_size(&self) -> Result<usize> {
+        self.pools
+            .iter()
+            .flatten()
+            .next()
+            .map(|p| p.block_size())
+            .ok_or_else(|| Error::Device("a model without attention layers".into()))
+    }
+
     pub fn bytes(&self) -> usize {
         self.pools
             .iter()
