@@ -114,6 +114,13 @@ impl Ahead {
     }
 }
 
+/// The position of the step after `seq`'s, if the sequence already holds its block (a step
+/// launched ahead must not need one the host has not reserved).
+fn next_position(seq: &SeqChunk<'_>, block_size: usize) -> Option<usize> {
+    let next = seq.start_pos + seq.tokens.len();
+    (next < seq.block_table.blocks.len() * block_size).then_some(next)
+}
+
 /// Whether steps may be launched ahead (`MOERUN_CUDA_DECODE_AHEAD`, read once; `0`: never).
 fn enabled() -> bool {
     static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -155,10 +162,8 @@ pub(crate) fn greedy_step(
             0
         }
     };
-    // The next step, if the sequence already holds its position's block.
     let seq = &batch.seqs[0];
-    let next = seq.start_pos + 1;
-    if next < seq.block_table.blocks.len() * block_size {
+    if let Some(next) = next_position(seq, block_size) {
         let next_batch = Batch::new(vec![SeqChunk {
             start_pos: next,
             ..*seq
@@ -178,4 +183,95 @@ pub(crate) fn greedy_step(
         a.token = token;
     }
     Ok(Some(token))
+}
+
+#[cfg(test)]
+mod tests {
+    use moerun_core::BlockTable;
+
+    use super::*;
+
+    fn step(start_pos: usize, token: u32, blocks: &[u32], slot: usize) -> Ahead {
+        Ahead {
+            start_pos,
+            blocks: blocks.to_vec(),
+            token,
+            slot,
+        }
+    }
+
+    /// A batch of one sequence's one token.
+    fn one<'a>(tokens: &'a [u32], start_pos: usize, table: &'a BlockTable) -> Batch<'a> {
+        Batch::new(vec![SeqChunk {
+            tokens,
+            start_pos,
+            block_table: table,
+        }])
+    }
+
+    #[test]
+    fn a_step_launched_ahead_is_taken_only_by_exactly_that_step() {
+        let bs = 16;
+        // Launched at position 20 (block 1) with token 7 over blocks [4, 9].
+        let a = step(20, 7, &[4, 9], 1);
+        let table = BlockTable { blocks: vec![4, 9] };
+        assert!(a.is(&one(&[7], 20, &table), bs));
+        // A block appended since (reserved for later positions) does not matter.
+        let grown = BlockTable {
+            blocks: vec![4, 9, 2],
+        };
+        assert!(a.is(&one(&[7], 20, &grown), bs));
+        // Another token, position or block under a position it read: another step.
+        assert!(!a.is(&one(&[8], 20, &table), bs), "token");
+        assert!(!a.is(&one(&[7], 21, &table), bs), "position");
+        assert!(!a.is(&one(&[7], 19, &table), bs), "position");
+        let moved = BlockTable { blocks: vec![4, 3] };
+        assert!(
+            !a.is(&one(&[7], 20, &moved), bs),
+            "the block of its own position"
+        );
+        let moved = BlockTable { blocks: vec![5, 9] };
+        assert!(!a.is(&one(&[7], 20, &moved), bs), "an earlier block");
+        let short = BlockTable { blocks: vec![4] };
+        assert!(
+            !a.is(&one(&[7], 20, &short), bs),
+            "a table without its block"
+        );
+        // Two tokens of the sequence, or two sequences: not a step of one token.
+        assert!(!a.is(&one(&[7, 7], 20, &table), bs), "two tokens");
+        let two = Batch::new(vec![
+            SeqChunk {
+                tokens: &[7],
+                start_pos: 20,
+                block_table: &table,
+            },
+            SeqChunk {
+                tokens: &[7],
+                start_pos: 20,
+                block_table: &table,
+            },
+        ]);
+        assert!(!a.is(&two, bs), "two sequences");
+    }
+
+    #[test]
+    fn the_next_step_is_launched_ahead_only_within_the_blocks_held() {
+        let bs = 16;
+        let one_block = BlockTable { blocks: vec![4] };
+        let seq = |start_pos, table| SeqChunk {
+            tokens: &[7],
+            start_pos,
+            block_table: table,
+        };
+        assert_eq!(next_position(&seq(0, &one_block), bs), Some(1));
+        assert_eq!(next_position(&seq(14, &one_block), bs), Some(15));
+        assert_eq!(
+            next_position(&seq(15, &one_block), bs),
+            None,
+            "needs block 1"
+        );
+        let two_blocks = BlockTable { blocks: vec![4, 9] };
+        assert_eq!(next_position(&seq(15, &two_blocks), bs), Some(16));
+        assert_eq!(next_position(&seq(31, &two_blocks), bs), None);
+    }
 }
