@@ -1,0 +1,377 @@
+// Probe: would one persistent kernel per decode layer pay? (docs/perf/cuda-model.md v11)
+//
+// A Qwen3-30B-A3B decode layer at batch 1 costs ~54 µs in today's graph of ~10 kernels, against
+// 26.3 µs for its weight bytes: its latency-bound steps (prologue + attention ~10.5 µs, norm +
+// router + top-k ~5.4, the last norm ~1.3) leave DRAM idle, and staging the next GEMV's weights
+// in shared memory across a kernel boundary fails (an SM changes its L1/shared split only when
+// idle). One persistent kernel keeps one split for its life. This measures, on the layer's real
+// GEMV sizes (q/k/v 5120 x 2048, o_proj 2048 x 4096, the 8 experts' gate_up 12288 x 2048 and
+// down 2048 x 6144, bf16, f32 activations), with the latency-bound steps emulated by one block
+// spinning on %globaltimer for 10.5 / 5.4 / 1.3 µs, phases separated by grid barriers (a
+// monotonic counter, release/acquire):
+//   0 barriers : the 7 barriers of a layer, nothing else
+//   1 stream   : the GEMVs from DRAM, no latency steps
+//   2 layer    : the GEMVs from DRAM and the latency steps (a persistent layer, no prefetch)
+//   3 prefetch : as 2, with o_proj's rows bulk-copied into shared memory while q/k/v finishes
+//                and attention runs, and the next layer's q/k/v rows while routing runs (held
+//                through gate_up and down, which stream through registers)
+//   4 prefetch, no latency steps
+// µs per layer over 8 layers of distinct weights (906 MB, past the 60 MB L2), best of 5 launches.
+// The question: is mode 3 well under today's ~54 µs and under mode 2? If not, a megakernel will
+// not pay either.
+//
+// First run (session 10, H200, 132 blocks of 512 threads; 256 and 1024 threads within 1-4%):
+//   0 barriers 7.55 µs a layer (1.08 µs a barrier: about a kernel boundary under PDL)
+//   1 stream 39.9 (2.84 TB/s with the barriers; the GEMV phases alone ~3.5 TB/s)
+//   2 layer 56.6, 3 prefetch 61.0, 4 prefetch without latency steps 44.0
+// So this naive persistent layer loses to today's graph (~54), and the shared-memory prefetch
+// makes it slower, not faster (not understood yet: the bulk copies' rate per SM, or the copies
+// delaying the phase they overlap, are the suspects). A megakernel would first need a streaming
+// core at >= 4 TB/s per phase and dependencies finer than grid barriers.
+//
+// Build and run on the GPU machine:
+//   nvcc -O3 -gencode=arch=compute_90,code=sm_90 -o /tmp/layer_persist scripts/probes/layer_persist.cu && /tmp/layer_persist
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+typedef unsigned long long u64;
+typedef unsigned int u32;
+
+#define CHECK(x)                                                                        \
+    do {                                                                                \
+        cudaError_t e = (x);                                                            \
+        if (e != cudaSuccess) {                                                         \
+            printf("%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e));    \
+            exit(1);                                                                    \
+        }                                                                               \
+    } while (0)
+
+#define THREADS 512
+#define WARPS (THREADS / 32)
+#define LAYERS 8
+#define HID 2048
+#define QKV 5120
+#define ATT 4096
+#define GU 12288
+#define DIN 6144
+#define PIECE 16384u
+
+struct Weights {
+    const uint4* qkv;  // [LAYERS][QKV][HID]
+    const uint4* o;    // [LAYERS][HID][ATT]
+    const uint4* gu;   // [LAYERS][GU][HID]
+    const uint4* d;    // [LAYERS][HID][DIN]
+};
+
+struct Acts {
+    float* x;    // HID: the layer's input (and output of down)
+    float* qkv;  // QKV
+    float* o;    // HID
+    float* gu;   // GU
+};
+
+__device__ u32 g_bar;
+
+__device__ __forceinline__ u64 now() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void mbar_init(u32 bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    asm volatile(
+        "{\n.reg .pred P1;\n"
+        "W:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+        "@P1 bra D;\n"
+        "bra W;\n"
+        "D:\n}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+
+// Bulk-copy `bytes` (a multiple of 16) from global to this block's shared memory, counted on
+// `bar` (one arrival with its transaction count). Called by one thread, after the block's
+// generic reads of that shared memory are done (the caller synchronises the block first).
+__device__ __forceinline__ void prefetch(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+                 : "memory");
+    for (u32 off = 0; off < bytes; off += PIECE) {
+        const u32 n = min(PIECE, bytes - off);
+        asm volatile(
+            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                dst + off),
+            "l"((const char*)src + off), "r"(n), "r"(bar)
+            : "memory");
+    }
+}
+
+// Every block arrives; thread 0 then waits until all have (the counter only grows).
+__device__ __forceinline__ void grid_sync(u32& target) {
+    __syncthreads();
+    target += gridDim.x;
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(&g_bar, 1u);
+        u32 v;
+        do {
+            asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(v) : "l"(&g_bar) : "memory");
+        } while (v < target);
+    }
+    __syncthreads();
+}
+
+// The block's rows of an even split.
+__device__ __forceinline__ void my_rows(int n, int& r0, int& r1) {
+    r0 = (int)((long long)n * blockIdx.x / gridDim.x);
+    r1 = (int)((long long)n * (blockIdx.x + 1) / gridDim.x);
+}
+
+// x (cols f32, written by other blocks before the last barrier) into shared memory, at L2.
+__device__ __forceinline__ void load_x(const float* x, int cols, float* xs) {
+    for (int i = threadIdx.x; i < cols; i += THREADS) xs[i] = __ldcg(x + i);
+    __syncthreads();
+}
+
+__device__ __forceinline__ float dot8(uint4 q, const float* xs) {
+    const float4 a = *reinterpret_cast<const float4*>(xs);
+    const float4 b = *reinterpret_cast<const float4*>(xs + 4);
+    const u32 w[4] = {q.x, q.y, q.z, q.w};
+    float f[8];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        f[2 * i] = __uint_as_float(w[i] << 16);
+        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+    return f[0] * a.x + f[1] * a.y + f[2] * a.z + f[3] * a.w + f[4] * b.x + f[5] * b.y + f[6] * b.z +
+           f[7] * b.w;
+}
+
+// y[r] = W[r] . x for the block's rows r0..r1 of W (cols a multiple of 256): a warp per row, 8
+// chunks of 16 bytes in flight per lane. From global (ws == nullptr) or from the rows staged in
+// shared memory at ws.
+__device__ void gemv(const uint4* w, int cols, int r0, int r1, const float* xs, float* y,
+                     const uint4* ws) {
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int chunks = cols / 8;
+    for (int r = r0 + warp; r < r1; r += WARPS) {
+        const uint4* row = ws ? ws + (u64)(r - r0) * chunks : w + (u64)r * chunks;
+        float acc = 0.0f;
+        for (int c0 = 0; c0 < chunks; c0 += 32 * 8) {
+            uint4 q[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const int c = c0 + 32 * u + lane;
+                q[u] = c < chunks ? (ws ? row[c] : ld_stream(row + c)) : make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const int c = c0 + 32 * u + lane;
+                if (c < chunks) acc += dot8(q[u], xs + 8 * c);
+            }
+        }
+        acc = warp_sum(acc);
+        if (lane == 0) y[r] = acc;
+    }
+}
+
+__device__ __forceinline__ void spin(u64 ns) {
+    if (blockIdx.x == 0 && threadIdx.x == 0 && ns > 0) {
+        const u64 t0 = now();
+        while (now() - t0 < ns) {
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+    layer_persist(Weights W, Acts A, int mode, u64 lat_a, u64 lat_b, u64 lat_c) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    __shared__ __align__(8) u64 bar_word;
+    float* xs = reinterpret_cast<float*>(smem);                    // DIN floats (24 KB)
+    uint4* pf = reinterpret_cast<uint4*>(smem + DIN * sizeof(float));  // staged rows
+    const u32 bar = smem_u32(&bar_word);
+    const bool gemvs = mode != 0;
+    const bool staged = mode == 3 || mode == 4;
+    if (mode == 1 || mode == 4) lat_a = lat_b = lat_c = 0;
+    if (mode == 0) lat_a = lat_b = lat_c = 0;
+    u32 target = 0;
+    u32 parity = 0;
+    if (threadIdx.x == 0) mbar_init(bar);
+    __syncthreads();
+    int q0, q1, o0, o1, g0, g1, d0, d1;
+    my_rows(QKV, q0, q1);
+    my_rows(HID, o0, o1);
+    my_rows(GU, g0, g1);
+    my_rows(HID, d0, d1);
+    const int qkv_chunks = HID / 8, o_chunks = ATT / 8;
+    if (staged && threadIdx.x == 0)
+        prefetch(smem_u32(pf), W.qkv + (u64)q0 * qkv_chunks, (u32)((q1 - q0) * qkv_chunks * 16), bar);
+    for (int l = 0; l < LAYERS; ++l) {
+        const uint4* wq = W.qkv + (u64)l * QKV * qkv_chunks;
+        const uint4* wo = W.o + (u64)l * HID * o_chunks;
+        const uint4* wg = W.gu + (u64)l * GU * (HID / 8);
+        const uint4* wd = W.d + (u64)l * HID * (DIN / 8);
+        // q/k/v
+        if (gemvs) {
+            load_x(A.x, HID, xs);
+            if (staged) {
+                mbar_wait(bar, parity);
+                parity ^= 1u;
+            }
+            gemv(wq, HID, q0, q1, xs, A.qkv, staged ? pf : nullptr);
+            if (staged) {
+                __syncthreads();
+                if (threadIdx.x == 0)
+                    prefetch(smem_u32(pf), wo + (u64)o0 * o_chunks, (u32)((o1 - o0) * o_chunks * 16), bar);
+            }
+        }
+        grid_sync(target);
+        spin(lat_a);  // prologue + attention
+        grid_sync(target);
+        // o_proj
+        if (gemvs) {
+            load_x(A.qkv, ATT, xs);
+            if (staged) {
+                mbar_wait(bar, parity);
+                parity ^= 1u;
+            }
+            gemv(wo, ATT, o0, o1, xs, A.o, staged ? pf : nullptr);
+            if (staged && l + 1 < LAYERS) {
+                __syncthreads();
+                if (threadIdx.x == 0)
+                    prefetch(smem_u32(pf), wq + (u64)QKV * qkv_chunks + (u64)q0 * qkv_chunks,
+                             (u32)((q1 - q0) * qkv_chunks * 16), bar);
+            }
+        }
+        grid_sync(target);
+        spin(lat_b);  // norm + router + top-k
+        grid_sync(target);
+        // the 8 experts' gate_up, then down (act(g) * u emulated by reading gate_up's outputs)
+        if (gemvs) {
+            load_x(A.o, HID, xs);
+            gemv(wg, HID, g0, g1, xs, A.gu, nullptr);
+        }
+        grid_sync(target);
+        if (gemvs) {
+            load_x(A.gu, DIN, xs);
+            gemv(wd, DIN, d0, d1, xs, A.x, nullptr);
+        }
+        grid_sync(target);
+        spin(lat_c);  // the last norm
+        grid_sync(target);
+    }
+}
+
+__global__ void fill(uint4* p, u64 n, u32 seed) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        u32 h = (u32)(i * 2654435761ull) ^ seed;
+        u32 v[4];
+        for (int k = 0; k < 4; ++k) {
+            h ^= h << 13;
+            h ^= h >> 17;
+            h ^= h << 5;
+            // two bf16 of magnitude < 2^-6, random signs
+            const u32 lo = 0x3c00u | (h & 0x807fu), hi = 0x3c00u | ((h >> 16) & 0x807fu);
+            v[k] = lo | (hi << 16);
+        }
+        p[i] = make_uint4(v[0], v[1], v[2], v[3]);
+    }
+}
+
+int main() {
+    int dev = 0, sms = 0;
+    CHECK(cudaSetDevice(dev));
+    CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    const u64 nq = (u64)LAYERS * QKV * HID / 8, no = (u64)LAYERS * HID * ATT / 8,
+              ng = (u64)LAYERS * GU * HID / 8, nd = (u64)LAYERS * HID * DIN / 8;
+    uint4 *wq, *wo, *wg, *wd;
+    CHECK(cudaMalloc(&wq, nq * 16));
+    CHECK(cudaMalloc(&wo, no * 16));
+    CHECK(cudaMalloc(&wg, ng * 16));
+    CHECK(cudaMalloc(&wd, nd * 16));
+    fill<<<1024, 256>>>(wq, nq, 1);
+    fill<<<1024, 256>>>(wo, no, 2);
+    fill<<<1024, 256>>>(wg, ng, 3);
+    fill<<<1024, 256>>>(wd, nd, 4);
+    float *x, *aq, *ao, *ag;
+    CHECK(cudaMalloc(&x, HID * 4));
+    CHECK(cudaMalloc(&aq, QKV * 4));
+    CHECK(cudaMalloc(&ao, HID * 4));
+    CHECK(cudaMalloc(&ag, GU * 4));
+    std::vector<float> hx(HID, 0.01f);
+    Weights W{wq, wo, wg, wd};
+    Acts A{x, aq, ao, ag};
+    // Shared memory: x (DIN floats) + the largest block's staged rows (q/k/v or o_proj).
+    const int max_q = (QKV + sms - 1) / sms, max_o = (HID + sms - 1) / sms;
+    const size_t staged = std::max((size_t)max_q * HID * 2, (size_t)max_o * ATT * 2);
+    const size_t smem = DIN * sizeof(float) + staged;
+    CHECK(cudaFuncSetAttribute(layer_persist, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    int per_sm = 0;
+    CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, layer_persist, THREADS, smem));
+    printf("%d SMs, %d block(s) per SM possible, %zu bytes of shared memory per block\n", sms, per_sm,
+           smem);
+    if (per_sm < 1) return 1;
+    const double layer_mb = ((double)QKV * HID + (double)HID * ATT + (double)GU * HID + (double)HID * DIN) * 2 / 1e6;
+    cudaEvent_t e0, e1;
+    CHECK(cudaEventCreate(&e0));
+    CHECK(cudaEventCreate(&e1));
+    const char* names[5] = {"barriers only (7 a layer)", "GEMVs from DRAM, no latency steps",
+                            "persistent layer, no prefetch", "persistent layer, smem prefetch",
+                            "smem prefetch, no latency steps"};
+    const u64 la = 10500, lb = 5400, lc = 1300;
+    printf("layer weights %.1f MB (floor at 4.4 TB/s: %.1f us); latency steps %.1f + %.1f + %.1f us\n",
+           layer_mb, layer_mb / 4.4e6 * 1e6, la / 1e3, lb / 1e3, lc / 1e3);
+    for (int mode = 0; mode < 5; ++mode) {
+        std::vector<float> us;
+        for (int rep = 0; rep < 6; ++rep) {
+            u32 zero = 0;
+            CHECK(cudaMemcpyToSymbol(g_bar, &zero, 4));
+            CHECK(cudaMemcpy(x, hx.data(), HID * 4, cudaMemcpyHostToDevice));
+            int m = mode;
+            u64 a = la, b = lb, c = lc;
+            void* args[] = {&W, &A, &m, &a, &b, &c};
+            CHECK(cudaEventRecord(e0));
+            CHECK(cudaLaunchCooperativeKernel((void*)layer_persist, dim3(sms), dim3(THREADS), args, smem, 0));
+            CHECK(cudaEventRecord(e1));
+            CHECK(cudaEventSynchronize(e1));
+            float ms = 0;
+            CHECK(cudaEventElapsedTime(&ms, e0, e1));
+            if (rep > 0) us.push_back(ms * 1e3f / LAYERS);
+        }
+        std::sort(us.begin(), us.end());
+        const double best = us[0];
+        const double streamed = mode == 0 ? 0 : layer_mb / best;  // MB/us = TB/s
+        printf("mode %d %-36s %7.2f us a layer (median %7.2f)", mode, names[mode], best, us[us.size() / 2]);
+        if (mode != 0) printf("  weights at %.2f TB/s", streamed);
+        printf("\n");
+    }
+    printf("today's graph of kernels: ~54 us a layer (timeline, docs/perf/cuda-model.md v11)\n");
+    return 0;
+}
