@@ -16,11 +16,15 @@
 //                and attention runs, and the next layer's q/k/v rows while routing runs (held
 //                through gate_up and down, which stream through registers)
 //   4 prefetch, no latency steps
-// µs per layer over 8 layers of distinct weights (906 MB, past the 60 MB L2), best of 5 launches.
+// µs per layer over 8 layers of distinct weights (906 MB, past the 60 MB L2), best of 5 launches,
+// for 8 and for 16 loads of 16 bytes in flight per lane; and for each, the phases as block 0 saw
+// them (%globaltimer after each barrier, mean over layers 1-7; a phase's time includes the
+// barrier that ends it) and how long block 0 waited for its staged rows.
 // The question: is mode 3 well under today's ~54 µs and under mode 2? If not, a megakernel will
 // not pay either.
 //
-// First run (session 10, H200, 132 blocks of 512 threads; 256 and 1024 threads within 1-4%):
+// First run (session 10, H200, 132 blocks of 512 threads, 8 loads in flight per lane, before the
+// phase stamps and the 16-load variant were added; 256 and 1024 threads within 1-4%):
 //   0 barriers 7.55 µs a layer (1.08 µs a barrier: about a kernel boundary under PDL)
 //   1 stream 39.9 (2.84 TB/s with the barriers; the GEMV phases alone ~3.5 TB/s)
 //   2 layer 56.6, 3 prefetch 61.0, 4 prefetch without latency steps 44.0
@@ -132,8 +136,20 @@ __device__ __forceinline__ void prefetch(u32 dst, const void* src, u32 bytes, u3
     }
 }
 
+// Where block 0 writes %globaltimer stamps (STAMPS per layer: after each of the 7 barriers, and
+// around each wait for staged rows), or nowhere.
+#define STAMPS 12
+struct Stamps {
+    u64* at;
+    int n;
+    __device__ __forceinline__ void stamp() {
+        if (at && blockIdx.x == 0 && threadIdx.x == 0) at[n] = now();
+        ++n;
+    }
+};
+
 // Every block arrives; thread 0 then waits until all have (the counter only grows).
-__device__ __forceinline__ void grid_sync(u32& target) {
+__device__ __forceinline__ void grid_sync(u32& target, Stamps& st) {
     __syncthreads();
     target += gridDim.x;
     if (threadIdx.x == 0) {
@@ -145,6 +161,7 @@ __device__ __forceinline__ void grid_sync(u32& target) {
         } while (v < target);
     }
     __syncthreads();
+    st.stamp();
 }
 
 // The block's rows of an even split.
@@ -173,9 +190,10 @@ __device__ __forceinline__ float dot8(uint4 q, const float* xs) {
            f[7] * b.w;
 }
 
-// y[r] = W[r] . x for the block's rows r0..r1 of W (cols a multiple of 256): a warp per row, 8
+// y[r] = W[r] . x for the block's rows r0..r1 of W (cols a multiple of 256): a warp per row, U
 // chunks of 16 bytes in flight per lane. From global (ws == nullptr) or from the rows staged in
 // shared memory at ws.
+template <int U>
 __device__ void gemv(const uint4* w, int cols, int r0, int r1, const float* xs, float* y,
                      const uint4* ws) {
     const int lane = threadIdx.x & 31;
@@ -184,15 +202,15 @@ __device__ void gemv(const uint4* w, int cols, int r0, int r1, const float* xs, 
     for (int r = r0 + warp; r < r1; r += WARPS) {
         const uint4* row = ws ? ws + (u64)(r - r0) * chunks : w + (u64)r * chunks;
         float acc = 0.0f;
-        for (int c0 = 0; c0 < chunks; c0 += 32 * 8) {
-            uint4 q[8];
+        for (int c0 = 0; c0 < chunks; c0 += 32 * U) {
+            uint4 q[U];
 #pragma unroll
-            for (int u = 0; u < 8; ++u) {
+            for (int u = 0; u < U; ++u) {
                 const int c = c0 + 32 * u + lane;
                 q[u] = c < chunks ? (ws ? row[c] : ld_stream(row + c)) : make_uint4(0, 0, 0, 0);
             }
 #pragma unroll
-            for (int u = 0; u < 8; ++u) {
+            for (int u = 0; u < U; ++u) {
                 const int c = c0 + 32 * u + lane;
                 if (c < chunks) acc += dot8(q[u], xs + 8 * c);
             }
@@ -210,8 +228,9 @@ __device__ __forceinline__ void spin(u64 ns) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-    layer_persist(Weights W, Acts A, int mode, u64 lat_a, u64 lat_b, u64 lat_c) {
+template <int U>
+__global__ void __launch_bounds__(THREADS, 1)
+    layer_persist(Weights W, Acts A, int mode, u64 lat_a, u64 lat_b, u64 lat_c, u64* stamps) {
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ __align__(8) u64 bar_word;
     float* xs = reinterpret_cast<float*>(smem);                    // DIN floats (24 KB)
@@ -231,9 +250,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     my_rows(GU, g0, g1);
     my_rows(HID, d0, d1);
     const int qkv_chunks = HID / 8, o_chunks = ATT / 8;
+    Stamps st{stamps, 0};
     if (staged && threadIdx.x == 0)
         prefetch(smem_u32(pf), W.qkv + (u64)q0 * qkv_chunks, (u32)((q1 - q0) * qkv_chunks * 16), bar);
     for (int l = 0; l < LAYERS; ++l) {
+        st.n = l * STAMPS;
         const uint4* wq = W.qkv + (u64)l * QKV * qkv_chunks;
         const uint4* wo = W.o + (u64)l * HID * o_chunks;
         const uint4* wg = W.gu + (u64)l * GU * (HID / 8);
@@ -241,28 +262,37 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         // q/k/v
         if (gemvs) {
             load_x(A.x, HID, xs);
+            st.n = l * STAMPS + 7;
+            st.stamp();
             if (staged) {
                 mbar_wait(bar, parity);
                 parity ^= 1u;
             }
-            gemv(wq, HID, q0, q1, xs, A.qkv, staged ? pf : nullptr);
+            st.stamp();
+            st.n = l * STAMPS;
+            gemv<U>(wq, HID, q0, q1, xs, A.qkv, staged ? pf : nullptr);
             if (staged) {
                 __syncthreads();
                 if (threadIdx.x == 0)
                     prefetch(smem_u32(pf), wo + (u64)o0 * o_chunks, (u32)((o1 - o0) * o_chunks * 16), bar);
             }
         }
-        grid_sync(target);
+        grid_sync(target, st);
         spin(lat_a);  // prologue + attention
-        grid_sync(target);
+        grid_sync(target, st);
         // o_proj
         if (gemvs) {
             load_x(A.qkv, ATT, xs);
+            const int keep = st.n;
+            st.n = l * STAMPS + 9;
+            st.stamp();
             if (staged) {
                 mbar_wait(bar, parity);
                 parity ^= 1u;
             }
-            gemv(wo, ATT, o0, o1, xs, A.o, staged ? pf : nullptr);
+            st.stamp();
+            st.n = keep;
+            gemv<U>(wo, ATT, o0, o1, xs, A.o, staged ? pf : nullptr);
             if (staged && l + 1 < LAYERS) {
                 __syncthreads();
                 if (threadIdx.x == 0)
@@ -270,22 +300,22 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                              (u32)((q1 - q0) * qkv_chunks * 16), bar);
             }
         }
-        grid_sync(target);
+        grid_sync(target, st);
         spin(lat_b);  // norm + router + top-k
-        grid_sync(target);
+        grid_sync(target, st);
         // the 8 experts' gate_up, then down (act(g) * u emulated by reading gate_up's outputs)
         if (gemvs) {
             load_x(A.o, HID, xs);
-            gemv(wg, HID, g0, g1, xs, A.gu, nullptr);
+            gemv<U>(wg, HID, g0, g1, xs, A.gu, nullptr);
         }
-        grid_sync(target);
+        grid_sync(target, st);
         if (gemvs) {
             load_x(A.gu, DIN, xs);
-            gemv(wd, DIN, d0, d1, xs, A.x, nullptr);
+            gemv<U>(wd, DIN, d0, d1, xs, A.x, nullptr);
         }
-        grid_sync(target);
+        grid_sync(target, st);
         spin(lat_c);  // the last norm
-        grid_sync(target);
+        grid_sync(target, st);
     }
 }
 
@@ -302,6 +332,73 @@ __global__ void fill(uint4* p, u64 n, u32 seed) {
             v[k] = lo | (hi << 16);
         }
         p[i] = make_uint4(v[0], v[1], v[2], v[3]);
+    }
+}
+
+// One configuration (loads in flight per lane U): every mode, best of 5 launches, and the
+// per-phase times of the best launch (block 0's stamps, averaged over layers 1..7).
+template <int U>
+void run_all(int sms, Weights W, Acts A, float* x, const std::vector<float>& hx, size_t smem,
+             double layer_mb, u64* stamps) {
+    auto kernel = layer_persist<U>;
+    CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    int per_sm = 0;
+    CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, THREADS, smem));
+    printf("\n== %d threads, %d loads of 16 bytes in flight per lane: %d block(s) per SM\n", THREADS,
+           U, per_sm);
+    if (per_sm < 1) return;
+    cudaEvent_t e0, e1;
+    CHECK(cudaEventCreate(&e0));
+    CHECK(cudaEventCreate(&e1));
+    const char* names[5] = {"barriers only (7 a layer)", "GEMVs from DRAM, no latency steps",
+                            "persistent layer, no prefetch", "persistent layer, smem prefetch",
+                            "smem prefetch, no latency steps"};
+    const u64 la = 10500, lb = 5400, lc = 1300;
+    std::vector<u64> host(LAYERS * STAMPS), best_stamps(LAYERS * STAMPS);
+    for (int mode = 0; mode < 5; ++mode) {
+        std::vector<float> us;
+        float best = 1e30f;
+        for (int rep = 0; rep < 6; ++rep) {
+            u32 zero = 0;
+            CHECK(cudaMemcpyToSymbol(g_bar, &zero, 4));
+            CHECK(cudaMemcpy(x, hx.data(), HID * 4, cudaMemcpyHostToDevice));
+            CHECK(cudaMemset(stamps, 0, LAYERS * STAMPS * 8));
+            int m = mode;
+            u64 a = la, b = lb, c = lc;
+            void* args[] = {&W, &A, &m, &a, &b, &c, &stamps};
+            CHECK(cudaEventRecord(e0));
+            CHECK(cudaLaunchCooperativeKernel((void*)kernel, dim3(sms), dim3(THREADS), args, smem, 0));
+            CHECK(cudaEventRecord(e1));
+            CHECK(cudaEventSynchronize(e1));
+            float ms = 0;
+            CHECK(cudaEventElapsedTime(&ms, e0, e1));
+            if (rep == 0) continue;
+            const float per_layer = ms * 1e3f / LAYERS;
+            us.push_back(per_layer);
+            if (per_layer < best) {
+                best = per_layer;
+                CHECK(cudaMemcpy(host.data(), stamps, LAYERS * STAMPS * 8, cudaMemcpyDeviceToHost));
+                best_stamps = host;
+            }
+        }
+        std::sort(us.begin(), us.end());
+        printf("mode %d %-36s %7.2f us a layer (median %7.2f)", mode, names[mode], us[0], us[us.size() / 2]);
+        if (mode != 0) printf("  weights at %.2f TB/s", layer_mb / us[0]);
+        printf("\n");
+        // Phases (us, mean over layers 1..7): between the barriers block 0 saw.
+        double ph[9] = {0};
+        for (int l = 1; l < LAYERS; ++l) {
+            const u64* s0 = &best_stamps[(l - 1) * STAMPS];
+            const u64* s1 = &best_stamps[l * STAMPS];
+            ph[0] += (s1[0] - s0[6]) / 1e3;
+            for (int i = 1; i < 7; ++i) ph[i] += (s1[i] - s1[i - 1]) / 1e3;
+            if (s1[8] && s1[7]) ph[7] += (s1[8] - s1[7]) / 1e3;
+            if (s1[10] && s1[9]) ph[8] += (s1[10] - s1[9]) / 1e3;
+        }
+        for (double& v : ph) v /= (LAYERS - 1);
+        printf("       phases: qkv %.2f | lat %.2f | o %.2f | lat %.2f | gate_up %.2f | down %.2f | lat %.2f"
+               "   (block 0's wait for staged rows: qkv %.2f, o %.2f)\n",
+               ph[0], ph[1], ph[2], ph[3], ph[4], ph[5], ph[6], ph[7], ph[8]);
     }
 }
 
@@ -325,6 +422,8 @@ int main() {
     CHECK(cudaMalloc(&aq, QKV * 4));
     CHECK(cudaMalloc(&ao, HID * 4));
     CHECK(cudaMalloc(&ag, GU * 4));
+    u64* stamps;
+    CHECK(cudaMalloc(&stamps, LAYERS * STAMPS * 8));
     std::vector<float> hx(HID, 0.01f);
     Weights W{wq, wo, wg, wd};
     Acts A{x, aq, ao, ag};
@@ -332,46 +431,13 @@ int main() {
     const int max_q = (QKV + sms - 1) / sms, max_o = (HID + sms - 1) / sms;
     const size_t staged = std::max((size_t)max_q * HID * 2, (size_t)max_o * ATT * 2);
     const size_t smem = DIN * sizeof(float) + staged;
-    CHECK(cudaFuncSetAttribute(layer_persist, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    int per_sm = 0;
-    CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, layer_persist, THREADS, smem));
-    printf("%d SMs, %d block(s) per SM possible, %zu bytes of shared memory per block\n", sms, per_sm,
-           smem);
-    if (per_sm < 1) return 1;
-    const double layer_mb = ((double)QKV * HID + (double)HID * ATT + (double)GU * HID + (double)HID * DIN) * 2 / 1e6;
-    cudaEvent_t e0, e1;
-    CHECK(cudaEventCreate(&e0));
-    CHECK(cudaEventCreate(&e1));
-    const char* names[5] = {"barriers only (7 a layer)", "GEMVs from DRAM, no latency steps",
-                            "persistent layer, no prefetch", "persistent layer, smem prefetch",
-                            "smem prefetch, no latency steps"};
-    const u64 la = 10500, lb = 5400, lc = 1300;
-    printf("layer weights %.1f MB (floor at 4.4 TB/s: %.1f us); latency steps %.1f + %.1f + %.1f us\n",
-           layer_mb, layer_mb / 4.4e6 * 1e6, la / 1e3, lb / 1e3, lc / 1e3);
-    for (int mode = 0; mode < 5; ++mode) {
-        std::vector<float> us;
-        for (int rep = 0; rep < 6; ++rep) {
-            u32 zero = 0;
-            CHECK(cudaMemcpyToSymbol(g_bar, &zero, 4));
-            CHECK(cudaMemcpy(x, hx.data(), HID * 4, cudaMemcpyHostToDevice));
-            int m = mode;
-            u64 a = la, b = lb, c = lc;
-            void* args[] = {&W, &A, &m, &a, &b, &c};
-            CHECK(cudaEventRecord(e0));
-            CHECK(cudaLaunchCooperativeKernel((void*)layer_persist, dim3(sms), dim3(THREADS), args, smem, 0));
-            CHECK(cudaEventRecord(e1));
-            CHECK(cudaEventSynchronize(e1));
-            float ms = 0;
-            CHECK(cudaEventElapsedTime(&ms, e0, e1));
-            if (rep > 0) us.push_back(ms * 1e3f / LAYERS);
-        }
-        std::sort(us.begin(), us.end());
-        const double best = us[0];
-        const double streamed = mode == 0 ? 0 : layer_mb / best;  // MB/us = TB/s
-        printf("mode %d %-36s %7.2f us a layer (median %7.2f)", mode, names[mode], best, us[us.size() / 2]);
-        if (mode != 0) printf("  weights at %.2f TB/s", streamed);
-        printf("\n");
-    }
-    printf("today's graph of kernels: ~54 us a layer (timeline, docs/perf/cuda-model.md v11)\n");
+    const double layer_mb =
+        ((double)QKV * HID + (double)HID * ATT + (double)GU * HID + (double)HID * DIN) * 2 / 1e6;
+    printf("%d SMs, %zu bytes of shared memory per block; layer weights %.1f MB (floor at 4.4 TB/s: "
+           "%.1f us); latency steps 10.5 + 5.4 + 1.3 us\n",
+           sms, smem, layer_mb, layer_mb / 4.4);
+    run_all<8>(sms, W, A, x, hx, smem, layer_mb, stamps);
+    run_all<16>(sms, W, A, x, hx, smem, layer_mb, stamps);
+    printf("\ntoday's graph of kernels: ~54 us a layer (timeline, docs/perf/cuda-model.md v11)\n");
     return 0;
 }
