@@ -16,6 +16,11 @@
 //                and attention runs, and the next layer's q/k/v rows while routing runs (held
 //                through gate_up and down, which stream through registers)
 //   4 prefetch, no latency steps
+//   5 ring     : a different streaming core (`layer_ring`): one producer warp streams every
+//                phase's rows through a 4 x 32 KB shared-memory ring by bulk copies, running
+//                ahead of the grid barriers (so across the latency steps) by the ring's size;
+//                15 consumer warps take the pieces as they land
+//   6 ring, no latency steps
 // µs per layer over 8 layers of distinct weights (906 MB, past the 60 MB L2), best of 5 launches,
 // for 8 and for 16 loads of 16 bytes in flight per lane; and for each, the phases as block 0 saw
 // them (%globaltimer after each barrier, mean over layers 1-7; a phase's time includes the
@@ -319,6 +324,167 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
 }
 
+// ---- a streaming core fed by the bulk copy engine through a ring (modes 5 and 6) ----
+//
+// One producer warp (its lane 0) streams the block's rows of every GEMV of every layer, in order,
+// into a ring of RING_STAGES pieces of shared memory (whole rows, at most RING_PIECE bytes), each
+// completing on its `full` mbarrier; the 15 consumer warps take each piece as it lands (a warp per
+// 32 consecutive chunks, which never straddle a row), add its dot products into the rows'
+// sums in shared memory, and release the stage on its `empty` mbarrier (one arrival per warp).
+// The producer never waits for activations, so it runs ahead across phases by up to the ring's
+// size: o_proj's rows land while attention is emulated, the next phases' while routing is. The
+// consumers alone take part in the grid barriers (named barrier 1), so the producer is never
+// stopped by them.
+
+#define RING_STAGES 4
+#define RING_PIECE 32768u
+#define CONSUMERS (WARPS - 1)
+
+__device__ __forceinline__ void consumers_sync() {
+    asm volatile("bar.sync 1, %0;" ::"r"(CONSUMERS * 32) : "memory");
+}
+
+// As grid_sync, among the consumer warps only.
+__device__ __forceinline__ void grid_sync_consumers(u32& target, Stamps& st) {
+    consumers_sync();
+    target += gridDim.x;
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(&g_bar, 1u);
+        u32 v;
+        do {
+            asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(v) : "l"(&g_bar) : "memory");
+        } while (v < target);
+    }
+    consumers_sync();
+    st.stamp();
+}
+
+__device__ __forceinline__ void mbar_init_n(u32 bar, u32 n) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(n) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+// The four GEMVs of a layer, in stream order: matrix, row bytes, rows.
+__device__ __forceinline__ void phase_of(const Weights& W, int l, int p, const uint4*& w, int& cols,
+                                         int& rows) {
+    switch (p) {
+        case 0: w = W.qkv + (u64)l * QKV * (HID / 8); cols = HID; rows = QKV; break;
+        case 1: w = W.o + (u64)l * HID * (ATT / 8); cols = ATT; rows = HID; break;
+        case 2: w = W.gu + (u64)l * GU * (HID / 8); cols = HID; rows = GU; break;
+        default: w = W.d + (u64)l * HID * (DIN / 8); cols = DIN; rows = HID; break;
+    }
+}
+
+// The consumers' half of one GEMV phase: the block's rows r0..r1 of a (cols) matrix, x in xs,
+// pieces numbered from k (updated), sums in acc[], results to y.
+__device__ __forceinline__ void ring_gemv(int cols, int r0, int r1, const float* xs, float* y,
+                                          const uint4* ring, u32 full0, u32 empty0, u32& k,
+                                          float* acc) {
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int cpr = cols / 8;  // chunks per row
+    const u32 row_bytes = (u32)cols * 2;
+    const u32 piece = (RING_PIECE / row_bytes) * row_bytes;
+    const u32 bytes = (u32)(r1 - r0) * row_bytes;
+    for (int i = threadIdx.x; i < r1 - r0; i += CONSUMERS * 32) acc[i] = 0.0f;
+    consumers_sync();
+    for (u32 off = 0; off < bytes; off += piece, ++k) {
+        const u32 s = k % RING_STAGES;
+        mbar_wait(full0 + 8 * s, (k / RING_STAGES) & 1u);
+        const uint4* stage = ring + (u64)s * (RING_PIECE / 16);
+        const int chunks = (int)(min(piece, bytes - off) / 16);
+        const int first = (int)(off / 16);  // the piece's first chunk in the block's rows
+        for (int g = warp * 32; g < chunks; g += CONSUMERS * 32) {
+            const int c = g + lane;
+            const int row = (first + g) / cpr;  // the same for the warp's 32 chunks
+            const float v = warp_sum(dot8(stage[c], xs + 8 * ((first + c) % cpr)));
+            if (lane == 0) atomicAdd(&acc[row], v);
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty0 + 8 * s);
+    }
+    consumers_sync();
+    for (int i = threadIdx.x; i < r1 - r0; i += CONSUMERS * 32) y[r0 + i] = acc[i];
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+    layer_ring(Weights W, Acts A, int lat, u64 lat_a, u64 lat_b, u64 lat_c, u64* stamps) {
+    extern __shared__ __align__(128) unsigned char ring_smem[];
+    __shared__ __align__(8) u64 full_w[RING_STAGES], empty_w[RING_STAGES];
+    __shared__ float acc[128];
+    uint4* ring = reinterpret_cast<uint4*>(ring_smem);                         // 128 KB
+    float* xs = reinterpret_cast<float*>(ring_smem + RING_STAGES * RING_PIECE);  // 24 KB
+    const u32 full0 = smem_u32(&full_w[0]), empty0 = smem_u32(&empty_w[0]);
+    if (!lat) lat_a = lat_b = lat_c = 0;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < RING_STAGES; ++s) {
+            mbar_init_n(full0 + 8 * s, 1);
+            mbar_init_n(empty0 + 8 * s, CONSUMERS);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();  // the last barrier the producer warp takes part in
+    const int warp = threadIdx.x >> 5;
+    if (warp == WARPS - 1) {
+        if ((threadIdx.x & 31) != 0) return;
+        u32 k = 0;
+        for (int l = 0; l < LAYERS; ++l)
+            for (int p = 0; p < 4; ++p) {
+                const uint4* w;
+                int cols, rows, r0, r1;
+                phase_of(W, l, p, w, cols, rows);
+                my_rows(rows, r0, r1);
+                const u32 row_bytes = (u32)cols * 2;
+                const u32 piece = (RING_PIECE / row_bytes) * row_bytes;
+                const u32 bytes = (u32)(r1 - r0) * row_bytes;
+                const char* src = reinterpret_cast<const char*>(w) + (u64)r0 * row_bytes;
+                for (u32 off = 0; off < bytes; off += piece, ++k) {
+                    const u32 s = k % RING_STAGES;
+                    if (k >= RING_STAGES) mbar_wait(empty0 + 8 * s, ((k / RING_STAGES) - 1) & 1u);
+                    prefetch(smem_u32(ring) + s * RING_PIECE, src + off, min(piece, bytes - off),
+                             full0 + 8 * s);
+                }
+            }
+        return;
+    }
+    u32 target = 0, k = 0;
+    Stamps st{stamps, 0};
+    for (int l = 0; l < LAYERS; ++l) {
+        st.n = l * STAMPS;
+        int r0, r1;
+        // q/k/v
+        for (int i = threadIdx.x; i < HID; i += CONSUMERS * 32) xs[i] = __ldcg(A.x + i);
+        my_rows(QKV, r0, r1);
+        ring_gemv(HID, r0, r1, xs, A.qkv, ring, full0, empty0, k, acc);
+        grid_sync_consumers(target, st);
+        spin(lat_a);
+        grid_sync_consumers(target, st);
+        // o_proj
+        for (int i = threadIdx.x; i < ATT; i += CONSUMERS * 32) xs[i] = __ldcg(A.qkv + i);
+        my_rows(HID, r0, r1);
+        ring_gemv(ATT, r0, r1, xs, A.o, ring, full0, empty0, k, acc);
+        grid_sync_consumers(target, st);
+        spin(lat_b);
+        grid_sync_consumers(target, st);
+        // gate_up (94 rows a block at most: acc holds 128)
+        for (int i = threadIdx.x; i < HID; i += CONSUMERS * 32) xs[i] = __ldcg(A.o + i);
+        my_rows(GU, r0, r1);
+        ring_gemv(HID, r0, r1, xs, A.gu, ring, full0, empty0, k, acc);
+        grid_sync_consumers(target, st);
+        // down
+        for (int i = threadIdx.x; i < DIN; i += CONSUMERS * 32) xs[i] = __ldcg(A.gu + i);
+        my_rows(HID, r0, r1);
+        ring_gemv(DIN, r0, r1, xs, A.x, ring, full0, empty0, k, acc);
+        grid_sync_consumers(target, st);
+        spin(lat_c);
+        grid_sync_consumers(target, st);
+    }
+}
+
 __global__ void fill(uint4* p, u64 n, u32 seed) {
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
         u32 h = (u32)(i * 2654435761ull) ^ seed;
@@ -402,6 +568,60 @@ void run_all(int sms, Weights W, Acts A, float* x, const std::vector<float>& hx,
     }
 }
 
+// Modes 5 and 6: the ring-fed streaming core, with and without the latency steps.
+void run_ring(int sms, Weights W, Acts A, float* x, const std::vector<float>& hx, double layer_mb,
+              u64* stamps) {
+    const size_t smem = RING_STAGES * RING_PIECE + DIN * sizeof(float);
+    CHECK(cudaFuncSetAttribute(layer_ring, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    int per_sm = 0;
+    CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, layer_ring, THREADS, smem));
+    printf("\n== ring of %d x %u bytes fed by one producer warp, %d consumer warps: %d block(s) per SM\n",
+           RING_STAGES, RING_PIECE, CONSUMERS, per_sm);
+    if (per_sm < 1) return;
+    cudaEvent_t e0, e1;
+    CHECK(cudaEventCreate(&e0));
+    CHECK(cudaEventCreate(&e1));
+    std::vector<u64> host(LAYERS * STAMPS);
+    for (int lat = 1; lat >= 0; --lat) {
+        float best = 1e30f;
+        std::vector<float> us;
+        for (int rep = 0; rep < 6; ++rep) {
+            u32 zero = 0;
+            CHECK(cudaMemcpyToSymbol(g_bar, &zero, 4));
+            CHECK(cudaMemcpy(x, hx.data(), HID * 4, cudaMemcpyHostToDevice));
+            CHECK(cudaMemset(stamps, 0, LAYERS * STAMPS * 8));
+            u64 a = 10500, b = 5400, c = 1300;
+            void* args[] = {&W, &A, &lat, &a, &b, &c, &stamps};
+            CHECK(cudaEventRecord(e0));
+            CHECK(cudaLaunchCooperativeKernel((void*)layer_ring, dim3(sms), dim3(THREADS), args, smem, 0));
+            CHECK(cudaEventRecord(e1));
+            CHECK(cudaEventSynchronize(e1));
+            float ms = 0;
+            CHECK(cudaEventElapsedTime(&ms, e0, e1));
+            if (rep == 0) continue;
+            us.push_back(ms * 1e3f / LAYERS);
+            if (us.back() < best) {
+                best = us.back();
+                CHECK(cudaMemcpy(host.data(), stamps, LAYERS * STAMPS * 8, cudaMemcpyDeviceToHost));
+            }
+        }
+        std::sort(us.begin(), us.end());
+        printf("mode %d %-36s %7.2f us a layer (median %7.2f)  weights at %.2f TB/s\n", lat ? 5 : 6,
+               lat ? "ring-fed layer" : "ring-fed, no latency steps", us[0], us[us.size() / 2],
+               layer_mb / us[0]);
+        double ph[7] = {0};
+        for (int l = 1; l < LAYERS; ++l) {
+            const u64* s0 = &host[(l - 1) * STAMPS];
+            const u64* s1 = &host[l * STAMPS];
+            ph[0] += (s1[0] - s0[6]) / 1e3;
+            for (int i = 1; i < 7; ++i) ph[i] += (s1[i] - s1[i - 1]) / 1e3;
+        }
+        for (double& v : ph) v /= (LAYERS - 1);
+        printf("       phases: qkv %.2f | lat %.2f | o %.2f | lat %.2f | gate_up %.2f | down %.2f | lat %.2f\n",
+               ph[0], ph[1], ph[2], ph[3], ph[4], ph[5], ph[6]);
+    }
+}
+
 int main() {
     int dev = 0, sms = 0;
     CHECK(cudaSetDevice(dev));
@@ -438,6 +658,7 @@ int main() {
            sms, smem, layer_mb, layer_mb / 4.4);
     run_all<8>(sms, W, A, x, hx, smem, layer_mb, stamps);
     run_all<16>(sms, W, A, x, hx, smem, layer_mb, stamps);
+    run_ring(sms, W, A, x, hx, layer_mb, stamps);
     printf("\ntoday's graph of kernels: ~54 us a layer (timeline, docs/perf/cuda-model.md v11)\n");
     return 0;
 }
