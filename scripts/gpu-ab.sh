@@ -3,6 +3,9 @@
 # settings on one binary, runs alternating so drift hits both sides alike.
 #
 #   bash scripts/gpu-ab.sh ROUNDS 'ENV_A' 'ENV_B' [moerun bench args...]
+# A setting that starts with `@base` runs moerun-base (GPU_BUILD_BASE of scripts/gpu-build.sh)
+# instead, with the rest of the setting as its environment: two builds, alternating:
+#   bash scripts/gpu-ab.sh 3 '@base' '' --like qwen3-30b-a3b --prompt 512 --gen 256
 #   bash scripts/gpu-ab.sh 2 'MOERUN_CUDA_FUSED_ROUTE=0' 'MOERUN_CUDA_FUSED_ROUTE=1' \
 #       --like qwen3-30b-a3b --prompt 512 --gen 256
 #
@@ -17,8 +20,11 @@ bin=${GPU_BIN:-$(mktemp -d)}
     { echo "no .gpu-bin (run scripts/gpu-build.sh)"; exit 2; }
 for ((r = 1; r <= rounds; r++)); do
     for setting in "$a" "$b"; do
-        json=$(env $setting "$bin/moerun" bench "$@" --device cuda --json 2>/dev/null)
-        printf '%-40s %s\n' "$setting" "$(python3 -c '
+        exe=$bin/moerun vars=$setting
+        case "$setting" in @base*) exe=$bin/moerun-base vars=${setting#@base} ;; esac
+        [ -x "$exe" ] || { echo "no $(basename "$exe") in .gpu-bin (GPU_BUILD_BASE)"; exit 2; }
+        json=$(env $vars "$exe" bench "$@" --device cuda --json 2>/dev/null)
+        printf '%-40s %s\n' "${setting:-(default)}" "$(python3 -c '
 import json, sys
 j = json.loads(sys.argv[1])
 print("decode %8.1f tok/s  prefill %9.1f tok/s" % (j["decode_tok_per_s"], j["prefill_tok_per_s"]))
