@@ -258,10 +258,13 @@ impl CudaDevice {
     }
 
     /// `len` values of page-locked host memory, for copies the host reads without waiting for
-    /// the whole stream ([`CudaDevice::copy_to_host_async`]).
+    /// the whole stream ([`CudaDevice::copy_to_host_async`]). Unset until a copy lands: read it
+    /// only after that copy's event.
     pub fn pinned_u32(&self, len: usize) -> Result<PinnedHostSlice<u32>> {
-        // SAFETY: the slice's values are only reachable through PinnedHostSlice's accessors,
-        // which wait for the copies recorded on it (its event) before handing them out.
+        // SAFETY: the memory is unset after this call (the function's one requirement): every
+        // bit pattern is a valid u32, so a read before a copy lands gives a wrong value, never
+        // undefined behaviour, and the callers read only after the copy's event
+        // (copy_to_host_async's `done`).
         unsafe { self.ctx.alloc_pinned_with_flags::<u32>(len, 0) }
             .ctx("allocating page-locked host memory")
     }
