@@ -12,22 +12,11 @@
 //
 // Build and run on the GPU machine:
 //   nvcc -O3 -gencode=arch=compute_90,code=sm_90 -o /tmp/l2_hold scripts/probes/l2_hold.cu && /tmp/l2_hold
-#include <cuda_runtime.h>
+#include "probe.cuh"
 
 #include <algorithm>
 #include <cstdio>
 #include <vector>
-
-typedef unsigned long long u64;
-
-#define CHECK(x)                                                                        \
-    do {                                                                                \
-        cudaError_t e = (x);                                                            \
-        if (e != cudaSuccess) {                                                         \
-            printf("%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e));    \
-            exit(1);                                                                    \
-        }                                                                               \
-    } while (0)
 
 enum Policy { NORMAL = 0, FIRST = 1, LAST = 2 };
 
@@ -50,12 +39,6 @@ __device__ __forceinline__ uint4 ld16(const uint4* p, int policy, u64 pol) {
                      : "l"(p), "l"(pol));
     }
     return r;
-}
-
-__device__ __forceinline__ u64 now() {
-    u64 t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
 }
 
 // span[0] = earliest block start, span[1] = latest block end (ns).

@@ -40,24 +40,15 @@
 //
 // Build and run on the GPU machine:
 //   nvcc -O3 -gencode=arch=compute_90,code=sm_90 -o /tmp/layer_persist scripts/probes/layer_persist.cu && /tmp/layer_persist
-#include <cuda_runtime.h>
+#include "probe.cuh"
+// The kernels' own streaming load, widening and warp reduction (load_stream, ChunkBf16,
+// warp_sum): what the engine's GEMVs use.
+#include "../../crates/moerun-cuda/kernels/common.cuh"
 
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
-
-typedef unsigned long long u64;
-typedef unsigned int u32;
-
-#define CHECK(x)                                                                        \
-    do {                                                                                \
-        cudaError_t e = (x);                                                            \
-        if (e != cudaSuccess) {                                                         \
-            printf("%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e));    \
-            exit(1);                                                                    \
-        }                                                                               \
-    } while (0)
 
 #define THREADS 512
 #define WARPS (THREADS / 32)
@@ -85,30 +76,15 @@ struct Acts {
 
 __device__ u32 g_bar;
 
-__device__ __forceinline__ u64 now() {
-    u64 t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-
-__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
-    uint4 r;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-                 : "l"(p));
-    return r;
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
 __device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
-__device__ __forceinline__ void mbar_init(u32 bar) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+// Initialise a barrier for `count` arrivals; the initialising thread then makes all of them
+// visible to the copy engine with mbar_init_fence().
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_init_fence() {
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
 
@@ -153,9 +129,21 @@ struct Stamps {
     }
 };
 
-// Every block arrives; thread 0 then waits until all have (the counter only grows).
+// A barrier of the block's first `threads` threads: the whole block (__syncthreads) or, for
+// fewer, named barrier 1 (the ring kernel's consumer warps; its producer warp never waits).
+template <int threads>
+__device__ __forceinline__ void block_sync() {
+    if (threads == THREADS)
+        __syncthreads();
+    else
+        asm volatile("bar.sync 1, %0;" ::"r"(threads) : "memory");
+}
+
+// Every block arrives; thread 0 then waits until all have (the counter only grows). Taken by the
+// block's first `threads` threads.
+template <int threads = THREADS>
 __device__ __forceinline__ void grid_sync(u32& target, Stamps& st) {
-    __syncthreads();
+    block_sync<threads>();
     target += gridDim.x;
     if (threadIdx.x == 0) {
         __threadfence();
@@ -165,7 +153,7 @@ __device__ __forceinline__ void grid_sync(u32& target, Stamps& st) {
             asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(v) : "l"(&g_bar) : "memory");
         } while (v < target);
     }
-    __syncthreads();
+    block_sync<threads>();
     st.stamp();
 }
 
@@ -184,13 +172,8 @@ __device__ __forceinline__ void load_x(const float* x, int cols, float* xs) {
 __device__ __forceinline__ float dot8(uint4 q, const float* xs) {
     const float4 a = *reinterpret_cast<const float4*>(xs);
     const float4 b = *reinterpret_cast<const float4*>(xs + 4);
-    const u32 w[4] = {q.x, q.y, q.z, q.w};
     float f[8];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        f[2 * i] = __uint_as_float(w[i] << 16);
-        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    }
+    ChunkBf16::widen(q, f);
     return f[0] * a.x + f[1] * a.y + f[2] * a.z + f[3] * a.w + f[4] * b.x + f[5] * b.y + f[6] * b.z +
            f[7] * b.w;
 }
@@ -212,7 +195,7 @@ __device__ void gemv(const uint4* w, int cols, int r0, int r1, const float* xs, 
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 const int c = c0 + 32 * u + lane;
-                q[u] = c < chunks ? (ws ? row[c] : ld_stream(row + c)) : make_uint4(0, 0, 0, 0);
+                q[u] = c < chunks ? (ws ? row[c] : load_stream(row + c)) : make_uint4(0, 0, 0, 0);
             }
 #pragma unroll
             for (int u = 0; u < U; ++u) {
@@ -233,6 +216,27 @@ __device__ __forceinline__ void spin(u64 ns) {
     }
 }
 
+// Once the block is done with the rows staged at `pf` (all threads call this): bulk-copy `bytes`
+// of `src` there, counted on `bar`.
+__device__ __forceinline__ void stage(uint4* pf, const uint4* src, u32 bytes, u32 bar) {
+    __syncthreads();
+    if (threadIdx.x == 0) prefetch(smem_u32(pf), src, bytes, bar);
+}
+
+// Wait (when staged) for the rows staged last, block 0 stamping before and after it at stamp
+// slots `at` and `at + 1`.
+__device__ __forceinline__ void wait_staged(bool staged, u32 bar, u32& parity, Stamps& st, int at) {
+    const int keep = st.n;
+    st.n = at;
+    st.stamp();
+    if (staged) {
+        mbar_wait(bar, parity);
+        parity ^= 1u;
+    }
+    st.stamp();
+    st.n = keep;
+}
+
 template <int U>
 __global__ void __launch_bounds__(THREADS, 1)
     layer_persist(Weights W, Acts A, int mode, u64 lat_a, u64 lat_b, u64 lat_c, u64* stamps) {
@@ -247,7 +251,10 @@ __global__ void __launch_bounds__(THREADS, 1)
     if (mode == 0) lat_a = lat_b = lat_c = 0;
     u32 target = 0;
     u32 parity = 0;
-    if (threadIdx.x == 0) mbar_init(bar);
+    if (threadIdx.x == 0) {
+        mbar_init(bar, 1);
+        mbar_init_fence();
+    }
     __syncthreads();
     int q0, q1, o0, o1, g0, g1, d0, d1;
     my_rows(QKV, q0, q1);
@@ -256,8 +263,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     my_rows(HID, d0, d1);
     const int qkv_chunks = HID / 8, o_chunks = ATT / 8;
     Stamps st{stamps, 0};
-    if (staged && threadIdx.x == 0)
-        prefetch(smem_u32(pf), W.qkv + (u64)q0 * qkv_chunks, (u32)((q1 - q0) * qkv_chunks * 16), bar);
+    if (staged) stage(pf, W.qkv + (u64)q0 * qkv_chunks, (u32)((q1 - q0) * qkv_chunks * 16), bar);
     for (int l = 0; l < LAYERS; ++l) {
         st.n = l * STAMPS;
         const uint4* wq = W.qkv + (u64)l * QKV * qkv_chunks;
@@ -267,20 +273,9 @@ __global__ void __launch_bounds__(THREADS, 1)
         // q/k/v
         if (gemvs) {
             load_x(A.x, HID, xs);
-            st.n = l * STAMPS + 7;
-            st.stamp();
-            if (staged) {
-                mbar_wait(bar, parity);
-                parity ^= 1u;
-            }
-            st.stamp();
-            st.n = l * STAMPS;
+            wait_staged(staged, bar, parity, st, l * STAMPS + 7);
             gemv<U>(wq, HID, q0, q1, xs, A.qkv, staged ? pf : nullptr);
-            if (staged) {
-                __syncthreads();
-                if (threadIdx.x == 0)
-                    prefetch(smem_u32(pf), wo + (u64)o0 * o_chunks, (u32)((o1 - o0) * o_chunks * 16), bar);
-            }
+            if (staged) stage(pf, wo + (u64)o0 * o_chunks, (u32)((o1 - o0) * o_chunks * 16), bar);
         }
         grid_sync(target, st);
         spin(lat_a);  // prologue + attention
@@ -288,22 +283,11 @@ __global__ void __launch_bounds__(THREADS, 1)
         // o_proj
         if (gemvs) {
             load_x(A.qkv, ATT, xs);
-            const int keep = st.n;
-            st.n = l * STAMPS + 9;
-            st.stamp();
-            if (staged) {
-                mbar_wait(bar, parity);
-                parity ^= 1u;
-            }
-            st.stamp();
-            st.n = keep;
+            wait_staged(staged, bar, parity, st, l * STAMPS + 9);
             gemv<U>(wo, ATT, o0, o1, xs, A.o, staged ? pf : nullptr);
-            if (staged && l + 1 < LAYERS) {
-                __syncthreads();
-                if (threadIdx.x == 0)
-                    prefetch(smem_u32(pf), wq + (u64)QKV * qkv_chunks + (u64)q0 * qkv_chunks,
-                             (u32)((q1 - q0) * qkv_chunks * 16), bar);
-            }
+            if (staged && l + 1 < LAYERS)  // the next layer's q/k/v rows
+                stage(pf, wq + (u64)QKV * qkv_chunks + (u64)q0 * qkv_chunks,
+                      (u32)((q1 - q0) * qkv_chunks * 16), bar);
         }
         grid_sync(target, st);
         spin(lat_b);  // norm + router + top-k
@@ -340,29 +324,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 #define RING_PIECE 32768u
 #define CONSUMERS (WARPS - 1)
 
-__device__ __forceinline__ void consumers_sync() {
-    asm volatile("bar.sync 1, %0;" ::"r"(CONSUMERS * 32) : "memory");
-}
-
-// As grid_sync, among the consumer warps only.
-__device__ __forceinline__ void grid_sync_consumers(u32& target, Stamps& st) {
-    consumers_sync();
-    target += gridDim.x;
-    if (threadIdx.x == 0) {
-        __threadfence();
-        atomicAdd(&g_bar, 1u);
-        u32 v;
-        do {
-            asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(v) : "l"(&g_bar) : "memory");
-        } while (v < target);
-    }
-    consumers_sync();
-    st.stamp();
-}
-
-__device__ __forceinline__ void mbar_init_n(u32 bar, u32 n) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(n) : "memory");
-}
+__device__ __forceinline__ void consumers_sync() { block_sync<CONSUMERS * 32>(); }
 
 __device__ __forceinline__ void mbar_arrive(u32 bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
@@ -415,17 +377,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     layer_ring(Weights W, Acts A, int lat, u64 lat_a, u64 lat_b, u64 lat_c, u64* stamps) {
     extern __shared__ __align__(128) unsigned char ring_smem[];
     __shared__ __align__(8) u64 full_w[RING_STAGES], empty_w[RING_STAGES];
-    __shared__ float acc[128];
+    __shared__ float acc[128];  // a phase's rows of a block: gate_up's 94 at most
     uint4* ring = reinterpret_cast<uint4*>(ring_smem);                         // 128 KB
     float* xs = reinterpret_cast<float*>(ring_smem + RING_STAGES * RING_PIECE);  // 24 KB
     const u32 full0 = smem_u32(&full_w[0]), empty0 = smem_u32(&empty_w[0]);
     if (!lat) lat_a = lat_b = lat_c = 0;
     if (threadIdx.x == 0) {
         for (int s = 0; s < RING_STAGES; ++s) {
-            mbar_init_n(full0 + 8 * s, 1);
-            mbar_init_n(empty0 + 8 * s, CONSUMERS);
+            mbar_init(full0 + 8 * s, 1);
+            mbar_init(empty0 + 8 * s, CONSUMERS);
         }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        mbar_init_fence();
     }
     __syncthreads();  // the last barrier the producer warp takes part in
     const int warp = threadIdx.x >> 5;
@@ -453,35 +415,25 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     }
     u32 target = 0, k = 0;
     Stamps st{stamps, 0};
+    // Each phase's input and output, and the latency step after it (none after gate_up).
+    const float* in[4] = {A.x, A.qkv, A.o, A.gu};
+    float* out[4] = {A.qkv, A.o, A.gu, A.x};
+    const u64 after[4] = {lat_a, lat_b, 0, lat_c};
     for (int l = 0; l < LAYERS; ++l) {
         st.n = l * STAMPS;
-        int r0, r1;
-        // q/k/v
-        for (int i = threadIdx.x; i < HID; i += CONSUMERS * 32) xs[i] = __ldcg(A.x + i);
-        my_rows(QKV, r0, r1);
-        ring_gemv(HID, r0, r1, xs, A.qkv, ring, full0, empty0, k, acc);
-        grid_sync_consumers(target, st);
-        spin(lat_a);
-        grid_sync_consumers(target, st);
-        // o_proj
-        for (int i = threadIdx.x; i < ATT; i += CONSUMERS * 32) xs[i] = __ldcg(A.qkv + i);
-        my_rows(HID, r0, r1);
-        ring_gemv(ATT, r0, r1, xs, A.o, ring, full0, empty0, k, acc);
-        grid_sync_consumers(target, st);
-        spin(lat_b);
-        grid_sync_consumers(target, st);
-        // gate_up (94 rows a block at most: acc holds 128)
-        for (int i = threadIdx.x; i < HID; i += CONSUMERS * 32) xs[i] = __ldcg(A.o + i);
-        my_rows(GU, r0, r1);
-        ring_gemv(HID, r0, r1, xs, A.gu, ring, full0, empty0, k, acc);
-        grid_sync_consumers(target, st);
-        // down
-        for (int i = threadIdx.x; i < DIN; i += CONSUMERS * 32) xs[i] = __ldcg(A.gu + i);
-        my_rows(HID, r0, r1);
-        ring_gemv(DIN, r0, r1, xs, A.x, ring, full0, empty0, k, acc);
-        grid_sync_consumers(target, st);
-        spin(lat_c);
-        grid_sync_consumers(target, st);
+        for (int p = 0; p < 4; ++p) {
+            const uint4* w;
+            int cols, rows, r0, r1;
+            phase_of(W, l, p, w, cols, rows);
+            my_rows(rows, r0, r1);
+            for (int i = threadIdx.x; i < cols; i += CONSUMERS * 32) xs[i] = __ldcg(in[p] + i);
+            ring_gemv(cols, r0, r1, xs, out[p], ring, full0, empty0, k, acc);
+            grid_sync<CONSUMERS * 32>(target, st);
+            if (p != 2) {
+                spin(after[p]);
+                grid_sync<CONSUMERS * 32>(target, st);
+            }
+        }
     }
 }
 
@@ -501,57 +453,52 @@ __global__ void fill(uint4* p, u64 n, u32 seed) {
     }
 }
 
-// One configuration (loads in flight per lane U): every mode, best of 5 launches, and the
-// per-phase times of the best launch (block 0's stamps, averaged over layers 1..7).
-template <int U>
-void run_all(int sms, Weights W, Acts A, float* x, const std::vector<float>& hx, size_t smem,
-             double layer_mb, u64* stamps) {
-    auto kernel = layer_persist<U>;
-    CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    int per_sm = 0;
-    CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, THREADS, smem));
-    printf("\n== %d threads, %d loads of 16 bytes in flight per lane: %d block(s) per SM\n", THREADS,
-           U, per_sm);
-    if (per_sm < 1) return;
-    cudaEvent_t e0, e1;
-    CHECK(cudaEventCreate(&e0));
-    CHECK(cudaEventCreate(&e1));
-    const char* names[5] = {"barriers only (7 a layer)", "GEMVs from DRAM, no latency steps",
-                            "persistent layer, no prefetch", "persistent layer, smem prefetch",
-                            "smem prefetch, no latency steps"};
-    const u64 la = 10500, lb = 5400, lc = 1300;
-    std::vector<u64> host(LAYERS * STAMPS), best_stamps(LAYERS * STAMPS);
-    for (int mode = 0; mode < 5; ++mode) {
+// What every measurement needs on the host: the grid, the model, the activations to reset.
+struct Bench {
+    int sms;
+    Weights W;
+    Acts A;
+    float* x;
+    std::vector<float> hx;
+    u64* stamps;
+    double layer_mb;
+
+    // Launch `kernel` (either kernel: the same parameters, `mode` first) six times, report the
+    // best of the last five (µs a layer and, where the mode reads them, the weights' rate) and
+    // that launch's phases as block 0 saw them (mean over layers 1-7), with block 0's waits for
+    // staged rows where there were any.
+    void measure(const void* kernel, size_t smem, int mode, const char* name, bool reads = true) {
+        static cudaEvent_t e0 = nullptr, e1 = nullptr;
+        if (!e0) {
+            CHECK(cudaEventCreate(&e0));
+            CHECK(cudaEventCreate(&e1));
+        }
+        std::vector<u64> host(LAYERS * STAMPS), best_stamps(LAYERS * STAMPS);
         std::vector<float> us;
-        float best = 1e30f;
         for (int rep = 0; rep < 6; ++rep) {
             u32 zero = 0;
             CHECK(cudaMemcpyToSymbol(g_bar, &zero, 4));
             CHECK(cudaMemcpy(x, hx.data(), HID * 4, cudaMemcpyHostToDevice));
             CHECK(cudaMemset(stamps, 0, LAYERS * STAMPS * 8));
-            int m = mode;
-            u64 a = la, b = lb, c = lc;
-            void* args[] = {&W, &A, &m, &a, &b, &c, &stamps};
+            u64 a = 10500, b = 5400, c = 1300;  // prologue + attention, norm + routing, norm
+            void* args[] = {&W, &A, &mode, &a, &b, &c, &stamps};
             CHECK(cudaEventRecord(e0));
-            CHECK(cudaLaunchCooperativeKernel((void*)kernel, dim3(sms), dim3(THREADS), args, smem, 0));
+            CHECK(cudaLaunchCooperativeKernel(kernel, dim3(sms), dim3(THREADS), args, smem, 0));
             CHECK(cudaEventRecord(e1));
             CHECK(cudaEventSynchronize(e1));
             float ms = 0;
             CHECK(cudaEventElapsedTime(&ms, e0, e1));
             if (rep == 0) continue;
-            const float per_layer = ms * 1e3f / LAYERS;
-            us.push_back(per_layer);
-            if (per_layer < best) {
-                best = per_layer;
+            us.push_back(ms * 1e3f / LAYERS);
+            if (us.back() == *std::min_element(us.begin(), us.end())) {
                 CHECK(cudaMemcpy(host.data(), stamps, LAYERS * STAMPS * 8, cudaMemcpyDeviceToHost));
                 best_stamps = host;
             }
         }
         std::sort(us.begin(), us.end());
-        printf("mode %d %-36s %7.2f us a layer (median %7.2f)", mode, names[mode], us[0], us[us.size() / 2]);
-        if (mode != 0) printf("  weights at %.2f TB/s", layer_mb / us[0]);
+        printf("  %-40s %7.2f us a layer (median %7.2f)", name, us[0], us[us.size() / 2]);
+        if (reads) printf("  weights at %.2f TB/s", layer_mb / us[0]);
         printf("\n");
-        // Phases (us, mean over layers 1..7): between the barriers block 0 saw.
         double ph[9] = {0};
         for (int l = 1; l < LAYERS; ++l) {
             const u64* s0 = &best_stamps[(l - 1) * STAMPS];
@@ -562,64 +509,45 @@ void run_all(int sms, Weights W, Acts A, float* x, const std::vector<float>& hx,
             if (s1[10] && s1[9]) ph[8] += (s1[10] - s1[9]) / 1e3;
         }
         for (double& v : ph) v /= (LAYERS - 1);
-        printf("       phases: qkv %.2f | lat %.2f | o %.2f | lat %.2f | gate_up %.2f | down %.2f | lat %.2f"
-               "   (block 0's wait for staged rows: qkv %.2f, o %.2f)\n",
-               ph[0], ph[1], ph[2], ph[3], ph[4], ph[5], ph[6], ph[7], ph[8]);
+        printf("    phases: qkv %.2f | lat %.2f | o %.2f | lat %.2f | gate_up %.2f | down %.2f | lat %.2f",
+               ph[0], ph[1], ph[2], ph[3], ph[4], ph[5], ph[6]);
+        if (ph[7] > 0 || ph[8] > 0) printf("  (waits for staged rows: qkv %.2f, o %.2f)", ph[7], ph[8]);
+        printf("\n");
     }
+
+    // Opt `kernel` in to `smem` and say how many blocks an SM holds (0: it cannot run).
+    int prepare(const void* kernel, size_t smem) {
+        CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        int per_sm = 0;
+        CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, THREADS, smem));
+        return per_sm;
+    }
+};
+
+// Modes 0-4 of layer_persist<U> (U loads in flight per lane).
+template <int U>
+void run_persist(Bench& b, size_t smem) {
+    const void* kernel = (const void*)layer_persist<U>;
+    const int per_sm = b.prepare(kernel, smem);
+    printf("\n== %d threads, %d loads of 16 bytes in flight per lane: %d block(s) per SM\n", THREADS,
+           U, per_sm);
+    if (per_sm < 1) return;
+    const char* names[5] = {"0 barriers only (7 a layer)", "1 GEMVs from DRAM, no latency steps",
+                            "2 persistent layer, no prefetch", "3 persistent layer, smem prefetch",
+                            "4 smem prefetch, no latency steps"};
+    for (int mode = 0; mode < 5; ++mode) b.measure(kernel, smem, mode, names[mode], mode != 0);
 }
 
 // Modes 5 and 6: the ring-fed streaming core, with and without the latency steps.
-void run_ring(int sms, Weights W, Acts A, float* x, const std::vector<float>& hx, double layer_mb,
-              u64* stamps) {
+void run_ring(Bench& b) {
     const size_t smem = RING_STAGES * RING_PIECE + DIN * sizeof(float);
-    CHECK(cudaFuncSetAttribute(layer_ring, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    int per_sm = 0;
-    CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, layer_ring, THREADS, smem));
+    const void* kernel = (const void*)layer_ring;
+    const int per_sm = b.prepare(kernel, smem);
     printf("\n== ring of %d x %u bytes fed by one producer warp, %d consumer warps: %d block(s) per SM\n",
            RING_STAGES, RING_PIECE, CONSUMERS, per_sm);
     if (per_sm < 1) return;
-    cudaEvent_t e0, e1;
-    CHECK(cudaEventCreate(&e0));
-    CHECK(cudaEventCreate(&e1));
-    std::vector<u64> host(LAYERS * STAMPS);
-    for (int lat = 1; lat >= 0; --lat) {
-        float best = 1e30f;
-        std::vector<float> us;
-        for (int rep = 0; rep < 6; ++rep) {
-            u32 zero = 0;
-            CHECK(cudaMemcpyToSymbol(g_bar, &zero, 4));
-            CHECK(cudaMemcpy(x, hx.data(), HID * 4, cudaMemcpyHostToDevice));
-            CHECK(cudaMemset(stamps, 0, LAYERS * STAMPS * 8));
-            u64 a = 10500, b = 5400, c = 1300;
-            void* args[] = {&W, &A, &lat, &a, &b, &c, &stamps};
-            CHECK(cudaEventRecord(e0));
-            CHECK(cudaLaunchCooperativeKernel((void*)layer_ring, dim3(sms), dim3(THREADS), args, smem, 0));
-            CHECK(cudaEventRecord(e1));
-            CHECK(cudaEventSynchronize(e1));
-            float ms = 0;
-            CHECK(cudaEventElapsedTime(&ms, e0, e1));
-            if (rep == 0) continue;
-            us.push_back(ms * 1e3f / LAYERS);
-            if (us.back() < best) {
-                best = us.back();
-                CHECK(cudaMemcpy(host.data(), stamps, LAYERS * STAMPS * 8, cudaMemcpyDeviceToHost));
-            }
-        }
-        std::sort(us.begin(), us.end());
-        printf("mode %d %-36s %7.2f us a layer (median %7.2f)  weights at %.2f TB/s\n", lat ? 5 : 6,
-               lat ? "ring-fed layer" : "ring-fed, no latency steps", us[0], us[us.size() / 2],
-               layer_mb / us[0]);
-        double ph[7] = {0};
-        for (int l = 1; l < LAYERS; ++l) {
-            const u64* s0 = &host[(l - 1) * STAMPS];
-            const u64* s1 = &host[l * STAMPS];
-            ph[0] += (s1[0] - s0[6]) / 1e3;
-            for (int i = 1; i < 7; ++i) ph[i] += (s1[i] - s1[i - 1]) / 1e3;
-        }
-        for (double& v : ph) v /= (LAYERS - 1);
-        printf("       phases: qkv %.2f | lat %.2f | o %.2f | lat %.2f | gate_up %.2f | down %.2f | lat %.2f\n",
-               ph[0], ph[1], ph[2], ph[3], ph[4], ph[5], ph[6]);
-    }
+    b.measure(kernel, smem, 1, "5 ring-fed layer");
+    b.measure(kernel, smem, 0, "6 ring-fed, no latency steps");
 }
 
 int main() {
@@ -656,9 +584,10 @@ int main() {
     printf("%d SMs, %zu bytes of shared memory per block; layer weights %.1f MB (floor at 4.4 TB/s: "
            "%.1f us); latency steps 10.5 + 5.4 + 1.3 us\n",
            sms, smem, layer_mb, layer_mb / 4.4);
-    run_all<8>(sms, W, A, x, hx, smem, layer_mb, stamps);
-    run_all<16>(sms, W, A, x, hx, smem, layer_mb, stamps);
-    run_ring(sms, W, A, x, hx, layer_mb, stamps);
+    Bench bench{sms, W, A, x, hx, stamps, layer_mb};
+    run_persist<8>(bench, smem);
+    run_persist<16>(bench, smem);
+    run_ring(bench);
     printf("\ntoday's graph of kernels: ~54 us a layer (timeline, docs/perf/cuda-model.md v11)\n");
     return 0;
 }

@@ -38,8 +38,7 @@ pub(crate) struct Picks {
 }
 
 impl Picks {
-    fn new(m: &CudaModel) -> Result<Picks> {
-        let dev = &m.dev;
+    fn new(dev: &CudaDevice) -> Result<Picks> {
         Ok(Picks {
             device: [
                 dev.zeros(1).map_err(dev_err)?,
@@ -105,12 +104,15 @@ impl Ahead {
         let [seq] = batch.seqs.as_slice() else {
             return false;
         };
-        let read = self.start_pos / block_size + 1;
+        // The blocks of the positions it read, 0..=start_pos.
+        let read = ..self.start_pos / block_size + 1;
         seq.start_pos == self.start_pos
             && seq.tokens == [self.token]
-            && seq.block_table.blocks.len() >= read
-            && self.blocks.len() >= read
-            && seq.block_table.blocks[..read] == self.blocks[..read]
+            && seq
+                .block_table
+                .blocks
+                .get(read)
+                .is_some_and(|b| Some(b) == self.blocks.get(read))
     }
 }
 
@@ -151,7 +153,7 @@ pub(crate) fn greedy_step(
     };
     let block_size = kv.block_size()?;
     if kv.graphs.picks.is_none() {
-        kv.graphs.picks = Some(Picks::new(m)?);
+        kv.graphs.picks = Some(Picks::new(&m.dev)?);
     }
     let slot = match ahead {
         Some(a) if a.is(batch, block_size) => a.slot,

@@ -216,9 +216,11 @@ pub(crate) fn replay(
     linear_addrs: Option<&[u64]>,
 ) -> Result<()> {
     let tables_init = padding_tables(kv, bucket, kv.graphs.table_width(bucket));
-    let g = kv.graphs.by_bucket.get_mut(&bucket).ok_or_else(|| {
-        Error::Device(format!("internal: no decode graph for {bucket} sequences"))
-    })?;
+    let g = kv
+        .graphs
+        .by_bucket
+        .get_mut(&bucket)
+        .ok_or_else(|| no_graph(bucket))?;
     let n = batch.seqs.len();
     let mut positions = vec![0i32; bucket];
     let mut tables = tables_init;
@@ -267,6 +269,11 @@ pub(crate) fn replay(
     g.graph.launch().map_err(dev_err)
 }
 
+/// `replay` or `pick` for a bucket `prepare` did not make: a caller bug.
+fn no_graph(bucket: usize) -> Error {
+    Error::Device(format!("internal: no decode graph for {bucket} sequences"))
+}
+
 /// The arg-max of row 0 of the logits a replay of `bucket` wrote, into pick buffer `slot`, and
 /// its copy to the host (enqueued: `ahead::Picks::read` waits for it).
 pub(crate) fn pick(
@@ -276,9 +283,11 @@ pub(crate) fn pick(
     bucket: usize,
     slot: usize,
 ) -> Result<()> {
-    let g = kv.graphs.by_bucket.get(&bucket).ok_or_else(|| {
-        Error::Device(format!("internal: no decode graph for {bucket} sequences"))
-    })?;
+    let g = kv
+        .graphs
+        .by_bucket
+        .get(&bucket)
+        .ok_or_else(|| no_graph(bucket))?;
     let picks = kv
         .graphs
         .picks
