@@ -33,9 +33,10 @@ status=0
 
 if [ "$mode" != bench ]; then
 echo "== tests"
-# One test at a time: a test that captures a CUDA graph while another thread of the same process
-# works on the GPU has crashed the process (seen with tests/moe.rs at --test-threads=4, cause
-# not established); the server and the CLI never do both at once.
+# One test at a time, so that each binary's time is its own. (Tests in parallel threads used to
+# fail or crash: a device opened or dropped in one thread invalidated a graph capture in another.
+# Captures and device lifecycles now exclude each other (moerun-cuda device.rs), and
+# conformance_gpu's graphs_captured_while_another_thread_opens_and_drops_devices test holds it.)
 for t in "$bin"/test-*; do
     name=$(basename "$t")
     start=$(date +%s%N)

@@ -5,7 +5,8 @@
 //! per-buffer event tracking (an event record and wait per buffer per launch): every op first
 //! checks that each buffer it is given was allocated on this device's stream and refuses others.
 
-use std::sync::Arc;
+use std::mem::ManuallyDrop;
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::sys::{self, CUdevice_attribute, CUevent_flags};
@@ -145,15 +146,50 @@ impl Kernels {
     }
 }
 
+/// Creating or destroying a cuBLAS handle synchronises the whole device, and loading or unloading
+/// kernel modules may: done while another thread of the process captures a graph, that capture
+/// is invalidated (and cudarc's drop of a cuBLAS handle whose destroy fails panics). So graph
+/// captures hold this lock shared ([`capture_guard`]), and opening or dropping a device holds it
+/// exclusively: two models in two threads may each capture, but never while a device comes or
+/// goes.
+static DEVICE_LIFECYCLE: RwLock<()> = RwLock::new(());
+
+/// Held by a graph capture for its whole life (see [`DEVICE_LIFECYCLE`]).
+pub(crate) fn capture_guard() -> RwLockReadGuard<'static, ()> {
+    // The lock guards no data: a panic while it was held leaves nothing inconsistent.
+    DEVICE_LIFECYCLE
+        .read()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn lifecycle_guard() -> RwLockWriteGuard<'static, ()> {
+    DEVICE_LIFECYCLE
+        .write()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 /// One GPU with its stream, cuBLAS handle and kernels. Ops are methods (see [`crate::ops`]); they
 /// enqueue work on the stream and return; [`CudaDevice::download`] waits for it.
 pub struct CudaDevice {
     pub(crate) ctx: Arc<CudaContext>,
     pub(crate) stream: Arc<CudaStream>,
-    pub(crate) blas: CudaBlas,
-    pub(crate) kernels: Kernels,
+    /// Dropped by hand, under [`DEVICE_LIFECYCLE`] (see `Drop`).
+    pub(crate) blas: ManuallyDrop<CudaBlas>,
+    /// Dropped by hand, under [`DEVICE_LIFECYCLE`] (their modules unload with them).
+    pub(crate) kernels: ManuallyDrop<Kernels>,
     info: DeviceInfo,
     cache: CacheReport,
+}
+
+impl Drop for CudaDevice {
+    fn drop(&mut self) {
+        let _alone = lifecycle_guard();
+        // SAFETY: neither field is touched again: the device is being dropped.
+        unsafe {
+            ManuallyDrop::drop(&mut self.blas);
+            ManuallyDrop::drop(&mut self.kernels);
+        }
+    }
 }
 
 impl CudaDevice {
@@ -167,6 +203,7 @@ impl CudaDevice {
     }
 
     fn open_checked(ordinal: usize) -> Result<CudaDevice> {
+        let _alone = lifecycle_guard();
         cudarc::driver::result::init().map_err(|e| {
             CudaError::Unavailable(format!("the NVIDIA driver did not initialise ({e})"))
         })?;
@@ -215,8 +252,8 @@ impl CudaDevice {
         Ok(CudaDevice {
             ctx,
             stream,
-            blas,
-            kernels,
+            blas: ManuallyDrop::new(blas),
+            kernels: ManuallyDrop::new(kernels),
             info,
             cache,
         })

@@ -12,6 +12,7 @@ use std::sync::Arc;
 use cudarc::driver::sys::{self, CUstreamCaptureMode};
 use cudarc::driver::{CudaStream, DriverError};
 
+use crate::device::capture_guard;
 use crate::error::{CudaError, DriverContext, Result};
 use crate::CudaDevice;
 
@@ -167,6 +168,7 @@ impl CudaDevice {
     /// error says so. On Hopper, the edges into kernels of [`PDL_KERNELS`] are made
     /// programmatic before the graph is instantiated.
     pub fn capture(&self, work: impl FnOnce() -> Result<()>) -> Result<DeviceGraph> {
+        let _no_device_comes_or_goes = capture_guard();
         self.stream
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .ctx("beginning a graph capture")?;
@@ -176,6 +178,12 @@ impl CudaDevice {
         // is valid.
         let ended =
             unsafe { sys::cuStreamEndCapture(self.stream.cu_stream(), &mut graph) }.result();
+        if worked.is_err() || ended.is_err() {
+            // Buffers dropped inside a failed capture record their free's error on the context,
+            // where cudarc would hand it to the next, unrelated call (an upload after the caller
+            // falls back to running eagerly). That error is this capture's, reported below.
+            let _ = self.ctx.check_err();
+        }
         if let Err(e) = worked {
             if !graph.is_null() {
                 // SAFETY: the graph came from the capture and is not used again.

@@ -180,6 +180,50 @@ fn two_models_decoding_at_once_in_two_threads_agree_with_one_alone() {
     }
 }
 
+/// Opening or dropping a device synchronises the whole GPU (cuBLAS handles, kernel modules): done
+/// while another thread captured a decode graph, it once invalidated that capture, and the failed
+/// capture's error then surfaced in the thread's next, unrelated call. Now captures and device
+/// lifecycles exclude each other: a thread decoding two tokens at a time with fresh KV caches (a
+/// capture each, so the thread is capturing most of the time) while another opens and drops
+/// models gives the logits of the lone run every time.
+#[test]
+fn graphs_captured_while_another_thread_opens_and_drops_devices_give_the_lone_logits() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let dir = fixtures_dir().join("qwen3_moe_f32");
+    let Some(model) = on_gpu(&dir) else { return };
+    let model = model.unwrap();
+    let r = load_reference(&dir);
+    let tokens = &r.tokens[..2];
+    let alone = incremental_logits(&model, tokens);
+    let done = AtomicBool::new(false);
+    let (runs, churned) = std::thread::scope(|s| {
+        let churn = s.spawn(|| {
+            let mut opened = 0usize;
+            while !done.load(Ordering::Relaxed) {
+                drop(on_gpu(&dir).unwrap().unwrap());
+                opened += 1;
+            }
+            opened
+        });
+        let runs: Vec<Vec<f32>> = (0..150)
+            .map(|_| incremental_logits(&model, tokens))
+            .collect();
+        done.store(true, Ordering::Relaxed);
+        (runs, churn.join().unwrap())
+    });
+    assert!(churned > 0, "the other thread never opened a device");
+    let worst = runs
+        .iter()
+        .map(|got| relative_error(got, &alone))
+        .fold(0.0f64, f64::max);
+    println!(
+        "RESULT|gpu {} decodes while {churned} devices came and went|{worst:.2e}|1e-6|{}",
+        runs.len(),
+        if worst <= 1e-6 { "ok" } else { "FAIL" }
+    );
+    assert!(worst <= 1e-6, "{worst:.3e} against the lone run");
+}
+
 #[test]
 fn windowed_kv_gives_the_logits_of_the_full_cache_on_the_gpu() {
     let mut failures = Vec::new();
