@@ -365,7 +365,8 @@ impl CudaDevice {
             dtype: w.dtype,
             rows: w.rows,
             cols: w.cols,
-            data: self.upload(w.data)?,
+            data: Arc::new(self.upload(w.data)?),
+            offset: 0,
         })
     }
 
@@ -436,7 +437,11 @@ pub struct DeviceMatrix {
     dtype: DType,
     rows: usize,
     cols: usize,
-    data: CudaSlice<u8>,
+    /// The allocation this matrix lies in: its own, or one it shares with the other row ranges
+    /// of a stacked matrix ([`DeviceMatrix::row_range`]).
+    data: Arc<CudaSlice<u8>>,
+    /// Where in `data` its first row starts, in bytes.
+    offset: usize,
 }
 
 impl DeviceMatrix {
@@ -449,12 +454,13 @@ impl DeviceMatrix {
     pub fn cols(&self) -> usize {
         self.cols
     }
-    /// Bytes on the device.
+    /// Bytes of its rows (a row range counts its own rows, not the allocation it shares).
     pub fn byte_len(&self) -> usize {
-        self.data.len()
+        self.rows * self.cols * self.dtype.size()
     }
-    pub(crate) fn data(&self) -> &CudaSlice<u8> {
-        &self.data
+    /// The device address of its first row, for a kernel on `dev`'s stream.
+    pub(crate) fn device_ptr(&self, dev: &CudaDevice, what: &str) -> Result<u64> {
+        Ok(dev.ptr(&*self.data, what)? + self.offset as u64)
     }
     /// A matrix over `data`, which must hold `rows * cols` values of `dtype`.
     pub fn from_parts(dtype: DType, rows: usize, cols: usize, data: CudaSlice<u8>) -> Result<Self> {
@@ -469,7 +475,34 @@ impl DeviceMatrix {
             dtype,
             rows,
             cols,
-            data,
+            data: Arc::new(data),
+            offset: 0,
+        })
+    }
+
+    /// Rows `first..first + rows` as a matrix of their own, sharing this one's memory: the parts
+    /// of a stacked matrix (q, k and v; a shared expert's gate and up) without a second copy.
+    /// Every kernel needs its rows 16-byte aligned, so the range must start on a 16-byte
+    /// boundary.
+    pub fn row_range(&self, first: usize, rows: usize) -> Result<DeviceMatrix> {
+        let row_bytes = self.cols * self.dtype.size();
+        let offset = self.offset + first * row_bytes;
+        ensure(first + rows <= self.rows, || {
+            format!(
+                "row range {first}..{} of a matrix of {} rows",
+                first + rows,
+                self.rows
+            )
+        })?;
+        ensure(offset.is_multiple_of(16), || {
+            format!("row range at row {first} starts at byte {offset}, not 16-byte aligned")
+        })?;
+        Ok(DeviceMatrix {
+            dtype: self.dtype,
+            rows,
+            cols: self.cols,
+            data: self.data.clone(),
+            offset,
         })
     }
 }

@@ -257,3 +257,93 @@ fn matrix_ops_refuse_mismatched_shapes() {
     let mut short = dev.zeros::<f32>(15).unwrap();
     assert!(dev.gemm(&x, 1, &w, &mut short).is_err());
 }
+
+/// A row range of a stacked matrix is the part it covers, without a copy: GEMV (both layouts,
+/// one and several tokens) and the bf16 GEMM over the range give the bits of the part uploaded
+/// on its own. A range past the end, or one whose first row would not start 16-byte aligned,
+/// is refused by name.
+#[test]
+fn row_ranges_of_a_stack_give_the_bits_of_the_parts_alone() {
+    let Some(dev) = device() else { return };
+    let mut r = rng("row_ranges");
+    let k = 512usize;
+    let part_rows = [96usize, 33, 200];
+    let parts: Vec<Vec<u8>> = part_rows
+        .iter()
+        .map(|&n| store(&uniform(&mut r, n * k, -1.0, 1.0), DType::BF16).0)
+        .collect();
+    let stacked: Vec<u8> = parts.concat();
+    let total: usize = part_rows.iter().sum();
+    let stack = dev
+        .upload_matrix(MatRef {
+            dtype: DType::BF16,
+            rows: total,
+            cols: k,
+            data: &stacked,
+        })
+        .unwrap();
+    let m = 5usize;
+    let x = uniform(&mut r, m * k, -1.0, 1.0);
+    let xd = dev.upload(&x).unwrap();
+    let x1 = dev.upload(&x[..k]).unwrap();
+    let mut first = 0;
+    for (p, (&n, bytes)) in part_rows.iter().zip(&parts).enumerate() {
+        let range = stack.row_range(first, n).unwrap();
+        assert_eq!(
+            (range.rows(), range.cols(), range.byte_len()),
+            (n, k, n * k * 2)
+        );
+        let alone = dev
+            .upload_matrix(MatRef {
+                dtype: DType::BF16,
+                rows: n,
+                cols: k,
+                data: bytes,
+            })
+            .unwrap();
+        let run = |w: &moerun_cuda::DeviceMatrix, layout: GemvLayout, x: &_, rows: usize| {
+            let mut out = dev.upload(&poison(rows * n)).unwrap();
+            dev.gemv_with(layout, x, rows, w, &mut out).unwrap();
+            dev.download(&out).unwrap()
+        };
+        for layout in LAYOUTS {
+            for (xs, rows) in [(&x1, 1), (&xd, m)] {
+                assert_eq!(
+                    run(&range, layout, xs, rows),
+                    run(&alone, layout, xs, rows),
+                    "part {p}, {layout:?}, {rows} token(s)"
+                );
+            }
+        }
+        let gemm = |w: &moerun_cuda::DeviceMatrix| {
+            let mut out = dev.upload(&poison(m * n)).unwrap();
+            dev.gemm(&xd, m, w, &mut out).unwrap();
+            dev.download(&out).unwrap()
+        };
+        assert_eq!(gemm(&range), gemm(&alone), "part {p}, gemm");
+        first += n;
+    }
+    let past = stack
+        .row_range(total - 10, 11)
+        .err()
+        .expect("a range past the end");
+    assert!(past.to_string().contains("row range"), "{past}");
+    // Rows of 3 f32 are 12 bytes: row 1 starts at byte 12.
+    let odd = dev
+        .upload_matrix(MatRef {
+            dtype: DType::F32,
+            rows: 4,
+            cols: 3,
+            data: &[0u8; 48],
+        })
+        .unwrap();
+    let unaligned = odd.row_range(1, 2).err().expect("an unaligned range");
+    assert!(
+        unaligned.to_string().contains("16-byte aligned"),
+        "{unaligned}"
+    );
+    assert!(
+        odd.row_range(4, 0).is_ok(),
+        "an empty range at the end is a range"
+    );
+}

@@ -332,6 +332,7 @@ impl Report<'_> {
             "model": self.label,
             "device": self.device.to_string(),
             "gpu": model.cuda().map(|c| c.device().info().to_string()),
+            "gpu_weight_bytes": model.cuda().map(|c| c.weight_bytes()),
             "family": cfg.family.to_string(),
             "layers": cfg.num_layers(),
             "dtype": self.dtype.to_string(),
@@ -389,8 +390,10 @@ impl Report<'_> {
             Some(c) => {
                 println!("gpu        {}", c.device().info());
                 println!(
-                    "memory     {:.0} GB/s device copy bandwidth, read + written (measured)",
-                    self.bandwidth / 1e9
+                    "memory     {:.0} GB/s device copy bandwidth, read + written (measured); \
+                     weights {} on the device",
+                    self.bandwidth / 1e9,
+                    decimal_bytes(c.weight_bytes() as f64)
                 );
             }
         }

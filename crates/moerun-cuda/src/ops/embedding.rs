@@ -60,7 +60,7 @@ impl CudaDevice {
         if n == 0 || hidden == 0 {
             return Ok(());
         }
-        let t = self.ptr(table.data(), "embed table")?;
+        let t = table.device_ptr(self, "embed table")?;
         let i = self.ptr(ids, "embed ids")?;
         let o = self.ptr_mut(out, "embed out")?;
         let hidden_i = to_i32(hidden, "hidden")?;

@@ -85,7 +85,7 @@ impl CudaDevice {
             return Ok(());
         }
         let xp = self.ptr(x, "gemv x")?;
-        let wp = self.ptr(w.data(), "gemv w")?;
+        let wp = w.device_ptr(self, "gemv w")?;
         let op = self.ptr_mut(out, "gemv out")?;
         ensure(xp.is_multiple_of(16) && wp.is_multiple_of(16), || {
             "gemv: x and w must start 16-byte aligned".to_string()

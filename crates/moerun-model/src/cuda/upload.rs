@@ -107,6 +107,8 @@ impl<'a> Uploader<'a> {
     pub(crate) fn stacked_qkv(&mut self, parts: &[&Linear]) -> Result<()> {
         let mats: Vec<_> = parts.iter().map(|l| l.weight.mat()).collect();
         let weight = self.stack_matrices(&mats)?;
+        let weights: Vec<&Tensor> = parts.iter().map(|l| &l.weight).collect();
+        self.parts_as_row_ranges(&weights, &weight);
         let bias = if parts.iter().any(|l| l.bias.is_some()) {
             let mut b = Vec::with_capacity(weight.rows());
             for (l, m) in parts.iter().zip(&mats) {
@@ -131,10 +133,26 @@ impl<'a> Uploader<'a> {
     pub(crate) fn stacked_rows(&mut self, parts: &[&Tensor]) -> Result<()> {
         let mats: Vec<_> = parts.iter().map(|t| t.mat()).collect();
         let weight = self.stack_matrices(&mats)?;
+        self.parts_as_row_ranges(parts, &weight);
         self.bytes += weight.byte_len();
         self.qkv
             .insert(tensor_key(parts[0]), StackedQkv { weight, bias: None });
         Ok(())
+    }
+
+    /// Each part of a stack as its own matrix over the stack's rows (the multi-token path runs
+    /// them one by one), so the stack costs no second copy of its weights. Called before the
+    /// parts are uploaded one by one, which then finds them present; a part whose rows would not
+    /// start 16-byte aligned is left to that upload.
+    fn parts_as_row_ranges(&mut self, parts: &[&Tensor], stack: &DeviceMatrix) {
+        let mut first = 0;
+        for t in parts {
+            let rows = t.mat().rows;
+            if let Ok(range) = stack.row_range(first, rows) {
+                self.mats.entry(tensor_key(t)).or_insert(range);
+            }
+            first += rows;
+        }
     }
 
     /// The rows of `mats` in turn as one device matrix (random ones drawn at the stacked shape).
@@ -180,6 +198,14 @@ impl<'a> Uploader<'a> {
     /// The four input projections are also stacked into one matrix: a single-token step (batch-1
     /// decode) runs one GEMV over it and reads the four outputs as slices of one row.
     fn gated_deltanet(&mut self, w: &GatedDeltaNetWeights) -> Result<()> {
+        // The stack first: the projections are then its row ranges, not copies.
+        if w.in_proj_qkv.bias.is_none()
+            && w.in_proj_z.bias.is_none()
+            && w.in_proj_b.bias.is_none()
+            && w.in_proj_a.bias.is_none()
+        {
+            self.stacked_qkv(&[&w.in_proj_qkv, &w.in_proj_z, &w.in_proj_b, &w.in_proj_a])?;
+        }
         for l in [
             &w.in_proj_qkv,
             &w.in_proj_z,
@@ -188,13 +214,6 @@ impl<'a> Uploader<'a> {
             &w.out_proj,
         ] {
             self.linear(l)?;
-        }
-        if w.in_proj_qkv.bias.is_none()
-            && w.in_proj_z.bias.is_none()
-            && w.in_proj_b.bias.is_none()
-            && w.in_proj_a.bias.is_none()
-        {
-            self.stacked_qkv(&[&w.in_proj_qkv, &w.in_proj_z, &w.in_proj_b, &w.in_proj_a])?;
         }
         for v in [&w.a_log, &w.dt_bias, &w.norm] {
             self.vector(v)?;
@@ -251,12 +270,8 @@ impl<'a> Uploader<'a> {
     /// over them and reads the three outputs as slices (`CudaPass::moe`).
     fn moe(&mut self, w: &MoeWeights) -> Result<()> {
         self.matrix(&w.router)?;
-        if let Some(shared) = &w.shared_expert {
-            self.mlp(shared)?;
-        }
-        if let Some(gate) = &w.shared_expert_gate {
-            self.matrix(gate)?;
-        }
+        // The stack first: the shared expert's gate and up (and its gate row) are then its row
+        // ranges, not copies.
         if let Some(shared) = w
             .shared_expert
             .as_ref()
@@ -265,6 +280,12 @@ impl<'a> Uploader<'a> {
             let mut parts = vec![&shared.gate_proj.weight, &shared.up_proj.weight];
             parts.extend(w.shared_expert_gate.as_ref());
             self.stacked_rows(&parts)?;
+        }
+        if let Some(shared) = &w.shared_expert {
+            self.mlp(shared)?;
+        }
+        if let Some(gate) = &w.shared_expert_gate {
+            self.matrix(gate)?;
         }
         let Some(first) = w.experts.first() else {
             return Ok(());

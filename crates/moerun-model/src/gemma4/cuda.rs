@@ -136,11 +136,12 @@ fn upload_layer(u: &mut Uploader, lw: &Gemma4LayerWeights) -> Result<()> {
         }
         None => u.linear(&a.q_proj)?,
     }
-    u.mlp(&lw.mlp)?;
     if lw.mlp.gate_proj.bias.is_none() && lw.mlp.up_proj.bias.is_none() {
-        // Gate and up of one input: one GEMV at a single token (`mlp`).
+        // Gate and up of one input: one GEMV at a single token (`mlp`); stacked first, so that
+        // the separate gate and up are its row ranges, not copies.
         u.stacked_rows(&[&lw.mlp.gate_proj.weight, &lw.mlp.up_proj.weight])?;
     }
+    u.mlp(&lw.mlp)?;
     if let Some(moe) = &lw.moe {
         upload_experts(u, moe)?;
     }
