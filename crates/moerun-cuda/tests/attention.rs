@@ -15,6 +15,8 @@
 //! in another order than mma.sync, so the two agree only within the bf16 tolerance).
 //! Without a GPU every test prints "skipped: CUDA is unavailable: <reason>" and passes.
 
+use std::sync::{Mutex, MutexGuard};
+
 mod common;
 
 use common::{check, device, poison, rel_err, rng, uniform};
@@ -87,6 +89,13 @@ impl Case<'_> {
             wgmma_builds: false,
         }
     }
+}
+
+/// The tests of this binary share one device, and some switch its prefill attention build
+/// (`set_attention_wgmma`, device-wide) while others compare paths bit for bit: they take turns.
+fn one_at_a_time() -> MutexGuard<'static, ()> {
+    static TURN: Mutex<()> = Mutex::new(());
+    TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// Blocks for each sequence from one shuffled list of the pool's blocks: the flat block table
@@ -367,6 +376,7 @@ fn run_and_check(dev: &CudaDevice, r: &mut StdRng, case: &Case) {
 #[test]
 fn kv_write_puts_each_row_in_its_block_and_slot_and_skips_out_of_range_blocks() {
     let Some(dev) = device() else { return };
+    let _alone = one_at_a_time();
     let mut r = rng("kv_write");
     let (blocks, bs, kvh, d) = (6usize, 4usize, 2usize, 8usize);
     let width = kvh * d;
@@ -408,6 +418,7 @@ fn kv_write_puts_each_row_in_its_block_and_slot_and_skips_out_of_range_blocks() 
 #[test]
 fn decode_matches_cpu_for_every_head_dim_and_gqa_ratio() {
     let Some(dev) = device() else { return };
+    let _alone = one_at_a_time();
     let mut r = rng("attention decode");
     let seqs = [(0, 1), (1, 1), (15, 1), (16, 1), (300, 1), (777, 1)];
     for d in [16, 24, 32, 48, 64, 128, 256] {
@@ -422,6 +433,7 @@ fn decode_matches_cpu_for_every_head_dim_and_gqa_ratio() {
 #[test]
 fn long_decode_contexts_split_and_combine_like_the_cpu() {
     let Some(dev) = device() else { return };
+    let _alone = one_at_a_time();
     let mut r = rng("attention long decode");
     let seqs = [(4095, 1), (1500, 1), (2000, 1), (64, 1)];
     for (window, bound) in [(None, None), (Some(1000), None), (None, Some(100))] {
@@ -452,6 +464,7 @@ fn long_decode_contexts_split_and_combine_like_the_cpu() {
 #[test]
 fn small_decode_batches_match_cpu_on_one_or_many_clusters() {
     let Some(dev) = device() else { return };
+    let _alone = one_at_a_time();
     let mut r = rng("attention cluster decode");
     let one = |c: usize| vec![(c, 1)];
     for (shape, seqs, window, bound) in [
@@ -487,6 +500,7 @@ fn small_decode_batches_match_cpu_on_one_or_many_clusters() {
 #[test]
 fn repeated_decode_calls_are_bitwise_equal() {
     let Some(dev) = device() else { return };
+    let _alone = one_at_a_time();
     let mut r = rng("attention repeat");
     let (h, kvh, d, bs) = (32usize, 4usize, 128usize, 16usize);
     for (batch, context) in [(1usize, 500usize), (1, 3000), (2, 2000), (40, 700)] {
@@ -545,6 +559,7 @@ fn repeated_decode_calls_are_bitwise_equal() {
 #[test]
 fn prefill_and_chunked_prefill_match_cpu_on_the_exact_tiled_path() {
     let Some(dev) = device() else { return };
+    let _alone = one_at_a_time();
     let mut r = rng("attention prefill");
     let one = [(0, 200)];
     let chunked = [(130, 77), (0, 64)];
@@ -576,6 +591,7 @@ fn prefill_and_chunked_prefill_match_cpu_on_the_exact_tiled_path() {
 #[test]
 fn gemma4_head_dims_256_and_512_match_cpu_decode_and_prefill() {
     let Some(dev) = device() else { return };
+    let _alone = one_at_a_time();
     let mut r = rng("attention gemma4");
     let decode = [(0, 1), (17, 1), (1030, 1), (2500, 1)];
     let prefill = [(0, 150)];
@@ -604,6 +620,7 @@ fn gemma4_head_dims_256_and_512_match_cpu_decode_and_prefill() {
 #[test]
 fn mixed_batches_of_prefills_and_decodes_match_cpu_grouped_and_interleaved() {
     let Some(dev) = device() else { return };
+    let _alone = one_at_a_time();
     let mut r = rng("attention mixed");
     let seqs = [(300, 1), (0, 150), (45, 1), (1000, 70), (7, 1), (64, 128)];
     for interleave in [false, true] {
@@ -623,6 +640,7 @@ fn mixed_batches_of_prefills_and_decodes_match_cpu_grouped_and_interleaved() {
 #[test]
 fn tensor_core_prefill_is_within_bf16_rounding_of_cpu() {
     let Some(dev) = device() else { return };
+    let _alone = one_at_a_time();
     let mut r = rng("attention bf16");
     let one = [(0, 600)];
     let mixed = [(300, 200), (10, 1), (0, 130), (2000, 1)];
@@ -678,6 +696,7 @@ fn tensor_core_case<'a>(
 #[test]
 fn tensor_core_prefill_from_the_batch_copy_equals_the_pool_path_bitwise() {
     let Some(dev) = device() else { return };
+    let _alone = one_at_a_time();
     let mut r = rng("attention bf16 batch copy");
     let fresh = [(0, 600)];
     let cached_whole = [(1024, 300)];
@@ -716,6 +735,7 @@ fn tensor_core_prefill_from_the_batch_copy_equals_the_pool_path_bitwise() {
 #[test]
 fn tensor_core_prefill_builds_are_bitwise_equal() {
     let Some(dev) = device() else { return };
+    let _alone = one_at_a_time();
     let mut r = rng("attention bf16 builds");
     let fresh = [(0, 600)];
     let cached_odd = [(1500, 400)];
@@ -754,6 +774,7 @@ fn tensor_core_prefill_builds_are_bitwise_equal() {
 #[test]
 fn wgmma_prefill_matches_cpu_and_its_builds_agree_bitwise() {
     let Some(dev) = device() else { return };
+    let _alone = one_at_a_time();
     let mut r = rng("attention wgmma");
     for group in [1, 2, 3, 8] {
         for own_keys in [false, true] {
@@ -824,6 +845,7 @@ fn wgmma_prefill_matches_cpu_and_its_builds_agree_bitwise() {
 #[test]
 fn qkv_prologue_writes_the_batch_copy_as_its_k_and_v_rounded_to_bf16() {
     let Some(dev) = device() else { return };
+    let _alone = one_at_a_time();
     let mut r = rng("qkv prologue copy");
     let (hq, hkv, d, tokens) = (8usize, 2usize, 128usize, 70usize);
     let width = (hq + 2 * hkv) * d;
@@ -924,6 +946,7 @@ fn qkv_prologue_writes_the_batch_copy_as_its_k_and_v_rounded_to_bf16() {
 #[test]
 fn bad_shapes_and_unsupported_paths_are_refused() {
     let Some(dev) = device() else { return };
+    let _alone = one_at_a_time();
     assert!(matches!(
         dev.kv_pool(4, 16, 2, 30),
         Err(CudaError::InvalidArgument(_))

@@ -40,7 +40,7 @@
 //!   a block reads each K/V row of its split once for all (up to 8) query heads of its kv head.
 //!   With more than one split, the last split block of a group to finish (an arrival count)
 //!   merges the splits' partials, kept in an [`AttentionScratch`] the caller creates beforehand.
-//!   Splits are chosen so the decode grid has about 4 blocks per SM: `splits = ceil(4 * SMs /
+//!   Splits are chosen so the decode grid has about 8 blocks per SM: `splits = ceil(8 * SMs /
 //!   (n * kv_heads * head_chunks))`, at least 16 keys per split, capped by the context bound
 //!   (`max_context`, or the window) and by the scratch.
 //! - on Hopper (compute capability 9+), a small decode batch (its (token, kv head x head chunk)
@@ -124,8 +124,21 @@ const DEFAULT_TC_HEADS: usize = 2;
 /// Fewest keys a split of the decode kernel takes: fewer would cost more in partials than the
 /// parallelism gains.
 const MIN_SPLIT_KEYS: usize = 16;
-/// Decode blocks per SM the split count aims for.
-const BLOCKS_PER_SM: usize = 4;
+/// Decode blocks per SM the split count aims for, by default. 8 rather than 4 (H200, Qwen3-30B-A3B
+/// shapes, `moerun bench --like qwen3-30b-a3b --device cuda --prompt 512 --gen 64 --concurrency
+/// 8,32`, alternating): 8 sequences 702.6 / 693.2 -> 714.0 / 717.0 tok/s, 32 sequences 1,369.8 /
+/// 1,375.3 -> 1,388.1 / 1,377.1; 16 and 32 were no better (709 / 679 at 8 sequences).
+const BLOCKS_PER_SM: usize = 8;
+
+/// Decode blocks per SM the split count aims for: [`BLOCKS_PER_SM`], or
+/// `MOERUN_CUDA_SPLIT_BLOCKS_PER_SM` (1 to 64, read once), to measure the trade.
+fn blocks_per_sm() -> usize {
+    static FORCED: OnceLock<Option<usize>> = OnceLock::new();
+    env_count(&FORCED, "MOERUN_CUDA_SPLIT_BLOCKS_PER_SM", |b| {
+        (1..=64).contains(&b)
+    })
+    .unwrap_or(BLOCKS_PER_SM)
+}
 /// Largest head_dim the kernels take (the decode kernel's widest lane layout).
 pub const MAX_HEAD_DIM: usize = 512;
 /// Largest head_dim the tiled prefill kernels take; larger heads run every token on the split-K
@@ -602,7 +615,7 @@ struct SplitPlan {
 /// `capacity` = the most splits the scratch holds for this batch.
 fn split_plan(work: usize, context: usize, sms: usize, capacity: usize) -> SplitPlan {
     let context = context.max(1);
-    let wanted = (BLOCKS_PER_SM * sms).div_ceil(work.max(1));
+    let wanted = (blocks_per_sm() * sms).div_ceil(work.max(1));
     let splits = wanted
         .min(context.div_ceil(MIN_SPLIT_KEYS))
         .min(capacity)
@@ -910,9 +923,9 @@ impl CudaDevice {
         head_dim: usize,
         max_context: usize,
     ) -> Result<AttentionScratch> {
-        // Splits > 1 only happen when n * kv_heads * head_chunks < 4 * SMs, and then
-        // n * splits <= n * ceil(4 * SMs / n) < 4 * SMs + n <= 8 * SMs.
-        let target = BLOCKS_PER_SM * self.info().multiprocessors as usize;
+        // Splits > 1 only happen when n * kv_heads * head_chunks < B * SMs (B blocks per SM),
+        // and then n * splits <= n * ceil(B * SMs / n) < B * SMs + n <= 2 * B * SMs.
+        let target = blocks_per_sm() * self.info().multiprocessors as usize;
         let max_splits = max_context.max(1).div_ceil(MIN_SPLIT_KEYS);
         // Ask the driver now, outside any graph capture, how many clusters of this head size's
         // cluster kernels run at once (what the calls plan with).
@@ -1413,12 +1426,15 @@ mod tests {
                 );
                 if plan.splits > 1 {
                     assert!(plan.chunk >= MIN_SPLIT_KEYS / 2, "{plan:?}");
-                    assert!(work * plan.splits < 2 * BLOCKS_PER_SM * sms, "{plan:?}");
+                    assert!(work * plan.splits < 2 * blocks_per_sm() * sms, "{plan:?}");
                 }
             }
         }
-        // 4 blocks of work want 4 * 132 / 4 = 132 splits; chunks round up to 32 keys: 128.
-        assert_eq!(split_plan(4, 4096, sms, usize::MAX).splits, 128);
+        // 4 blocks of work want 8 * 132 / 4 = 264 splits, at most 4096 / 16 = 256 (chunks of
+        // 16 keys).
+        assert_eq!(split_plan(4, 4096, sms, usize::MAX).splits, 256);
+        // 64 want 17 (8 sequences of Qwen3-30B-A3B's 4 kv heads in 2 head chunks): 32 keys each.
+        assert_eq!(split_plan(64, 544, sms, usize::MAX).splits, 17);
         assert_eq!(split_plan(4096, 4096, sms, usize::MAX).splits, 1);
     }
 
