@@ -485,15 +485,17 @@ impl DeviceMatrix {
     /// Every kernel needs its rows 16-byte aligned, so the range must start on a 16-byte
     /// boundary.
     pub fn row_range(&self, first: usize, rows: usize) -> Result<DeviceMatrix> {
-        let row_bytes = self.cols * self.dtype.size();
-        let offset = self.offset + first * row_bytes;
-        ensure(first + rows <= self.rows, || {
-            format!(
-                "row range {first}..{} of a matrix of {} rows",
-                first + rows,
-                self.rows
-            )
-        })?;
+        ensure(
+            first.checked_add(rows).is_some_and(|end| end <= self.rows),
+            || {
+                format!(
+                    "row range {first}..{} of a matrix of {} rows",
+                    first.saturating_add(rows),
+                    self.rows
+                )
+            },
+        )?;
+        let offset = self.offset + first * self.cols * self.dtype.size();
         ensure(offset.is_multiple_of(16), || {
             format!("row range at row {first} starts at byte {offset}, not 16-byte aligned")
         })?;
