@@ -37,6 +37,14 @@ fn on_gpu(dir: &Path) -> Option<Result<Model, String>> {
     }
 }
 
+/// The qwen3_moe_f32 fixture's directory, model on GPU 0 and reference (`None`: skipped).
+fn qwen3_moe_f32_on_gpu() -> Option<(std::path::PathBuf, Model, reference::Reference)> {
+    let dir = fixtures_dir().join("qwen3_moe_f32");
+    let model = on_gpu(&dir)?.unwrap();
+    let r = load_reference(&dir);
+    Some((dir, model, r))
+}
+
 #[test]
 fn every_fixture_matches_transformers_and_the_cpu_on_the_gpu() {
     let mut failures = Vec::new();
@@ -159,10 +167,9 @@ fn mixed_flat_batch_equals_each_sequence_alone_on_the_gpu() {
 /// own stream, KV cache and graphs), must give what one alone gives.
 #[test]
 fn two_models_decoding_at_once_in_two_threads_agree_with_one_alone() {
-    let dir = fixtures_dir().join("qwen3_moe_f32");
-    let Some(first) = on_gpu(&dir) else { return };
-    let first = first.unwrap();
-    let r = load_reference(&dir);
+    let Some((dir, first, r)) = qwen3_moe_f32_on_gpu() else {
+        return;
+    };
     let alone = incremental_logits(&first, &r.tokens);
     let second = on_gpu(&dir).unwrap().unwrap();
     let (a, b) = std::thread::scope(|s| {
@@ -189,10 +196,9 @@ fn two_models_decoding_at_once_in_two_threads_agree_with_one_alone() {
 #[test]
 fn graphs_captured_while_another_thread_opens_and_drops_devices_give_the_lone_logits() {
     use std::sync::atomic::{AtomicBool, Ordering};
-    let dir = fixtures_dir().join("qwen3_moe_f32");
-    let Some(model) = on_gpu(&dir) else { return };
-    let model = model.unwrap();
-    let r = load_reference(&dir);
+    let Some((dir, model, r)) = qwen3_moe_f32_on_gpu() else {
+        return;
+    };
     let tokens = &r.tokens[..2];
     let alone = incremental_logits(&model, tokens);
     let done = AtomicBool::new(false);
