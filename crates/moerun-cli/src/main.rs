@@ -46,16 +46,36 @@ enum Command {
     BenchServe(BenchServeArgs),
 }
 
-/// Where a model command runs.
-#[derive(Args, Clone, Copy, Default)]
+/// Where a model command runs, and what its KV cache stores.
+#[derive(Args, Clone, Copy)]
 pub struct DeviceFlag {
     /// Device to run on: cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu", value_parser = parse_device)]
     pub device: moerun_core::Device,
+    /// What the KV cache stores: f32, or bf16 in half the memory (each value rounded once; CPU
+    /// only for now).
+    #[arg(long, default_value = "f32", value_parser = parse_kv_dtype)]
+    pub kv_dtype: moerun_core::DType,
+}
+
+impl Default for DeviceFlag {
+    fn default() -> Self {
+        DeviceFlag {
+            device: moerun_core::Device::Cpu,
+            kv_dtype: moerun_core::DType::F32,
+        }
+    }
 }
 
 fn parse_device(s: &str) -> Result<moerun_core::Device, String> {
     s.parse().map_err(|e: moerun_core::Error| e.to_string())
+}
+
+fn parse_kv_dtype(s: &str) -> Result<moerun_core::DType, String> {
+    match moerun_core::DType::parse(s) {
+        Some(d @ (moerun_core::DType::F32 | moerun_core::DType::BF16)) => Ok(d),
+        _ => Err(format!("'{s}' is not a KV cache dtype (f32 or bf16)")),
+    }
 }
 
 /// Sampling flags shared by generate and chat; unset ones come from generation_config.json.

@@ -1,36 +1,126 @@
 //! Paged KV storage and causal attention over it, for a flat batch of tokens.
 //!
 //! A [`KvPool`] holds one layer's keys and values in fixed-size blocks, laid out
-//! `[block][slot][kv_head][head_dim]` in f32. A token at position `p` of a sequence attends to
+//! `[block][slot][kv_head][head_dim]`, in f32 or in bf16 (half the memory; a value is rounded to
+//! nearest even once, when written, and widened exactly when read, so attention over a bf16 pool
+//! is bit for bit attention over an f32 pool holding the rounded values). A token at position `p` of a sequence attends to
 //! that sequence's positions `lo..=p` (`lo > 0` under a sliding window), found through the
 //! sequence's block table. Scores are summed in a fixed order per (token, head), so a token's
 //! output does not depend on which other tokens share the batch.
 
+use half::bf16;
+use moerun_core::DType;
 use rayon::prelude::*;
 
 #[cfg(doc)]
 use crate::ops::{axpy, dot};
 use crate::ops::{reduce_lanes, LANES};
 
+/// Largest head_dim a pool takes (a bf16 key row is widened into a stack buffer this long).
+pub const MAX_KV_HEAD_DIM: usize = 512;
+
 /// One layer's paged keys and values.
 pub struct KvPool {
     block_size: usize,
     kv_heads: usize,
     head_dim: usize,
-    k: Vec<f32>,
-    v: Vec<f32>,
+    k: KvValues,
+    v: KvValues,
+}
+
+/// The stored values of K or V.
+enum KvValues {
+    F32(Vec<f32>),
+    /// bf16 bit patterns.
+    Bf16(Vec<u16>),
+}
+
+impl KvValues {
+    fn zeros(dtype: DType, n: usize) -> KvValues {
+        match dtype {
+            DType::F32 => KvValues::F32(vec![0.0; n]),
+            DType::BF16 => KvValues::Bf16(vec![0; n]),
+            DType::F16 => panic!("KV pools hold f32 or bf16 (the model refuses f16 by name)"),
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            KvValues::F32(v) => v.len(),
+            KvValues::Bf16(v) => v.len(),
+        }
+    }
+
+    fn store(&mut self, at: usize, values: &[f32]) {
+        match self {
+            KvValues::F32(v) => v[at..at + values.len()].copy_from_slice(values),
+            KvValues::Bf16(v) => {
+                for (d, &x) in v[at..at + values.len()].iter_mut().zip(values) {
+                    *d = bf16::from_f32(x).to_bits();
+                }
+            }
+        }
+    }
+}
+
+/// Stored K or V values read as f32, one type per storage dtype so that attention is compiled
+/// once for each (the f32 pool's loop stays the plain slice loop it was).
+trait KvRead {
+    /// `len` values from `at`: in place for f32, widened (exactly) into `buf` for bf16.
+    fn read<'a>(&'a self, at: usize, len: usize, buf: &'a mut [f32]) -> &'a [f32];
+}
+
+impl KvRead for [f32] {
+    #[inline(always)]
+    fn read<'a>(&'a self, at: usize, len: usize, _buf: &'a mut [f32]) -> &'a [f32] {
+        &self[at..at + len]
+    }
+}
+
+impl KvRead for [u16] {
+    #[inline(always)]
+    fn read<'a>(&'a self, at: usize, len: usize, buf: &'a mut [f32]) -> &'a [f32] {
+        for (d, &h) in buf[..len].iter_mut().zip(&self[at..at + len]) {
+            *d = f32::from_bits((h as u32) << 16);
+        }
+        &buf[..len]
+    }
 }
 
 impl KvPool {
-    /// A zeroed pool of `num_blocks` blocks.
+    /// A zeroed f32 pool of `num_blocks` blocks.
     pub fn new(num_blocks: usize, block_size: usize, kv_heads: usize, head_dim: usize) -> Self {
+        KvPool::with_dtype(num_blocks, block_size, kv_heads, head_dim, DType::F32)
+    }
+
+    /// A zeroed pool of `num_blocks` blocks storing `dtype` (f32 or bf16; head_dim at most
+    /// [`MAX_KV_HEAD_DIM`]).
+    pub fn with_dtype(
+        num_blocks: usize,
+        block_size: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        dtype: DType,
+    ) -> Self {
+        assert!(
+            head_dim <= MAX_KV_HEAD_DIM,
+            "head_dim {head_dim} over {MAX_KV_HEAD_DIM}"
+        );
         let n = num_blocks * block_size * kv_heads * head_dim;
         KvPool {
             block_size,
             kv_heads,
             head_dim,
-            k: vec![0.0; n],
-            v: vec![0.0; n],
+            k: KvValues::zeros(dtype, n),
+            v: KvValues::zeros(dtype, n),
+        }
+    }
+
+    /// What the pool stores.
+    pub fn dtype(&self) -> DType {
+        match self.k {
+            KvValues::F32(_) => DType::F32,
+            KvValues::Bf16(_) => DType::BF16,
         }
     }
 
@@ -47,13 +137,13 @@ impl KvPool {
     pub fn write(&mut self, table: &[u32], pos: usize, k: &[f32], v: &[f32]) {
         let w = self.row_width();
         let o = self.offset(table, pos);
-        self.k[o..o + w].copy_from_slice(k);
-        self.v[o..o + w].copy_from_slice(v);
+        self.k.store(o, &k[..w]);
+        self.v.store(o, &v[..w]);
     }
 
     /// Bytes held by this pool.
     pub fn bytes(&self) -> usize {
-        (self.k.len() + self.v.len()) * 4
+        (self.k.len() + self.v.len()) * self.dtype().size()
     }
 }
 
@@ -179,22 +269,49 @@ fn attend_kv_head_generic(
     s: &AttentionShape,
     out: &mut [f32],
 ) {
-    let group = s.num_heads / s.num_kv_heads;
-    match group {
-        g if g % 8 == 0 => attend_kv_head_blocks::<8>(q, slot, kvh, pool, s, out),
-        g if g % 4 == 0 => attend_kv_head_blocks::<4>(q, slot, kvh, pool, s, out),
-        g if g % 2 == 0 => attend_kv_head_blocks::<2>(q, slot, kvh, pool, s, out),
-        _ => attend_kv_head_blocks::<1>(q, slot, kvh, pool, s, out),
+    match (&pool.k, &pool.v) {
+        (KvValues::F32(k), KvValues::F32(v)) => {
+            attend_kv_head_of(q, slot, kvh, pool, &k[..], &v[..], s, out)
+        }
+        (KvValues::Bf16(k), KvValues::Bf16(v)) => {
+            attend_kv_head_of(q, slot, kvh, pool, &k[..], &v[..], s, out)
+        }
+        _ => unreachable!("a pool's K and V share their dtype"),
     }
 }
 
-/// [`attend_kv_head_generic`] with heads in blocks of `HB` (which divides the group).
+/// [`attend_kv_head_generic`] over K and V stored as `R`.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn attend_kv_head_blocks<const HB: usize>(
+fn attend_kv_head_of<R: KvRead + ?Sized>(
     q: &[f32],
     slot: &TokenSlot,
     kvh: usize,
     pool: &KvPool,
+    k: &R,
+    v: &R,
+    s: &AttentionShape,
+    out: &mut [f32],
+) {
+    let group = s.num_heads / s.num_kv_heads;
+    match group {
+        g if g % 8 == 0 => attend_kv_head_blocks::<8, R>(q, slot, kvh, pool, k, v, s, out),
+        g if g % 4 == 0 => attend_kv_head_blocks::<4, R>(q, slot, kvh, pool, k, v, s, out),
+        g if g % 2 == 0 => attend_kv_head_blocks::<2, R>(q, slot, kvh, pool, k, v, s, out),
+        _ => attend_kv_head_blocks::<1, R>(q, slot, kvh, pool, k, v, s, out),
+    }
+}
+
+/// [`attend_kv_head_generic`] with heads in blocks of `HB` (which divides the group).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn attend_kv_head_blocks<const HB: usize, R: KvRead + ?Sized>(
+    q: &[f32],
+    slot: &TokenSlot,
+    kvh: usize,
+    pool: &KvPool,
+    k: &R,
+    v: &R,
     s: &AttentionShape,
     out: &mut [f32],
 ) {
@@ -211,10 +328,11 @@ fn attend_kv_head_blocks<const HB: usize>(
         .collect();
     // scores[g * n + i]: head g of the group, position lo + i; then the softmax weights.
     let mut scores = vec![0.0f32; group * n];
+    let mut k_buf = [0.0f32; MAX_KV_HEAD_DIM];
     for b0 in (0..group).step_by(HB) {
         let qs: [&[f32]; HB] = std::array::from_fn(|g| &q[(b0 + g) * d..][..d]);
         for (i, &row) in rows.iter().enumerate() {
-            let dots = dot_heads(&qs, &pool.k[row + kvh * d..][..d]);
+            let dots = dot_heads(&qs, k.read(row + kvh * d, d, &mut k_buf));
             for (g, dg) in dots.iter().enumerate() {
                 scores[(b0 + g) * n + i] = dg * s.scale;
             }
@@ -237,8 +355,9 @@ fn attend_kv_head_blocks<const HB: usize>(
         for c0 in (0..d).step_by(PV_COLS) {
             let cols = PV_COLS.min(d - c0);
             let mut acc = [[0.0f32; PV_COLS]; HB];
+            let mut v_buf = [0.0f32; PV_COLS];
             for (i, &row) in rows.iter().enumerate() {
-                let src = &pool.v[row + kvh * d + c0..][..cols];
+                let src = v.read(row + kvh * d + c0, cols, &mut v_buf);
                 // A whole lane array is read in place (a copy through the stack stalls on
                 // store forwarding); only a head_dim that is not a multiple of 16 pads.
                 let mut padded = [0.0f32; PV_COLS];
@@ -344,6 +463,69 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    /// A bf16 pool is an f32 pool of the bf16-rounded values: the same outputs bit for bit (GQA
+    /// group of 8 with head_dim 80, which pads the last lane array of V; two tokens, a window),
+    /// in half the bytes; values round to nearest even when written.
+    #[test]
+    fn a_bf16_pool_is_an_f32_pool_of_rounded_values_bit_for_bit() {
+        let (bs, d, kvh, heads) = (4, 80, 2, 16);
+        let table = [3u32, 0, 6, 1];
+        let val = |p: usize, j: usize, salt: f32| ((p * 131 + j * 17) as f32 * salt).sin() * 3.0;
+        let round = |x: f32| bf16::from_f32(x).to_f32();
+        let mut half = KvPool::with_dtype(8, bs, kvh, d, DType::BF16);
+        let mut rounded = KvPool::new(8, bs, kvh, d);
+        let mut exact = KvPool::new(8, bs, kvh, d);
+        assert_eq!(half.dtype(), DType::BF16);
+        assert_eq!(2 * half.bytes(), rounded.bytes());
+        for p in 0..14 {
+            let k: Vec<f32> = (0..kvh * d).map(|j| val(p, j, 0.011)).collect();
+            let v: Vec<f32> = (0..kvh * d).map(|j| val(p, j, 0.023)).collect();
+            half.write(&table, p, &k, &v);
+            let (kr, vr): (Vec<f32>, Vec<f32>) = (
+                k.iter().map(|&x| round(x)).collect(),
+                v.iter().map(|&x| round(x)).collect(),
+            );
+            rounded.write(&table, p, &kr, &vr);
+            exact.write(&table, p, &k, &v);
+        }
+        let q: Vec<f32> = (0..2 * heads * d)
+            .map(|j| (j as f32 * 0.37).cos())
+            .collect();
+        for window in [None, Some(5)] {
+            let shape = AttentionShape {
+                num_heads: heads,
+                num_kv_heads: kvh,
+                head_dim: d,
+                scale: 0.1,
+                sliding_window: window,
+            };
+            let slots = [
+                TokenSlot {
+                    block_table: &table,
+                    position: 13,
+                },
+                TokenSlot {
+                    block_table: &table,
+                    position: 6,
+                },
+            ];
+            let run = |pool: &KvPool| {
+                let mut out = vec![0.0; q.len()];
+                paged_attention(&q, &slots, pool, &shape, &mut out);
+                out
+            };
+            let (h, r, e) = (run(&half), run(&rounded), run(&exact));
+            assert_eq!(h, r, "window {window:?}");
+            // Rounding K and V to bf16 moves the output, but by bf16's rounding only.
+            let diff = h
+                .iter()
+                .zip(&e)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, f32::max);
+            assert!(diff > 0.0 && diff < 2e-2, "window {window:?}: {diff}");
         }
     }
 }

@@ -3,6 +3,7 @@
 //! this type (the serving engine's block manager, or the single-sequence path's
 //! `BlockAllocator`), so two allocators never hand out the same pool's blocks.
 
+use moerun_core::DType;
 use moerun_cpu::attention::KvPool;
 
 use crate::config::ModelConfig;
@@ -10,7 +11,8 @@ use crate::config::ModelConfig;
 /// Default tokens per KV block.
 pub const DEFAULT_BLOCK_SIZE: usize = 16;
 
-/// Bytes per stored K or V value (the pools keep f32).
+/// Bytes per stored K or V value in the default (f32) cache; a bf16 cache (`Model::set_kv_dtype`)
+/// takes half.
 pub const KV_BYTES_PER_VALUE: usize = 4;
 
 /// Paged K/V for every layer of a model: `num_blocks` blocks of `block_size` tokens.
@@ -32,7 +34,7 @@ impl KvCache {
     /// they get an empty pool, so pools stay indexed by layer and the bytes match
     /// `ModelConfig::kv_bytes_per_token`, which is what servers size the cache by.
     pub fn new(cfg: &ModelConfig, num_blocks: usize, block_size: usize) -> KvCache {
-        KvCache::with_pools(cfg, num_blocks, None, block_size)
+        KvCache::of_dtype(cfg, num_blocks, None, block_size, DType::F32)
     }
 
     /// Storage in which the sliding-window layers ([`ModelConfig::layer_kv_windowed`]) keep their
@@ -46,14 +48,23 @@ impl KvCache {
         num_window_blocks: usize,
         block_size: usize,
     ) -> KvCache {
-        KvCache::with_pools(cfg, num_blocks, Some(num_window_blocks), block_size)
+        KvCache::of_dtype(
+            cfg,
+            num_blocks,
+            Some(num_window_blocks),
+            block_size,
+            DType::F32,
+        )
     }
 
-    fn with_pools(
+    /// [`KvCache::new`] (or, given `num_window_blocks`, [`KvCache::with_window_group`]) storing
+    /// `dtype`: f32, or bf16 in half the memory (each value rounded to nearest even when written).
+    pub fn of_dtype(
         cfg: &ModelConfig,
         num_blocks: usize,
         num_window_blocks: Option<usize>,
         block_size: usize,
+        dtype: DType,
     ) -> KvCache {
         KvCache {
             block_size,
@@ -66,10 +77,12 @@ impl KvCache {
                             Some(w) if cfg.layer_kv_windowed(l) => w,
                             _ => num_blocks,
                         };
-                        KvPool::new(blocks, block_size, heads, dim)
+                        KvPool::with_dtype(blocks, block_size, heads, dim, dtype)
                     }
                     // Gated DeltaNet and KV-shared layers keep no K/V of their own.
-                    None => KvPool::new(0, block_size, cfg.num_kv_heads, cfg.head_dim),
+                    None => {
+                        KvPool::with_dtype(0, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+                    }
                 })
                 .collect(),
             device: None,
@@ -115,6 +128,11 @@ impl KvCache {
     /// Blocks of the window group's pools when it has blocks of its own.
     pub fn num_window_blocks(&self) -> Option<usize> {
         self.num_window_blocks
+    }
+
+    /// What the host pools store (a device cache is f32).
+    pub fn dtype(&self) -> DType {
+        self.pools.first().map_or(DType::F32, KvPool::dtype)
     }
 
     /// Bytes of KV storage.

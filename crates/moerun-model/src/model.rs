@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use moerun_core::{Device, Error, Result};
+use moerun_core::{DType, Device, Error, Result};
 use moerun_cuda::CudaDevice;
 
 use crate::attention::Rope;
@@ -26,6 +26,8 @@ pub struct Model {
     checkpoint: Checkpoint,
     /// The weights' device copy when the model runs on the CUDA backend.
     cuda: Option<CudaModel>,
+    /// What the KV caches this model makes store ([`Model::set_kv_dtype`]).
+    kv_dtype: DType,
 }
 
 /// Where a CPU model's weights live.
@@ -181,7 +183,32 @@ impl Model {
             weights,
             checkpoint,
             cuda: None,
+            kv_dtype: DType::F32,
         })
+    }
+
+    /// What the KV caches this model makes ([`Model::new_kv_cache`]) store: f32 (the default,
+    /// the precision every conformance test is held to), or bf16 in half the memory, each K/V
+    /// value rounded to nearest even once (transformers keeps a bf16 model's K/V in bf16). f16 is
+    /// refused, and so is bf16 on the CUDA backend, whose cache is f32.
+    pub fn set_kv_dtype(&mut self, dtype: DType) -> Result<()> {
+        match dtype {
+            DType::F32 => {}
+            DType::BF16 if self.cuda.is_some() => return Err(bf16_kv_on_cuda()),
+            DType::BF16 => {}
+            DType::F16 => {
+                return Err(Error::Unsupported(
+                    "an f16 KV cache (use f32, the default, or bf16)".into(),
+                ))
+            }
+        }
+        self.kv_dtype = dtype;
+        Ok(())
+    }
+
+    /// What the KV caches this model makes store.
+    pub fn kv_dtype(&self) -> DType {
+        self.kv_dtype
     }
 
     /// Run the model on `device` from now on: on a GPU, upload the weights (or draw them there,
@@ -193,6 +220,9 @@ impl Model {
                 Ok(())
             }
             Device::Cuda(ordinal) => {
+                if self.kv_dtype != DType::F32 {
+                    return Err(bf16_kv_on_cuda());
+                }
                 crate::cuda::check_supported(&self.config)?;
                 let dev = CudaDevice::open(ordinal).map_err(crate::cuda::dev_err)?;
                 self.cuda = Some(crate::cuda::upload::upload(
@@ -251,8 +281,13 @@ impl Model {
     ) -> Result<KvCache> {
         let cfg = &self.config;
         match (&self.cuda, num_window_blocks) {
-            (None, None) => Ok(KvCache::new(cfg, num_blocks, block_size)),
-            (None, Some(w)) => Ok(KvCache::with_window_group(cfg, num_blocks, w, block_size)),
+            (None, w) => Ok(KvCache::of_dtype(
+                cfg,
+                num_blocks,
+                w,
+                block_size,
+                self.kv_dtype,
+            )),
             (Some(c), _) => {
                 let dkv =
                     DeviceKv::new(c.device(), cfg, num_blocks, num_window_blocks, block_size)?;
@@ -563,4 +598,13 @@ fn check_window_tables(cfg: &ModelConfig, batch: &Batch, kv: &KvCache) -> Result
         }
     }
     Ok(())
+}
+
+/// The refusal of a bf16 KV cache on the CUDA backend.
+fn bf16_kv_on_cuda() -> Error {
+    Error::Unsupported(
+        "a bf16 KV cache on the CUDA backend (its cache is f32: use --kv-dtype f32 with \
+         --device cuda)"
+            .into(),
+    )
 }

@@ -23,8 +23,9 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use axum::serve::ListenerExt;
+use moerun_core::DType;
 use moerun_engine::scheduler::{KvWindowGroup, SchedulerConfig};
-use moerun_model::kv::{DEFAULT_BLOCK_SIZE, KV_BYTES_PER_VALUE};
+use moerun_model::kv::DEFAULT_BLOCK_SIZE;
 use moerun_model::ModelConfig;
 use tokio::sync::oneshot;
 
@@ -54,6 +55,9 @@ pub struct ServerOptions {
     pub max_body_bytes: usize,
     /// Shut down gracefully on Ctrl-C (the CLI); tests stop the server by hand.
     pub handle_ctrl_c: bool,
+    /// What the KV cache stores (`--kv-dtype`): f32, or bf16 in half the bytes per token (so
+    /// twice the tokens in a budget; CPU only for now, `Model::set_kv_dtype`).
+    pub kv_dtype: DType,
 }
 
 /// KV cache size when none is given, on the CPU.
@@ -88,6 +92,7 @@ impl Default for ServerOptions {
             enable_prefix_caching: true,
             max_body_bytes: 8 << 20,
             handle_ctrl_c: false,
+            kv_dtype: DType::F32,
         }
     }
 }
@@ -202,7 +207,7 @@ fn kv_sizes(
     max_model_len: usize,
 ) -> KvSizes {
     let bs = DEFAULT_BLOCK_SIZE;
-    let (full, windowed) = model.kv_bytes_per_token_by_group(KV_BYTES_PER_VALUE);
+    let (full, windowed) = model.kv_bytes_per_token_by_group(options.kv_dtype.size());
     let seqs = max_num_seqs as u64;
     let seq_blocks = max_model_len.div_ceil(bs);
     match model.kv_window().filter(|&w| w < max_model_len) {
@@ -287,7 +292,11 @@ pub struct Server {
 impl Server {
     /// Bind `options.addr`, start the engine thread over `model` and serve on a background
     /// runtime. Returns once the socket accepts connections.
-    pub fn start(model: ServedModel, options: &ServerOptions) -> Result<Server, StartError> {
+    pub fn start(mut model: ServedModel, options: &ServerOptions) -> Result<Server, StartError> {
+        model
+            .model
+            .set_kv_dtype(options.kv_dtype)
+            .map_err(|e| StartError::Config(format!("--kv-dtype {}: {e}", options.kv_dtype)))?;
         let scheduler =
             options.scheduler_config(&model.model.config, default_kv_budget(&model.model))?;
         let listener = TcpListener::bind(options.addr).map_err(|source| StartError::Bind {
@@ -406,6 +415,7 @@ impl Drop for Server {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use moerun_model::kv::KV_BYTES_PER_VALUE;
 
     fn config(path: &str) -> ModelConfig {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
@@ -419,6 +429,26 @@ mod tests {
             max_model_len: Some(model_len),
             ..ServerOptions::default()
         }
+    }
+
+    #[test]
+    fn a_bf16_cache_holds_twice_the_blocks_of_a_budget() {
+        // Qwen3-30B-A3B: 16 sequences of 4096 tokens want ~12.9 GB in f32, so 1 GiB binds.
+        let model = config("configs/qwen3-30b-a3b.json");
+        let f32_kv = options(16, 4096).scheduler_config(&model, 1 << 30).unwrap();
+        let bf16_kv = ServerOptions {
+            kv_dtype: DType::BF16,
+            ..options(16, 4096)
+        }
+        .scheduler_config(&model, 1 << 30)
+        .unwrap();
+        let (f, b) = (f32_kv.num_blocks, bf16_kv.num_blocks);
+        assert!(
+            f > 0 && (b == 2 * f || b == 2 * f + 1),
+            "{f} f32 blocks, {b} bf16"
+        );
+        let bytes = b * DEFAULT_BLOCK_SIZE * model.kv_bytes_per_token(2);
+        assert!(bytes <= 1 << 30, "{bytes}");
     }
 
     #[test]

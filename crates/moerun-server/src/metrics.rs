@@ -79,6 +79,8 @@ struct Inner {
     prompt_tokens: u64,
     generation_tokens: u64,
     scheduler: Option<SchedulerStats>,
+    /// Bytes the KV cache holds (set once, when the engine makes it).
+    kv_cache_bytes: u64,
     ttft: Histogram,
     itl: Histogram,
     e2e: Histogram,
@@ -103,6 +105,7 @@ impl Default for Metrics {
                 prompt_tokens: 0,
                 generation_tokens: 0,
                 scheduler: None,
+                kv_cache_bytes: 0,
                 ttft: Histogram::new(TTFT_BUCKETS),
                 itl: Histogram::new(ITL_BUCKETS),
                 e2e: Histogram::new(E2E_BUCKETS),
@@ -165,6 +168,11 @@ impl Metrics {
 
     pub fn add_generated_tokens(&self, n: usize) {
         self.with(|m| m.generation_tokens += n as u64);
+    }
+
+    /// The KV cache's size, once the engine has made it.
+    pub fn set_kv_cache_bytes(&self, bytes: usize) {
+        self.with(|m| m.kv_cache_bytes = bytes as u64);
     }
 
     pub fn set_scheduler_stats(&self, stats: &SchedulerStats) {
@@ -282,6 +290,11 @@ fn render_into(m: &Inner, out: &mut String) {
         "moerun_kv_cache_blocks_total",
         "KV blocks in the cache.",
         s.kv_blocks_total as f64,
+    );
+    gauge(
+        "moerun_kv_cache_bytes",
+        "Bytes the KV cache holds (its blocks at --kv-dtype, host or device).",
+        m.kv_cache_bytes as f64,
     );
     gauge(
         "moerun_kv_cache_usage_ratio",

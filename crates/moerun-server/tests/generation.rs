@@ -84,6 +84,26 @@ fn lone_results(
         .collect()
 }
 
+/// `n` prompts' greedy completions of `tokens` tokens, each alone and then all at once, must
+/// agree; returns the /metrics text after.
+fn same_text_alone_and_together(server: &moerun_server::Server, n: usize, tokens: usize) -> String {
+    let rt = runtime();
+    let client = HttpClient::new(&server.url(), None);
+    let prompts = prompts(n);
+    let alone = lone_results(&client, &rt, &prompts, tokens);
+    let together = rt.block_on(join_all(prompts.iter().map(|p| {
+        let client = client.clone();
+        let body = completion(p, tokens);
+        async move { stream(&client, "/v1/completions", &body).await }
+    })));
+    for (i, ((status, s), want)) in together.into_iter().zip(&alone).enumerate() {
+        assert_eq!(status, 200);
+        assert_eq!(&s.text, want, "request {i} differs when batched");
+    }
+    let metrics = rt.block_on(client.get("/metrics")).unwrap();
+    String::from_utf8(metrics.body).unwrap()
+}
+
 #[test]
 fn greedy_text_is_the_same_alone_and_among_sixteen_others() {
     // A small step budget forces chunked prefills to share steps with decodes.
@@ -92,26 +112,34 @@ fn greedy_text_is_the_same_alone_and_among_sixteen_others() {
         max_num_seqs: 32,
         ..options()
     });
-    let rt = runtime();
-    let client = HttpClient::new(&server.url(), None);
-    let prompts = prompts(17);
-    let alone = lone_results(&client, &rt, &prompts, 40);
-    let together = rt.block_on(join_all(prompts.iter().map(|p| {
-        let client = client.clone();
-        let body = completion(p, 40);
-        async move { stream(&client, "/v1/completions", &body).await }
-    })));
-    for (i, ((status, s), want)) in together.into_iter().zip(&alone).enumerate() {
-        assert_eq!(status, 200);
-        assert_eq!(&s.text, want, "request {i} differs when batched");
-    }
-    let metrics = rt.block_on(client.get("/metrics")).unwrap();
-    let text = String::from_utf8(metrics.body).unwrap();
+    let text = same_text_alone_and_together(&server, 17, 40);
     assert!(
         metric(&text, "moerun_prefix_cache_hits_total") > 0.0,
         "shared prefixes hit"
     );
     assert_eq!(metric(&text, "moerun_kv_cache_blocks_used"), 0.0);
+}
+
+/// `--kv-dtype bf16`: the server sizes and keeps its cache in bf16, and a request's greedy text
+/// still does not depend on what shares its steps (chunked prefills, prefix-cache hits).
+#[test]
+fn a_bf16_kv_cache_serves_the_same_text_alone_and_batched() {
+    let server = start(moerun_server::ServerOptions {
+        kv_dtype: moerun_core::DType::BF16,
+        max_num_batched_tokens: 48,
+        max_num_seqs: 8,
+        ..options()
+    });
+    let text = same_text_alone_and_together(&server, 7, 24);
+    // The cache itself is bf16: 2 bytes a value over every block the scheduler was given.
+    let blocks = metric(&text, "moerun_kv_cache_blocks_total");
+    let cfg = moerun_model::ModelConfig::from_json_str(
+        &std::fs::read_to_string(fixture_dir().join("config.json")).unwrap(),
+    )
+    .unwrap();
+    let want = blocks * 16.0 * cfg.kv_bytes_per_token(2) as f64;
+    assert!(blocks > 0.0);
+    assert_eq!(metric(&text, "moerun_kv_cache_bytes"), want);
 }
 
 #[test]

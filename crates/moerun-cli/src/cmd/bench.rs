@@ -163,6 +163,7 @@ fn load(args: &BenchArgs, device: Device) -> CliResult<(String, Model)> {
                 decimal_bytes(model.checkpoint().weight_bytes() as f64)
             );
             model.checkpoint().prefault(|_| {});
+            model.set_kv_dtype(args.device.kv_dtype)?;
             if device != Device::Cpu {
                 eprintln!("bench: uploading the weights to {device}...");
             }
@@ -179,6 +180,7 @@ fn load(args: &BenchArgs, device: Device) -> CliResult<(String, Model)> {
                 .into());
             }
             let (name, mut model) = super::synth::in_memory(like, args.layers, DType::BF16)?;
+            model.set_kv_dtype(args.device.kv_dtype)?;
             eprintln!("bench: drawing random bf16 weights of {name} on {device}...");
             model.place(device, WeightSource::Random { seed: WEIGHT_SEED })?;
             let layers = model.config.num_layers();
@@ -333,6 +335,7 @@ impl Report<'_> {
             "device": self.device.to_string(),
             "gpu": model.cuda().map(|c| c.device().info().to_string()),
             "gpu_weight_bytes": model.cuda().map(|c| c.weight_bytes()),
+            "kv_dtype": model.kv_dtype().to_string(),
             "family": cfg.family.to_string(),
             "layers": cfg.num_layers(),
             "dtype": self.dtype.to_string(),

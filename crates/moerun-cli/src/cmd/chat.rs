@@ -14,7 +14,7 @@ use super::CliResult;
 use crate::ChatArgs;
 
 pub fn run(args: &ChatArgs) -> CliResult {
-    let tm = TextModel::load(args.model.as_deref(), args.device.device)?;
+    let tm = TextModel::load(args.model.as_deref(), args.device)?;
     let params = args.sampling.apply(tm.generation.sampling_params());
     let interactive = std::io::stdin().is_terminal();
     let mut kv = tm.generation_kv_cache(tm.context_len())?;

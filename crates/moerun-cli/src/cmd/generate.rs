@@ -24,7 +24,7 @@ pub fn run(args: &GenerateArgs) -> CliResult {
     if prompt.trim().is_empty() {
         return Err("the prompt is empty".into());
     }
-    let tm = TextModel::load(args.model.as_deref(), args.device.device)?;
+    let tm = TextModel::load(args.model.as_deref(), args.device)?;
     let prompt_ids = if args.chat {
         let mut messages = Vec::new();
         if let Some(system) = &args.system {

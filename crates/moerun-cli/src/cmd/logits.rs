@@ -2,15 +2,18 @@
 //! the KV cache, written as `.npy` for comparison with transformers.
 
 use moerun_engine::{run_step, Sequence, SequenceKv};
+use moerun_model::cuda::WeightSource;
 use moerun_model::npy::write_npy_f32;
-use moerun_model::{LogitsFor, Model};
+use moerun_model::{LogitsFor, Model, WeightsIn};
 
 use super::CliResult;
 use crate::LogitsArgs;
 
 pub fn run(args: &LogitsArgs) -> CliResult {
     let tokens = parse_tokens(&args.tokens)?;
-    let model = Model::load_on(&args.model, args.device.device)?;
+    let mut model = Model::load_with(&args.model, WeightsIn::for_device(args.device.device))?;
+    model.set_kv_dtype(args.device.kv_dtype)?;
+    model.place(args.device.device, WeightSource::Host)?;
     let logits = compute(&model, &tokens, args.incremental)?;
     write_npy_f32(&args.out, &[tokens.len(), model.config.vocab_size], &logits)?;
     Ok(())

@@ -18,7 +18,7 @@ const DEFAULT_CONTEXT: usize = 512;
 pub fn run(args: &PerplexityArgs) -> CliResult {
     let text =
         std::fs::read_to_string(&args.file).map_err(|e| format!("{}: {e}", args.file.display()))?;
-    let tm = TextModel::load(args.model.as_deref(), args.device.device)?;
+    let tm = TextModel::load(args.model.as_deref(), args.device)?;
     let context = args
         .context
         .unwrap_or(DEFAULT_CONTEXT.min(tm.context_len()));

@@ -81,5 +81,6 @@ pub fn server_options(args: &ServeArgs, ctrl_c: bool) -> CliResult<ServerOptions
         enable_prefix_caching: !args.no_enable_prefix_caching,
         max_body_bytes: defaults.max_body_bytes,
         handle_ctrl_c: ctrl_c,
+        kv_dtype: args.device.kv_dtype,
     })
 }

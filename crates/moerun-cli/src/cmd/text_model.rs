@@ -3,7 +3,6 @@
 
 use std::path::{Path, PathBuf};
 
-use moerun_core::Device;
 use moerun_engine::generation_config::GenerationConfig;
 use moerun_engine::stop::StopTokens;
 use moerun_engine::SequenceKv;
@@ -12,6 +11,7 @@ use moerun_model::{Model, WeightsIn};
 use moerun_text::Tokenizer;
 
 use super::CliResult;
+use crate::DeviceFlag;
 
 /// A loaded checkpoint ready for text in, text out.
 pub struct TextModel {
@@ -23,11 +23,14 @@ pub struct TextModel {
 
 impl TextModel {
     /// Load the checkpoint at `--model`, or the embedded default model when none is given.
-    pub fn load(model: Option<&Path>, device: Device) -> CliResult<TextModel> {
+    pub fn load(model: Option<&Path>, run: DeviceFlag) -> CliResult<TextModel> {
+        let device = run.device;
         let dir = super::default_model::resolve(model)?;
         let mut model = Model::load_with(&dir, WeightsIn::for_device(device))?;
         // The tokenizer first: a missing file is reported before any slow paging in.
         let tokenizer = Tokenizer::from_dir(&dir)?;
+        // Before placing: a combination the device refuses is refused before any upload.
+        model.set_kv_dtype(run.kv_dtype)?;
         super::progress::load_weights_with_progress(&model);
         model.place(device, WeightSource::Host)?;
         let generation = GenerationConfig::load(&dir)?;

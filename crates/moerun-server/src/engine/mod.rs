@@ -195,6 +195,7 @@ impl Engine {
             ),
         }
         .map_err(|e| format!("KV cache: {e}"))?;
+        metrics.set_kv_cache_bytes(kv.bytes());
         // Enough room for a burst of submissions; the scheduler's own waiting queue is the
         // real bound, this one only absorbs what arrives during one step.
         let capacity = config.scheduler.max_waiting.max(1);
