@@ -88,7 +88,10 @@ fn inspect_reports_a_one_layer_synthetic_model_exactly() {
         "18.91 KiB per token (19360 bytes, at bf16)"
     );
     // K and V, 2 kv heads × 8 dims, one layer, f32.
-    assert_eq!(row(&report, "kv cache"), "128 B per token (128 bytes, f32)");
+    assert_eq!(
+        row(&report, "kv cache"),
+        "128 B per token (128 bytes, f32; half with --kv-dtype bf16)"
+    );
     assert_eq!(row(&report, "rope"), "default, theta 5000");
     assert_eq!(row(&report, "tied embeddings"), "no");
     assert!(!report.contains("note"), "{report}");
@@ -190,7 +193,7 @@ fn hybrid_layers_state_and_ignored_vision_tower_are_described() {
     // K/V of the one attention layer; (3 * 160 + 4 * 16 * 24) f32 per Gated DeltaNet layer.
     assert_eq!(
         row(&report, "kv cache"),
-        "512 B per token (512 bytes, f32); linear-attention state 23.62 KiB per sequence"
+        "512 B per token (512 bytes, f32; half with --kv-dtype bf16); linear-attention state 23.62 KiB per sequence"
     );
     assert_eq!(
         row(&report, "rope"),

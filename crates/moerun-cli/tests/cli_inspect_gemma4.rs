@@ -65,7 +65,10 @@ fn shapes_sharing_and_windows_are_described() {
         "4 q; sliding: 2 kv × 16; full: 2 kv × 24"
     );
     // Layers 0 and 2 (sliding, 2·2·16 f32) and 1 (full, 2·2·24 f32); 3 and 4 keep none.
-    assert_eq!(row(&report, "kv cache"), "896 B per token (896 bytes, f32)");
+    assert_eq!(
+        row(&report, "kv cache"),
+        "896 B per token (896 bytes, f32; half with --kv-dtype bf16)"
+    );
     assert!(
         row(&report, "kv layers").ends_with("2 reuse an earlier layer's (3→2, 4→1)"),
         "{report}"

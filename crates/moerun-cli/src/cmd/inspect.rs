@@ -75,7 +75,10 @@ pub fn run(args: &InspectArgs) -> CliResult {
     };
     row(
         "kv cache",
-        format!("{} per token ({kv} bytes, f32){state}", human_bytes(kv)),
+        format!(
+            "{} per token ({kv} bytes, f32; half with --kv-dtype bf16){state}",
+            human_bytes(kv)
+        ),
     );
     match &cfg.gemma4 {
         Some(g) => {
