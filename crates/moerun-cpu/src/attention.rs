@@ -136,9 +136,10 @@ impl KvPool {
     /// Store the keys and values (`kv_heads * head_dim` each) of position `pos`.
     pub fn write(&mut self, table: &[u32], pos: usize, k: &[f32], v: &[f32]) {
         let w = self.row_width();
+        assert!(k.len() == w && v.len() == w, "a K/V row is {w} values");
         let o = self.offset(table, pos);
-        self.k.store(o, &k[..w]);
-        self.v.store(o, &v[..w]);
+        self.k.store(o, k);
+        self.v.store(o, v);
     }
 
     /// Bytes held by this pool.
