@@ -64,22 +64,34 @@ impl KvValues {
 }
 
 /// Stored K or V values read as f32, one type per storage dtype so that attention is compiled
-/// once for each (the f32 pool's loop stays the plain slice loop it was).
+/// once for each (the f32 pool's loop stays the plain slice loop it was, with no scratch).
 trait KvRead {
-    /// `len` values from `at`: in place for f32, widened (exactly) into `buf` for bf16.
-    fn read<'a>(&'a self, at: usize, len: usize, buf: &'a mut [f32]) -> &'a [f32];
+    /// Where a widened row goes: nothing for f32, a row's worth of f32 for bf16.
+    type Scratch;
+    fn scratch() -> Self::Scratch;
+    /// `len` (at most [`MAX_KV_HEAD_DIM`]) values from `at`: in place for f32, widened
+    /// (exactly) into `buf` for bf16.
+    fn read<'a>(&'a self, at: usize, len: usize, buf: &'a mut Self::Scratch) -> &'a [f32];
 }
 
 impl KvRead for [f32] {
+    type Scratch = ();
     #[inline(always)]
-    fn read<'a>(&'a self, at: usize, len: usize, _buf: &'a mut [f32]) -> &'a [f32] {
+    fn scratch() {}
+    #[inline(always)]
+    fn read<'a>(&'a self, at: usize, len: usize, _buf: &'a mut ()) -> &'a [f32] {
         &self[at..at + len]
     }
 }
 
 impl KvRead for [u16] {
+    type Scratch = [f32; MAX_KV_HEAD_DIM];
     #[inline(always)]
-    fn read<'a>(&'a self, at: usize, len: usize, buf: &'a mut [f32]) -> &'a [f32] {
+    fn scratch() -> Self::Scratch {
+        [0.0; MAX_KV_HEAD_DIM]
+    }
+    #[inline(always)]
+    fn read<'a>(&'a self, at: usize, len: usize, buf: &'a mut Self::Scratch) -> &'a [f32] {
         for (d, &h) in buf[..len].iter_mut().zip(&self[at..at + len]) {
             *d = f32::from_bits((h as u32) << 16);
         }
@@ -329,11 +341,11 @@ fn attend_kv_head_blocks<const HB: usize, R: KvRead + ?Sized>(
         .collect();
     // scores[g * n + i]: head g of the group, position lo + i; then the softmax weights.
     let mut scores = vec![0.0f32; group * n];
-    let mut k_buf = [0.0f32; MAX_KV_HEAD_DIM];
+    let mut buf = R::scratch();
     for b0 in (0..group).step_by(HB) {
         let qs: [&[f32]; HB] = std::array::from_fn(|g| &q[(b0 + g) * d..][..d]);
         for (i, &row) in rows.iter().enumerate() {
-            let dots = dot_heads(&qs, k.read(row + kvh * d, d, &mut k_buf));
+            let dots = dot_heads(&qs, k.read(row + kvh * d, d, &mut buf));
             for (g, dg) in dots.iter().enumerate() {
                 scores[(b0 + g) * n + i] = dg * s.scale;
             }
@@ -356,9 +368,8 @@ fn attend_kv_head_blocks<const HB: usize, R: KvRead + ?Sized>(
         for c0 in (0..d).step_by(PV_COLS) {
             let cols = PV_COLS.min(d - c0);
             let mut acc = [[0.0f32; PV_COLS]; HB];
-            let mut v_buf = [0.0f32; PV_COLS];
             for (i, &row) in rows.iter().enumerate() {
-                let src = v.read(row + kvh * d + c0, cols, &mut v_buf);
+                let src = v.read(row + kvh * d + c0, cols, &mut buf);
                 // A whole lane array is read in place (a copy through the stack stalls on
                 // store forwarding); only a head_dim that is not a multiple of 16 pads.
                 let mut padded = [0.0f32; PV_COLS];
