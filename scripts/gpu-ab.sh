@@ -3,8 +3,9 @@
 # settings on one binary, runs alternating so drift hits both sides alike.
 #
 #   bash scripts/gpu-ab.sh ROUNDS 'ENV_A' 'ENV_B' [moerun bench args...]
-# A setting that starts with `@base` runs moerun-base (GPU_BUILD_BASE of scripts/gpu-build.sh)
-# instead, with the rest of the setting as its environment: two builds, alternating:
+# A setting that starts with `@NAME` runs moerun-NAME instead (`@base`: GPU_BUILD_BASE of
+# scripts/gpu-build.sh; others: its GPU_BUILD_ALSO), with the rest of the setting, after a space,
+# as its environment: two builds, alternating:
 #   bash scripts/gpu-ab.sh 3 '@base' '' --like qwen3-30b-a3b --prompt 512 --gen 256
 #   bash scripts/gpu-ab.sh 2 'MOERUN_CUDA_FUSED_ROUTE=0' 'MOERUN_CUDA_FUSED_ROUTE=1' \
 #       --like qwen3-30b-a3b --prompt 512 --gen 256
@@ -21,8 +22,13 @@ bin=${GPU_BIN:-$(mktemp -d)}
 for ((r = 1; r <= rounds; r++)); do
     for setting in "$a" "$b"; do
         exe=$bin/moerun vars=$setting
-        case "$setting" in @base*) exe=$bin/moerun-base vars=${setting#@base} ;; esac
-        [ -x "$exe" ] || { echo "no $(basename "$exe") in .gpu-bin (GPU_BUILD_BASE)"; exit 2; }
+        case "$setting" in
+        @*)
+            name=${setting%% *} vars=${setting#"$name"}
+            exe=$bin/moerun-${name#@}
+            ;;
+        esac
+        [ -x "$exe" ] || { echo "no $(basename "$exe") in .gpu-bin (GPU_BUILD_BASE/ALSO)"; exit 2; }
         json=$(env $vars "$exe" bench "$@" --device cuda --json 2>/dev/null)
         printf '%-40s %s\n' "${setting:-(default)}" "$(python3 -c '
 import json, sys

@@ -9,9 +9,11 @@
 # 2. The GPU test executables: every moerun-cuda test target (`cargo test --release -p
 #    moerun-cuda --no-run`), moerun-model's unit tests (the backend ops, CPU vs GPU) and
 #    moerun-engine's conformance_gpu, plus the ops_bench example, stripped.
-# Optional, for A/Bs of two builds in one device run (scripts/gpu-ab.sh's `@base`):
+# Optional, for A/Bs of several builds in one device run (scripts/gpu-ab.sh's `@NAME`):
 #   GPU_BUILD_BASE=<git revision>   also packs that revision's moerun as moerun-base (built from a
 #                                   git worktree; the working tree and its target stay as they are)
+#   GPU_BUILD_ALSO="NAME=<git revision> ..."  also packs each revision's moerun as moerun-NAME
+#                                   (scripts/gpu-ab.sh's `@NAME`): several branches in one device run
 #   GPU_BUILD_TESTS="conformance_gpu graph ..."   packs only these test executables (the device
 #                                   tool carries at most ~5.4 MB beside the ~61.6 MB tree)
 # All packed into .gpu-bin/moerun-gpu.tar.xz. .gpu-bin/ is git-ignored (.git/info/exclude);
@@ -49,17 +51,25 @@ if [ -n "${GPU_BUILD_TESTS:-}" ]; then
     done
     rm -f .gpu-bin/stage/ops_bench
 fi
-if [ -n "${GPU_BUILD_BASE:-}" ]; then
-    base=$(mktemp -d)
-    git worktree add --detach "$base/tree" "$GPU_BUILD_BASE" >/dev/null
-    # The same target directory: its dependencies are reused; the everyday binary is rebuilt below.
-    root=$PWD
-    (cd "$base/tree" && MOERUN_NO_EMBEDDED_MODEL=1 CARGO_TARGET_DIR="$root/target" \
+# pack_revision NAME REV: REV's moerun as moerun-NAME, built from a git worktree (the working
+# tree stays as it is) into the same target directory (its dependencies are reused; the everyday
+# binary is rebuilt below).
+pack_revision() {
+    local name=$1 rev=$2 tmp root=$PWD
+    tmp=$(mktemp -d)
+    git worktree add --detach "$tmp/tree" "$rev" >/dev/null
+    (cd "$tmp/tree" && MOERUN_NO_EMBEDDED_MODEL=1 CARGO_TARGET_DIR="$root/target" \
         cargo build --release -p moerun-cli)
-    cp target/release/moerun .gpu-bin/stage/moerun-base
-    git worktree remove --force "$base/tree"
-    rm -rf "$base"
+    cp target/release/moerun ".gpu-bin/stage/moerun-$name"
+    git worktree remove --force "$tmp/tree"
+    rm -rf "$tmp"
+}
+if [ -n "${GPU_BUILD_BASE:-}" ]; then
+    pack_revision base "$GPU_BUILD_BASE"
 fi
+for also in ${GPU_BUILD_ALSO:-}; do
+    pack_revision "${also%%=*}" "${also#*=}"
+done
 strip .gpu-bin/stage/*
 # xz -9e: the working tree (~61 MB tracked) plus what is carried must stay under 64 MiB.
 XZ_OPT=-9e tar -C .gpu-bin/stage -cJf .gpu-bin/moerun-gpu.tar.xz .
