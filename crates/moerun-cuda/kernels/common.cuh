@@ -29,6 +29,58 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+__host__ __device__ constexpr int log2_const(int v) { return v <= 1 ? 0 : 1 + log2_const(v >> 1); }
+
+// Warp reduce-scatter of NV per-lane partial sums, kept in groups of KEEP adjacent values (NV and
+// KEEP powers of two, NV / KEEP at most 32): a step at lane offset o (16, 8, ..., warp_sum's
+// order) sends half of the values a lane still holds to the lane o apart and keeps the other
+// half, until KEEP are left; plain butterfly steps finish. Lane l then holds in x[0 .. KEEP) the
+// warp's totals of values scatter_first<NV, KEEP>(l) onwards. Each total is the same tree of the
+// same additions as warp_sum gives it, so the same bits, for about NV shuffles instead of 5 NV
+// (a GEMV of 8 tokens reduced 32 sums a lane with 160). Lanes that differ only in their low bits
+// hold the same totals; scatter_writer picks one of them.
+template <int NV, int KEEP = 1, int K = 0>
+__device__ __forceinline__ void warp_reduce_scatter(float (&x)[NV], int lane) {
+    static_assert((1 << log2_const(NV)) == NV && (1 << log2_const(KEEP)) == KEEP && KEEP <= NV &&
+                      NV / KEEP <= 32,
+                  "powers of two, at most a warp's worth of groups");
+    // One step per instantiation, so that every index is a constant and x stays in registers.
+    if constexpr (K < 5) {
+        constexpr int o = 16 >> K;
+        if constexpr ((KEEP << K) < NV) {
+            constexpr int half = NV >> (K + 1);
+            const bool up = (lane & o) != 0;
+#pragma unroll
+            for (int j = 0; j < half; ++j) {
+                const float send = up ? x[j] : x[j + half];
+                const float keep = up ? x[j + half] : x[j];
+                x[j] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < KEEP; ++j) x[j] += __shfl_xor_sync(0xffffffffu, x[j], o);
+        }
+        warp_reduce_scatter<NV, KEEP, K + 1>(x, lane);
+    }
+}
+
+// The first of the values whose totals warp_reduce_scatter<NV, KEEP> leaves in `lane`.
+template <int NV, int KEEP = 1>
+__device__ __forceinline__ int scatter_first(int lane) {
+    constexpr int NH = log2_const(NV / KEEP);
+    int h = 0;
+#pragma unroll
+    for (int k = 0; k < NH; ++k)
+        if (lane & (16 >> k)) h |= NV >> (k + 1);
+    return h;
+}
+
+// Whether `lane` is the one lane that writes its totals (of those holding the same ones).
+template <int NV, int KEEP = 1>
+__device__ __forceinline__ bool scatter_writer(int lane) {
+    return (lane & ((32 >> log2_const(NV / KEEP)) - 1)) == 0;
+}
+
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));

@@ -102,49 +102,6 @@ GEMV_KERNEL(gemv_f32_m8, ChunkF32, 8)
 #define ROWS_WARPS (ROWS_THREADS / 32)
 #define ROWS_PER_BLOCK 4
 
-__host__ __device__ constexpr int gemv_log2(int v) { return v <= 1 ? 0 : 1 + gemv_log2(v >> 1); }
-
-// Warp reduce-scatter of NV (a power of two, at most 32) per-lane partial sums: a step at lane
-// offset o (16, 8, ..., warp_sum's order) sends half of the values a lane still holds to the
-// lane o apart and keeps the other half, until one is left; plain butterfly steps finish. Lane l
-// then holds in x[0] the warp's total of value scatter_owned<NV>(l). Each total is the same tree
-// of the same additions as warp_sum gives it, so the same bits, for NV - 1 + 5 - log2(NV)
-// shuffles instead of 5 NV (the M = 8 GEMV reduced 32 sums a lane with 160 shuffles, the SM's
-// shuffle unit its bottleneck). The lanes that differ only in their low 5 - log2(NV) bits hold
-// the same totals.
-template <int NV, int K = 0>
-__device__ __forceinline__ void warp_reduce_scatter(float (&x)[NV], int lane) {
-    static_assert((1 << gemv_log2(NV)) == NV && NV <= 32, "a power of two, at most a warp");
-    // One step per instantiation, so that every index is a constant and x stays in registers.
-    if constexpr (K < 5) {
-        constexpr int o = 16 >> K;
-        if constexpr ((1 << K) < NV) {
-            constexpr int half = NV >> (K + 1);
-            const bool up = (lane & o) != 0;
-#pragma unroll
-            for (int j = 0; j < half; ++j) {
-                const float send = up ? x[j] : x[j + half];
-                const float keep = up ? x[j + half] : x[j];
-                x[j] = keep + __shfl_xor_sync(0xffffffffu, send, o);
-            }
-        } else {
-            x[0] += __shfl_xor_sync(0xffffffffu, x[0], o);
-        }
-        warp_reduce_scatter<NV, K + 1>(x, lane);
-    }
-}
-
-// The value whose total warp_reduce_scatter<NV> leaves in `lane`.
-template <int NV>
-__device__ __forceinline__ int scatter_owned(int lane) {
-    constexpr int NH = gemv_log2(NV);
-    int h = 0;
-#pragma unroll
-    for (int k = 0; k < NH; ++k)
-        if (lane & (16 >> k)) h |= NV >> (k + 1);
-    return h;
-}
-
 // acc[m][r] += chunk r of the weights . chunk c of x row m, for R rows at once: each x chunk is
 // read once for all R rows.
 template <typename C, int M, int R>
@@ -230,7 +187,7 @@ __device__ __forceinline__ void gemv_block_rows(const void* __restrict__ w_raw,
 #pragma unroll
         for (int r = 0; r < R; ++r) sums[m * R + r] = acc[m][r];
     warp_reduce_scatter<NV>(sums, lane);
-    if ((lane & ((32 >> gemv_log2(NV)) - 1)) == 0) partial[warp][scatter_owned<NV>(lane)] = sums[0];
+    if (scatter_writer<NV>(lane)) partial[warp][scatter_first<NV>(lane)] = sums[0];
     __syncthreads();
     if (tid < M * R) {
         const int m = tid / R;

@@ -102,16 +102,18 @@ extern "C" __global__ void __launch_bounds__(1024)
 
 // ---- shared by 2. and 3. ----
 
-// acc[m][r] = w[r] . x[m] over `chunks` 16-byte chunks of weights, by one warp: lane l takes
-// chunks l, l + 32, ..., U of them in flight per row, each widened once and applied to all M rows
-// of x. Every output is one fmaf chain in a fixed order, then a butterfly; all lanes end with the
-// totals.
+// w[r] . x[m] over `chunks` 16-byte chunks of weights, by one warp: lane l takes chunks l,
+// l + 32, ..., U of them in flight per row, each widened once and applied to all M rows of x.
+// Every output is one fmaf chain per lane in a fixed order, then warp_sum's tree, by a
+// reduce-scatter (common.cuh): lane l ends with tot[0 .. KEEP) = the totals of values
+// scatter_first<M * R, KEEP>(l) onwards, value m * R + r being x[m] . w[r].
 // WAIT: the first step's weights are issued before the kernel waits for the one before it
 // (programmatic dependent launch, common.cuh); x is only read after. Same steps, same order.
-template <typename C, int M, int R, int U, bool WAIT = false>
+template <typename C, int M, int R, int U, int KEEP, bool WAIT = false>
 __device__ __forceinline__ void moe_warp_rows(const uint4* const (&w)[R], const float* const (&x)[M],
-                                              int chunks, float (&acc)[M][R]) {
+                                              int chunks, float (&tot)[KEEP]) {
     const int lane = threadIdx.x & 31;
+    float acc[M][R];
 #pragma unroll
     for (int m = 0; m < M; ++m)
 #pragma unroll
@@ -169,10 +171,14 @@ __device__ __forceinline__ void moe_warp_rows(const uint4* const (&w)[R], const 
             step(c0);
         }
     }
+    float sums[M * R];
 #pragma unroll
     for (int m = 0; m < M; ++m)
 #pragma unroll
-        for (int r = 0; r < R; ++r) acc[m][r] = warp_sum(acc[m][r]);
+        for (int r = 0; r < R; ++r) sums[m * R + r] = acc[m][r];
+    warp_reduce_scatter<M * R, KEEP>(sums, lane);
+#pragma unroll
+    for (int j = 0; j < KEEP; ++j) tot[j] = sums[j];
 }
 
 // The pairs of one pass: `taken` (1..M) real ones; the slots after them repeat the last, so every
@@ -203,17 +209,20 @@ __device__ __forceinline__ void moe_gate_up_pass(const uint4* wg, const uint4* w
         w[2 * jw] = wg + (u64)jj * chunks;
         w[2 * jw + 1] = wu + (u64)jj * chunks;
     }
-    float acc[M][2 * JW];
+    // Each lane's gate and up totals of one (m, jw): values 2 q and 2 q + 1, q = m JW + jw.
+    float gu[2];
     // The same bytes in flight per lane for any JW: 2 JW rows x MOE_GU_UNROLL / JW chunks.
-    moe_warp_rows<C, M, 2 * JW, MOE_GU_UNROLL / JW>(w, xr, chunks, acc);
+    moe_warp_rows<C, M, 2 * JW, MOE_GU_UNROLL / JW, 2>(w, xr, chunks, gu);
+    constexpr int NV = M * 2 * JW;
     const int lane = threadIdx.x & 31;
+    const int q = scatter_first<NV, 2>(lane) / 2;
+    if (scatter_writer<NV, 2>(lane)) {
 #pragma unroll
-    for (int m = 0; m < M; ++m) {
+        for (int m = 0; m < M; ++m) {
 #pragma unroll
-        for (int jw = 0; jw < JW; ++jw) {
-            if (lane == m * JW + jw && m < taken && j + jw < inter) {
-                const float g = acc[m][2 * jw];
-                h[(u64)p[m] * inter + j + jw] = expert_act(g, act) * acc[m][2 * jw + 1];
+            for (int jw = 0; jw < JW; ++jw) {
+                if (q == m * JW + jw && m < taken && j + jw < inter)
+                    h[(u64)p[m] * inter + j + jw] = expert_act(gu[0], act) * gu[1];
             }
         }
     }
@@ -300,18 +309,17 @@ MOE_GATE_UP_KERNEL(moe_gate_up_f32_m8, ChunkF32, 8, 1)
 
 // ---- 3. down + rank-order combine ----
 
-// acc[m][r] = row row0 + r of the expert's down matrix at wexp . h[p[m]], for rows_here >= 1
-// rows; NaN for the out-of-range group (wexp null), so its tokens' sums become NaN too.
+// tot[0] = row row0 + r of the expert's down matrix at wexp . h[p[m]], for the value
+// m * MOE_DOWN_ROWS + r = scatter_first<M * MOE_DOWN_ROWS>(lane) this lane ends with
+// (moe_warp_rows), for rows_here >= 1 rows; NaN for the out-of-range group (wexp null), so its
+// tokens' sums become NaN too.
 template <typename C, int M, bool WAIT = false>
 __device__ __forceinline__ void moe_down_rows(const uint4* wexp, const float* __restrict__ h,
                                               const u32 (&p)[M], int inter, int row0,
-                                              int rows_here, float (&acc)[M][MOE_DOWN_ROWS]) {
+                                              int rows_here, float (&tot)[1]) {
     if (wexp == nullptr) {
         if (WAIT) pdl_entry();
-#pragma unroll
-        for (int m = 0; m < M; ++m)
-#pragma unroll
-            for (int r = 0; r < MOE_DOWN_ROWS; ++r) acc[m][r] = __int_as_float(0x7fffffff);
+        tot[0] = __int_as_float(0x7fffffff);
     } else {
         const int chunks = inter / C::N;
         const float* xr[M];
@@ -321,7 +329,7 @@ __device__ __forceinline__ void moe_down_rows(const uint4* wexp, const float* __
 #pragma unroll
         for (int r = 0; r < MOE_DOWN_ROWS; ++r)
             w[r] = wexp + (u64)(row0 + min(r, rows_here - 1)) * chunks;  // in bounds; unused rows
-        moe_warp_rows<C, M, MOE_DOWN_ROWS, MOE_DOWN_UNROLL, WAIT>(w, xr, chunks, acc);
+        moe_warp_rows<C, M, MOE_DOWN_ROWS, MOE_DOWN_UNROLL, 1, WAIT>(w, xr, chunks, tot);
     }
 }
 
@@ -332,15 +340,16 @@ __device__ __forceinline__ void moe_down_pass(const uint4* wexp, const float* __
     if (rows_here <= 0) return;  // warp-uniform: this warp's rows are past the end
     u32 p[M];
     moe_pass_pairs<M>(list, taken, p);
-    float acc[M][MOE_DOWN_ROWS];
-    moe_down_rows<C, M>(wexp, h, p, inter, row0, rows_here, acc);
+    float tot[1];
+    moe_down_rows<C, M>(wexp, h, p, inter, row0, rows_here, tot);
+    constexpr int NV = M * MOE_DOWN_ROWS;
     const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int m = 0; m < M; ++m)
-#pragma unroll
-        for (int r = 0; r < MOE_DOWN_ROWS; ++r)
-            if (lane == m * MOE_DOWN_ROWS + r && m < taken && r < rows_here)
-                y[(u64)p[m] * hidden + row0 + r] = acc[m][r];
+    const int v = scatter_first<NV>(lane);
+    const int m = v / MOE_DOWN_ROWS;
+    const int r = v % MOE_DOWN_ROWS;
+    // The pair from the list again (p[m] at a lane-dependent m would put p in local memory).
+    if (scatter_writer<NV>(lane) && m < taken && r < rows_here)
+        y[(u64)list[m] * hidden + row0 + r] = tot[0];
 }
 
 template <typename C, int MAXM>
@@ -515,17 +524,15 @@ __device__ __forceinline__ void moe_tiny_down(const void* __restrict__ down,
         const uint4* wexp = e < (u32)experts
                                 ? reinterpret_cast<const uint4*>(down) + (u64)e * hidden * (inter / C::N)
                                 : nullptr;
-        float acc[1][MOE_DOWN_ROWS];
+        float tot[1];
         if (waited) {
-            moe_down_rows<C, 1>(wexp, h, p, inter, row0, rows_here, acc);
+            moe_down_rows<C, 1>(wexp, h, p, inter, row0, rows_here, tot);
         } else {
-            moe_down_rows<C, 1, true>(wexp, h, p, inter, row0, rows_here, acc);
+            moe_down_rows<C, 1, true>(wexp, h, p, inter, row0, rows_here, tot);
             waited = true;
         }
-        if (lane == 0) {
-#pragma unroll
-            for (int i = 0; i < MOE_DOWN_ROWS; ++i) ys[r][i] = acc[0][i];
-        }
+        // Four lanes hold the four rows' totals (lanes 0, 8, 16, 24: moe_warp_rows).
+        if (scatter_writer<MOE_DOWN_ROWS>(lane)) ys[r][scatter_first<MOE_DOWN_ROWS>(lane)] = tot[0];
     }
     if (!waited) pdl_entry();
     __syncthreads();
