@@ -186,7 +186,8 @@ __device__ __forceinline__ void gemv_block_rows(const void* __restrict__ w_raw,
     for (int m = 0; m < M; ++m)
 #pragma unroll
         for (int r = 0; r < R; ++r) sums[m * R + r] = acc[m][r];
-    warp_reduce_scatter<NV>(sums, lane);
+    // One token (batch 1): the butterflies, whose chain is shorter.
+    warp_reduce_to_lanes<NV, 1, M == 1>(sums, lane);
     if (scatter_writer<NV>(lane)) partial[warp][scatter_first<NV>(lane)] = sums[0];
     __syncthreads();
     if (tid < M * R) {

@@ -109,7 +109,9 @@ extern "C" __global__ void __launch_bounds__(1024)
 // scatter_first<M * R, KEEP>(l) onwards, value m * R + r being x[m] . w[r].
 // WAIT: the first step's weights are issued before the kernel waits for the one before it
 // (programmatic dependent launch, common.cuh); x is only read after. Same steps, same order.
-template <typename C, int M, int R, int U, int KEEP, bool WAIT = false>
+// LATENCY (the batch-1 tiny kernels): the butterflies instead of the reduce-scatter, the same
+// bits (common.cuh warp_reduce_to_lanes).
+template <typename C, int M, int R, int U, int KEEP, bool WAIT = false, bool LATENCY = false>
 __device__ __forceinline__ void moe_warp_rows(const uint4* const (&w)[R], const float* const (&x)[M],
                                               int chunks, float (&tot)[KEEP]) {
     const int lane = threadIdx.x & 31;
@@ -176,7 +178,7 @@ __device__ __forceinline__ void moe_warp_rows(const uint4* const (&w)[R], const 
     for (int m = 0; m < M; ++m)
 #pragma unroll
         for (int r = 0; r < R; ++r) sums[m * R + r] = acc[m][r];
-    warp_reduce_scatter<M * R, KEEP>(sums, lane);
+    warp_reduce_to_lanes<M * R, KEEP, LATENCY>(sums, lane);
 #pragma unroll
     for (int j = 0; j < KEEP; ++j) tot[j] = sums[j];
 }
@@ -193,7 +195,7 @@ __device__ __forceinline__ void moe_pass_pairs(const u32* __restrict__ list, int
 
 // The warp's JW intermediate indices j .. j + JW (those < inter): gate and up rows of each, one
 // fmaf chain per row exactly as with one index per warp, so JW changes no bit of h.
-template <typename C, int M, int JW = 1>
+template <typename C, int M, int JW = 1, bool LATENCY = false>
 __device__ __forceinline__ void moe_gate_up_pass(const uint4* wg, const uint4* wu,
                                                  const float* __restrict__ x, const u32 (&p)[M],
                                                  int taken, int top_k, int hidden, int inter, int j,
@@ -212,7 +214,7 @@ __device__ __forceinline__ void moe_gate_up_pass(const uint4* wg, const uint4* w
     // Each lane's gate and up totals of one (m, jw): values 2 q and 2 q + 1, q = m JW + jw.
     float gu[2];
     // The same bytes in flight per lane for any JW: 2 JW rows x MOE_GU_UNROLL / JW chunks.
-    moe_warp_rows<C, M, 2 * JW, MOE_GU_UNROLL / JW, 2>(w, xr, chunks, gu);
+    moe_warp_rows<C, M, 2 * JW, MOE_GU_UNROLL / JW, 2, false, LATENCY>(w, xr, chunks, gu);
     constexpr int NV = M * 2 * JW;
     const int lane = threadIdx.x & 31;
     const int q = scatter_first<NV, 2>(lane) / 2;
@@ -313,7 +315,7 @@ MOE_GATE_UP_KERNEL(moe_gate_up_f32_m8, ChunkF32, 8, 1)
 // m * MOE_DOWN_ROWS + r = scatter_first<M * MOE_DOWN_ROWS>(lane) this lane ends with
 // (moe_warp_rows), for rows_here >= 1 rows; NaN for the out-of-range group (wexp null), so its
 // tokens' sums become NaN too.
-template <typename C, int M, bool WAIT = false>
+template <typename C, int M, bool WAIT = false, bool LATENCY = false>
 __device__ __forceinline__ void moe_down_rows(const uint4* wexp, const float* __restrict__ h,
                                               const u32 (&p)[M], int inter, int row0,
                                               int rows_here, float (&tot)[1]) {
@@ -329,7 +331,7 @@ __device__ __forceinline__ void moe_down_rows(const uint4* wexp, const float* __
 #pragma unroll
         for (int r = 0; r < MOE_DOWN_ROWS; ++r)
             w[r] = wexp + (u64)(row0 + min(r, rows_here - 1)) * chunks;  // in bounds; unused rows
-        moe_warp_rows<C, M, MOE_DOWN_ROWS, MOE_DOWN_UNROLL, 1, WAIT>(w, xr, chunks, tot);
+        moe_warp_rows<C, M, MOE_DOWN_ROWS, MOE_DOWN_UNROLL, 1, WAIT, LATENCY>(w, xr, chunks, tot);
     }
 }
 
@@ -495,7 +497,7 @@ __device__ __forceinline__ void moe_tiny_gate_up(const void* __restrict__ gate_u
     while (todo != 0u) {
         const u32 p[1] = {(u32)(__ffs(todo) - 1)};
         todo &= todo - 1u;
-        moe_gate_up_pass<C, 1, JW>(wg, wu, x, p, 1, top_k, hidden, inter, j, h, act);
+        moe_gate_up_pass<C, 1, JW, true>(wg, wu, x, p, 1, top_k, hidden, inter, j, h, act);
     }
 }
 
@@ -526,9 +528,9 @@ __device__ __forceinline__ void moe_tiny_down(const void* __restrict__ down,
                                 : nullptr;
         float tot[1];
         if (waited) {
-            moe_down_rows<C, 1>(wexp, h, p, inter, row0, rows_here, tot);
+            moe_down_rows<C, 1, false, true>(wexp, h, p, inter, row0, rows_here, tot);
         } else {
-            moe_down_rows<C, 1, true>(wexp, h, p, inter, row0, rows_here, tot);
+            moe_down_rows<C, 1, true, true>(wexp, h, p, inter, row0, rows_here, tot);
             waited = true;
         }
         // Four lanes hold the four rows' totals (lanes 0, 8, 16, 24: moe_warp_rows).
