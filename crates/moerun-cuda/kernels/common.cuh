@@ -75,34 +75,6 @@ __device__ __forceinline__ int scatter_first(int lane) {
     return h;
 }
 
-// warp_reduce_scatter's result (and bits) by one warp_sum butterfly per value, then the lane's
-// KEEP totals moved to x[0 .. KEEP) by selects of constant index. Each value's chain is then 5
-// dependent shuffles with nothing between them, where the reduce-scatter puts a select in every
-// step: the batch-1 kernels, which latency rather than issue bounds, lost 0.7% of decode with
-// the reduce-scatter (H200, docs/perf/cuda-model.md v13) and keep this.
-template <int NV, int KEEP = 1>
-__device__ __forceinline__ void warp_reduce_butterflies(float (&x)[NV], int lane) {
-#pragma unroll
-    for (int j = 0; j < NV; ++j) x[j] = warp_sum(x[j]);
-    const int first = scatter_first<NV, KEEP>(lane);
-#pragma unroll
-    for (int g = 1; g < NV / KEEP; ++g)
-        if (first == g * KEEP)
-#pragma unroll
-            for (int j = 0; j < KEEP; ++j) x[j] = x[g * KEEP + j];
-}
-
-// warp_reduce_scatter, or for LATENCY kernels (batch 1) warp_reduce_butterflies: the same totals
-// in the same lanes, the same bits.
-template <int NV, int KEEP, bool LATENCY>
-__device__ __forceinline__ void warp_reduce_to_lanes(float (&x)[NV], int lane) {
-    if constexpr (LATENCY) {
-        warp_reduce_butterflies<NV, KEEP>(x, lane);
-    } else {
-        warp_reduce_scatter<NV, KEEP>(x, lane);
-    }
-}
-
 // Whether `lane` is the one lane that writes its totals (of those holding the same ones).
 template <int NV, int KEEP = 1>
 __device__ __forceinline__ bool scatter_writer(int lane) {

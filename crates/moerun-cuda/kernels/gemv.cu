@@ -179,16 +179,25 @@ __device__ __forceinline__ void gemv_block_rows(const void* __restrict__ w_raw,
             t[r] = r < rows_here ? load_stream(w + (u64)r * chunks + c) : make_uint4(0u, 0u, 0u, 0u);
         fma_rows<C, M, R>(t, x, k, c, acc);
     }
-    // Each warp's M x R sums, one lane per total (see warp_reduce_scatter).
-    constexpr int NV = M * R;
-    float sums[NV];
+    if constexpr (M == 1) {
+        // One token (batch 1): one butterfly per sum, lane 0 writing. With the reduce-scatter
+        // batch-1 decode lost 0.7-1% (H200, alternating; docs/perf/cuda-model.md v13).
 #pragma unroll
-    for (int m = 0; m < M; ++m)
+        for (int r = 0; r < R; ++r) {
+            const float v = warp_sum(acc[0][r]);
+            if (lane == 0) partial[warp][r] = v;
+        }
+    } else {
+        // Each warp's M x R sums, one lane per total (see warp_reduce_scatter).
+        constexpr int NV = M * R;
+        float sums[NV];
 #pragma unroll
-        for (int r = 0; r < R; ++r) sums[m * R + r] = acc[m][r];
-    // One token (batch 1): the butterflies, whose chain is shorter.
-    warp_reduce_to_lanes<NV, 1, M == 1>(sums, lane);
-    if (scatter_writer<NV>(lane)) partial[warp][scatter_first<NV>(lane)] = sums[0];
+        for (int m = 0; m < M; ++m)
+#pragma unroll
+            for (int r = 0; r < R; ++r) sums[m * R + r] = acc[m][r];
+        warp_reduce_scatter<NV>(sums, lane);
+        if (scatter_writer<NV>(lane)) partial[warp][scatter_first<NV>(lane)] = sums[0];
+    }
     __syncthreads();
     if (tid < M * R) {
         const int m = tid / R;

@@ -106,12 +106,11 @@ extern "C" __global__ void __launch_bounds__(1024)
 // l + 32, ..., U of them in flight per row, each widened once and applied to all M rows of x.
 // Every output is one fmaf chain per lane in a fixed order, then warp_sum's tree, by a
 // reduce-scatter (common.cuh): lane l ends with tot[0 .. KEEP) = the totals of values
-// scatter_first<M * R, KEEP>(l) onwards, value m * R + r being x[m] . w[r].
+// scatter_first<M * R, KEEP>(l) onwards, value m * R + r being x[m] . w[r]. KEEP = M * R: every
+// lane all of them, by one warp_sum each.
 // WAIT: the first step's weights are issued before the kernel waits for the one before it
 // (programmatic dependent launch, common.cuh); x is only read after. Same steps, same order.
-// LATENCY (the batch-1 tiny kernels): the butterflies instead of the reduce-scatter, the same
-// bits (common.cuh warp_reduce_to_lanes).
-template <typename C, int M, int R, int U, int KEEP, bool WAIT = false, bool LATENCY = false>
+template <typename C, int M, int R, int U, int KEEP, bool WAIT = false>
 __device__ __forceinline__ void moe_warp_rows(const uint4* const (&w)[R], const float* const (&x)[M],
                                               int chunks, float (&tot)[KEEP]) {
     const int lane = threadIdx.x & 31;
@@ -173,14 +172,22 @@ __device__ __forceinline__ void moe_warp_rows(const uint4* const (&w)[R], const 
             step(c0);
         }
     }
-    float sums[M * R];
+    if constexpr (KEEP == M * R) {
+        // Every total in every lane: one butterfly per total (the batch-1 tiny kernels).
 #pragma unroll
-    for (int m = 0; m < M; ++m)
+        for (int m = 0; m < M; ++m)
 #pragma unroll
-        for (int r = 0; r < R; ++r) sums[m * R + r] = acc[m][r];
-    warp_reduce_to_lanes<M * R, KEEP, LATENCY>(sums, lane);
+            for (int r = 0; r < R; ++r) tot[m * R + r] = warp_sum(acc[m][r]);
+    } else {
+        float sums[M * R];
 #pragma unroll
-    for (int j = 0; j < KEEP; ++j) tot[j] = sums[j];
+        for (int m = 0; m < M; ++m)
+#pragma unroll
+            for (int r = 0; r < R; ++r) sums[m * R + r] = acc[m][r];
+        warp_reduce_scatter<M * R, KEEP>(sums, lane);
+#pragma unroll
+        for (int j = 0; j < KEEP; ++j) tot[j] = sums[j];
+    }
 }
 
 // The pairs of one pass: `taken` (1..M) real ones; the slots after them repeat the last, so every
@@ -195,7 +202,10 @@ __device__ __forceinline__ void moe_pass_pairs(const u32* __restrict__ list, int
 
 // The warp's JW intermediate indices j .. j + JW (those < inter): gate and up rows of each, one
 // fmaf chain per row exactly as with one index per warp, so JW changes no bit of h.
-template <typename C, int M, int JW = 1, bool LATENCY = false>
+// KEEP: totals per lane (moe_warp_rows): 2, a gate and an up each (several tokens: the
+// reduce-scatter), or all M x 2 JW (the batch-1 tiny kernel: butterflies, as before the
+// reduce-scatter, which lost 0.7-1% of batch-1 decode; docs/perf/cuda-model.md v13).
+template <typename C, int M, int JW = 1, int KEEP = 2>
 __device__ __forceinline__ void moe_gate_up_pass(const uint4* wg, const uint4* wu,
                                                  const float* __restrict__ x, const u32 (&p)[M],
                                                  int taken, int top_k, int hidden, int inter, int j,
@@ -211,12 +221,25 @@ __device__ __forceinline__ void moe_gate_up_pass(const uint4* wg, const uint4* w
         w[2 * jw] = wg + (u64)jj * chunks;
         w[2 * jw + 1] = wu + (u64)jj * chunks;
     }
-    // Each lane's gate and up totals of one (m, jw): values 2 q and 2 q + 1, q = m JW + jw.
-    float gu[2];
+    // The gate and up totals of (m, jw) are values 2 q and 2 q + 1, q = m JW + jw.
+    float gu[KEEP];
     // The same bytes in flight per lane for any JW: 2 JW rows x MOE_GU_UNROLL / JW chunks.
-    moe_warp_rows<C, M, 2 * JW, MOE_GU_UNROLL / JW, 2, false, LATENCY>(w, xr, chunks, gu);
+    moe_warp_rows<C, M, 2 * JW, MOE_GU_UNROLL / JW, KEEP>(w, xr, chunks, gu);
     constexpr int NV = M * 2 * JW;
     const int lane = threadIdx.x & 31;
+    if constexpr (KEEP == NV) {
+        // Every lane holds every total: lane q writes q's.
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+#pragma unroll
+            for (int jw = 0; jw < JW; ++jw) {
+                const int q = m * JW + jw;
+                if (lane == q && m < taken && j + jw < inter)
+                    h[(u64)p[m] * inter + j + jw] = expert_act(gu[2 * q], act) * gu[2 * q + 1];
+            }
+        }
+        return;
+    }
     const int q = scatter_first<NV, 2>(lane) / 2;
     if (scatter_writer<NV, 2>(lane)) {
 #pragma unroll
@@ -315,13 +338,15 @@ MOE_GATE_UP_KERNEL(moe_gate_up_f32_m8, ChunkF32, 8, 1)
 // m * MOE_DOWN_ROWS + r = scatter_first<M * MOE_DOWN_ROWS>(lane) this lane ends with
 // (moe_warp_rows), for rows_here >= 1 rows; NaN for the out-of-range group (wexp null), so its
 // tokens' sums become NaN too.
-template <typename C, int M, bool WAIT = false, bool LATENCY = false>
+// KEEP = M * MOE_DOWN_ROWS: every total in every lane (butterflies; the batch-1 tiny kernel).
+template <typename C, int M, bool WAIT = false, int KEEP = 1>
 __device__ __forceinline__ void moe_down_rows(const uint4* wexp, const float* __restrict__ h,
                                               const u32 (&p)[M], int inter, int row0,
-                                              int rows_here, float (&tot)[1]) {
+                                              int rows_here, float (&tot)[KEEP]) {
     if (wexp == nullptr) {
         if (WAIT) pdl_entry();
-        tot[0] = __int_as_float(0x7fffffff);
+#pragma unroll
+        for (int i = 0; i < KEEP; ++i) tot[i] = __int_as_float(0x7fffffff);
     } else {
         const int chunks = inter / C::N;
         const float* xr[M];
@@ -331,7 +356,7 @@ __device__ __forceinline__ void moe_down_rows(const uint4* wexp, const float* __
 #pragma unroll
         for (int r = 0; r < MOE_DOWN_ROWS; ++r)
             w[r] = wexp + (u64)(row0 + min(r, rows_here - 1)) * chunks;  // in bounds; unused rows
-        moe_warp_rows<C, M, MOE_DOWN_ROWS, MOE_DOWN_UNROLL, 1, WAIT, LATENCY>(w, xr, chunks, tot);
+        moe_warp_rows<C, M, MOE_DOWN_ROWS, MOE_DOWN_UNROLL, KEEP, WAIT>(w, xr, chunks, tot);
     }
 }
 
@@ -497,7 +522,7 @@ __device__ __forceinline__ void moe_tiny_gate_up(const void* __restrict__ gate_u
     while (todo != 0u) {
         const u32 p[1] = {(u32)(__ffs(todo) - 1)};
         todo &= todo - 1u;
-        moe_gate_up_pass<C, 1, JW, true>(wg, wu, x, p, 1, top_k, hidden, inter, j, h, act);
+        moe_gate_up_pass<C, 1, JW, 2 * JW>(wg, wu, x, p, 1, top_k, hidden, inter, j, h, act);
     }
 }
 
@@ -526,15 +551,18 @@ __device__ __forceinline__ void moe_tiny_down(const void* __restrict__ down,
         const uint4* wexp = e < (u32)experts
                                 ? reinterpret_cast<const uint4*>(down) + (u64)e * hidden * (inter / C::N)
                                 : nullptr;
-        float tot[1];
+        // Every lane holds the four rows' totals (butterflies: batch 1).
+        float tot[MOE_DOWN_ROWS];
         if (waited) {
-            moe_down_rows<C, 1, false, true>(wexp, h, p, inter, row0, rows_here, tot);
+            moe_down_rows<C, 1, false, MOE_DOWN_ROWS>(wexp, h, p, inter, row0, rows_here, tot);
         } else {
-            moe_down_rows<C, 1, true, true>(wexp, h, p, inter, row0, rows_here, tot);
+            moe_down_rows<C, 1, true, MOE_DOWN_ROWS>(wexp, h, p, inter, row0, rows_here, tot);
             waited = true;
         }
-        // Four lanes hold the four rows' totals (lanes 0, 8, 16, 24: moe_warp_rows).
-        if (scatter_writer<MOE_DOWN_ROWS>(lane)) ys[r][scatter_first<MOE_DOWN_ROWS>(lane)] = tot[0];
+        if (lane == 0) {
+#pragma unroll
+            for (int i = 0; i < MOE_DOWN_ROWS; ++i) ys[r][i] = tot[i];
+        }
     }
     if (!waited) pdl_entry();
     __syncthreads();
