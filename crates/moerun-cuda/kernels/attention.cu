@@ -1,6 +1,8 @@
 // Paged causal attention over one layer's KV pool, f32 activations (ops/attention.rs wraps these).
 //
-// Pool: K and V each [blocks][block_size][kv_heads][head_dim] f32. Token i of the flat batch sits
+// Pool: K and V each [blocks][block_size][kv_heads][head_dim], f32 or (the MOERUN_KV_BF16
+// build, attention_common.cuh) bf16; every kernel below reads it through ld_kv4 or the staging
+// helpers, so both builds do the same arithmetic on the same widened values. Token i of the flat batch sits
 // at position positions[i] of the sequence whose block table starts at
 // block_tables[table_start[i]]: position p of that sequence lives in block
 // block_tables[table_start[i] + p / block_size], slot p % block_size. Token i attends to its
@@ -38,8 +40,8 @@
 //   tiles of 64 tokens. Grid (n / 64, num_heads), block 128 (one warp per 16 query rows), two
 //   blocks per SM; dynamic shared: 3 stages of the bf16 K and V tiles, [64][D + 8] each, which
 //   ldmatrix(.trans) reads. Key tiles of the batch's own positions are cp.async-copied from the
-//   batch copy (AttnArgs.copy_k/v); the others are read from the f32 pool and rounded (see the
-//   section below). attn_tile_bf16_h2_d<D> and _h4_d<D>: the same tiles and arithmetic (the same
+//   batch copy (AttnArgs.copy_k/v); the others are read from the pool and rounded (an f32
+//   pool; a bf16 one holds them rounded already; see the section below). attn_tile_bf16_h2_d<D> and _h4_d<D>: the same tiles and arithmetic (the same
 //   bits), each warp 16 tokens of two query heads of one kv head (32 rows sharing every K and V
 //   fragment); blocks of 2 heads (grid (n / 64, num_heads / 2), block 128, 2 stages + a bf16 q
 //   tile, two blocks per SM) or 4 heads (grid (n / 64, num_heads / 4), block 256, 3 stages + q,
@@ -92,15 +94,51 @@ __device__ __forceinline__ void cp_async_wait() {
 
 __host__ __device__ constexpr int ilog2(int v) { return v <= 1 ? 0 : 1 + ilog2(v >> 1); }
 
+// Four pool values (src; `ok` false: zeros, nothing read) into f32 shared memory at dst, for a
+// tile read as f32: an f32 pool by cp.async (the caller commits and waits), a bf16 pool widened
+// by a plain load and store (done when this returns).
+__device__ __forceinline__ void stage_kv4_f32(float* dst, const kv_t* src, bool ok) {
+#ifdef MOERUN_KV_BF16
+    st4(dst, ok ? ld_kv4(src) : zero4());
+#else
+    cp_async16(dst, src, ok ? 16 : 0);
+#endif
+}
+
+// Four pool values (src; `ok` false: zeros, nothing read) by cp.async into a 16-byte slot at dst
+// of a tile that is rounded to bf16 afterwards (landed_bf16x4): an f32 pool's 16 bytes, a bf16
+// pool's 8 (the slot's first half).
+__device__ __forceinline__ void land_kv4(float* dst, const kv_t* src, bool ok) {
+#ifdef MOERUN_KV_BF16
+    const u32 d = (u32)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(d), "l"(src),
+                 "r"(ok ? 8 : 0)
+                 : "memory");
+#else
+    cp_async16(dst, src, ok ? 16 : 0);
+#endif
+}
+
+// The four values land_kv4 put at p, as two pairs of bf16 (round to nearest even from an f32
+// pool; as they are from a bf16 one, which holds the same rounding of the same values).
+__device__ __forceinline__ uint2 landed_bf16x4(const float* p) {
+#ifdef MOERUN_KV_BF16
+    return *reinterpret_cast<const uint2*>(p);
+#else
+    const float4 x = ld4(p);
+    return make_uint2(pack_bf16(x.x, x.y), pack_bf16(x.z, x.w));
+#endif
+}
+
 // ---- kv_write ----
 
 // With copy_k non-null, also writes row i rounded to bf16 into the batch copy (whatever the
-// pool's table says: the copy is indexed by batch row).
+// pool's table says: the copy is indexed by batch row). f32 rows in; the pool's type out.
 extern "C" __global__ void __launch_bounds__(128)
     kv_write_f32(const float* __restrict__ k, const float* __restrict__ v,
                  const int* __restrict__ positions, const int* __restrict__ table_start,
-                 const int* __restrict__ block_tables, int tables_len, float* __restrict__ pool_k,
-                 float* __restrict__ pool_v, int n, int width, int block_size, int blocks,
+                 const int* __restrict__ block_tables, int tables_len, kv_t* __restrict__ pool_k,
+                 kv_t* __restrict__ pool_v, int n, int width, int block_size, int blocks,
                  u16* __restrict__ copy_k, u16* __restrict__ copy_v) {
     const int i = blockIdx.x;
     if (i >= n) return;
@@ -120,8 +158,8 @@ extern "C" __global__ void __launch_bounds__(128)
     const u64 dst = ((u64)blk * block_size + pos % block_size) * width;
     const u64 src = (u64)i * width;
     for (int e = threadIdx.x; e < width; e += blockDim.x) {
-        pool_k[dst + e] = k[src + e];
-        pool_v[dst + e] = v[src + e];
+        pool_k[dst + e] = to_kv(k[src + e]);
+        pool_v[dst + e] = to_kv(v[src + e]);
     }
 }
 
@@ -197,8 +235,8 @@ __device__ __forceinline__ void fetch_keys(const AttnArgs& a, int ts, int kh, in
         for (int v = 0; v < VPL; ++v) {
             const int c = sub + L * v;
             if (ok[u] && c < d4) {
-                kr[u][v] = ld4(a.pool_k + off + 4 * c);
-                vr[u][v] = ld4(a.pool_v + off + 4 * c);
+                kr[u][v] = ld_kv4(a.pool_k + off + 4 * c);
+                vr[u][v] = ld_kv4(a.pool_v + off + 4 * c);
             } else {
                 kr[u][v] = zero4();
                 vr[u][v] = zero4();
@@ -955,8 +993,8 @@ __device__ __forceinline__ void attn_tile_f32(const AttnArgs& a) {
             const int kp = kt + r;
             const long long off = kp < kend ? kv_offset(a, ts, kp, kh) : -1;
             const bool ok = off >= 0;
-            cp_async16(Ks + r * ds + 4 * c, ok ? a.pool_k + off + 4 * c : a.pool_k, ok ? 16 : 0);
-            cp_async16(Vs + r * ds + 4 * c, ok ? a.pool_v + off + 4 * c : a.pool_v, ok ? 16 : 0);
+            stage_kv4_f32(Ks + r * ds + 4 * c, ok ? a.pool_k + off + 4 * c : a.pool_k, ok);
+            stage_kv4_f32(Vs + r * ds + 4 * c, ok ? a.pool_v + off + 4 * c : a.pool_v, ok);
         }
         cp_async_commit();
         cp_async_wait<0>();
@@ -1066,9 +1104,9 @@ ATTN_TILE_F32(attn_tile_f32_c4, 4)
 // `batch_copy_start` checks, from the tile's first row back to its first key, which of those rows
 // really are this sequence at that position, so any layout stays exact. A key tile wholly at or
 // after that start is cp.async-copied straight into the bf16 stage; the key tiles before it (a
-// cached prefix: chunked prefill; every tile without a copy) come from the f32 pool. Both give
-// the same bf16 numbers (the pool holds the same f32 values), so the output does not depend on
-// which source a tile took.
+// cached prefix: chunked prefill; every tile without a copy) come from the pool. Both give
+// the same bf16 numbers (an f32 pool holds the same f32 values, a bf16 pool the same rounding of
+// them), so the output does not depend on which source a tile took.
 //
 // Pipeline, in two phases. Pool tiles first: tile j + 1's f32 K and V rows cp.async into stages 0
 // and 1 while tile j computes from stage 2, where it was rounded (two barriers per tile). Then
@@ -1265,8 +1303,9 @@ __device__ __forceinline__ void attn_tile_bf16(const AttnArgs& a) {
             }
         }
     };
-    // Pool tiles: f32 rows of keys by cp.async into the landing stages (rows past kend or out of
-    // range: zeros), then rounded to bf16 into stage PS. ST == 3: K rows of the whole tile into
+    // Pool tiles: rows of keys by cp.async into the landing stages (land_kv4: f32 rows in their
+    // 16-byte slots, or bf16 rows in each slot's first half; rows past kend or out of range:
+    // zeros), then rounded to bf16 (landed_bf16x4) into stage PS. ST == 3: K rows of the whole tile into
     // stage 0, V rows into stage 1. ST == 2: K rows of keys kt + 32 half .. + 31, then their V
     // rows, into stage 0.
     float* const kf = reinterpret_cast<float*>(bf);
@@ -1283,8 +1322,8 @@ __device__ __forceinline__ void attn_tile_bf16(const AttnArgs& a) {
             const int kp = kt + r;
             const long long off = kp < kend ? kv_offset(a, ts, kp, kh) : -1;
             const bool ok = off >= 0;
-            cp_async16(kf + r * FS + 4 * ch, ok ? a.pool_k + off + 4 * ch : a.pool_k, ok ? 16 : 0);
-            cp_async16(vf + r * FS + 4 * ch, ok ? a.pool_v + off + 4 * ch : a.pool_v, ok ? 16 : 0);
+            land_kv4(kf + r * FS + 4 * ch, ok ? a.pool_k + off + 4 * ch : a.pool_k, ok);
+            land_kv4(vf + r * FS + 4 * ch, ok ? a.pool_v + off + 4 * ch : a.pool_v, ok);
         }
         cp_async_commit();
     };
@@ -1297,12 +1336,8 @@ __device__ __forceinline__ void attn_tile_bf16(const AttnArgs& a) {
             const int idx = tid + it * NT;
             const int r = idx / CH4;
             const int ch = idx - r * CH4;
-            const float4 x = ld4(kf + r * FS + 4 * ch);
-            const float4 y = ld4(vf + r * FS + 4 * ch);
-            *reinterpret_cast<uint2*>(kb + r * BS + 4 * ch) =
-                make_uint2(pack_bf16(x.x, x.y), pack_bf16(x.z, x.w));
-            *reinterpret_cast<uint2*>(vb + r * BS + 4 * ch) =
-                make_uint2(pack_bf16(y.x, y.y), pack_bf16(y.z, y.w));
+            *reinterpret_cast<uint2*>(kb + r * BS + 4 * ch) = landed_bf16x4(kf + r * FS + 4 * ch);
+            *reinterpret_cast<uint2*>(vb + r * BS + 4 * ch) = landed_bf16x4(vf + r * FS + 4 * ch);
         }
     };
     // Copy tile i (tile npool + i) into stage st (i % ST); always one commit group, so the

@@ -4,11 +4,33 @@
 // key range, batch-copy scan and key tiles of a prefill tile, and two bf16/exp2 helpers. attention.cu's
 // header describes the contract.
 
+// The pool's element type. compile.rs builds each attention file twice: for an f32 pool, and
+// with MOERUN_KV_BF16 defined for a bf16 pool (ops/attention.rs picks the build by the pool's
+// dtype). A bf16 value is rounded once, when written (to nearest even, as moerun-cpu's bf16 pool
+// rounds), and widened exactly when read: attention over a bf16 pool is, bit for bit, attention
+// over an f32 pool that holds the rounded values.
+#ifdef MOERUN_KV_BF16
+typedef u16 kv_t;
+__device__ __forceinline__ kv_t to_kv(float x) { return f32_to_bf16(x); }
+// Four pool values at p (8-byte aligned: head_dim is a multiple of 4), widened.
+__device__ __forceinline__ float4 ld_kv4(const kv_t* p) {
+    const uint2 r = *reinterpret_cast<const uint2*>(p);
+    return make_float4(__uint_as_float(r.x << 16), __uint_as_float(r.x & 0xffff0000u),
+                       __uint_as_float(r.y << 16), __uint_as_float(r.y & 0xffff0000u));
+}
+#else
+typedef float kv_t;
+__device__ __forceinline__ kv_t to_kv(float x) { return x; }
+__device__ __forceinline__ float4 ld_kv4(const kv_t* p) {
+    return *reinterpret_cast<const float4*>(p);
+}
+#endif
+
 struct AttnArgs {
     const float* q;
     float* out;
-    const float* pool_k;
-    const float* pool_v;
+    const kv_t* pool_k;
+    const kv_t* pool_v;
     const int* positions;
     const int* table_start;
     const int* block_tables;

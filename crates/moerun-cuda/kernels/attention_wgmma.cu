@@ -6,8 +6,9 @@
 // by value; a tile of AttnArgs.tile_m = 64 consecutive tokens of one sequence belongs to this
 // kernel when `tile_owned` says so, every other token to attn_split; keys of the batch's own
 // positions come from the bf16 batch copy (copy_k/copy_v, checked by `batch_copy_start`),
-// earlier keys (a cached prefix: chunked prefill) from the f32 pool, rounded to bf16 here; both
-// give the same bf16 values, so the output does not depend on which source a tile took.
+// earlier keys (a cached prefix: chunked prefill) from the pool (f32, rounded to bf16 here, or
+// bf16: attention_common.cuh's ld_kv4 widens, the rounding then keeps them); both give the
+// same bf16 values, so the output does not depend on which source a tile took.
 // Scores are in the log2 domain (q scaled by scale_log2 and rounded to bf16 once), weights by
 // ex2.approx.ftz, P rounded to bf16, one normalisation at the end: the arithmetic of the mma.sync
 // kernel, in another accumulation order (so other bits, the same tolerance).
@@ -19,7 +20,7 @@
 // - warpgroup 0, the producer: per key tile of FA_N = 128 keys, waits for a free stage of a ring
 //   of STAGES, then fills its K and V (each [2 blocks of 64 dims][128 keys][128 bytes], the
 //   128-byte swizzled layout: key r, 16-byte chunk c of a block at r * 128 + 16 (c ^ (r % 8)))
-//   either from the batch copy or, for pool tiles, by loading f32 rows (8 rows per warp in
+//   either from the batch copy or, for pool tiles, by loading pool rows (8 rows per warp in
 //   flight, the block-table offsets of a warp's 32 rows found at once), rounding them and
 //   storing them (fence.proxy.async, then arrive). Copy tiles: TMA == 0, cp.async by every
 //   thread (arriving on the stage's `full` barrier when its copies land; rows past the tile's
@@ -266,8 +267,8 @@ __device__ __forceinline__ void fa_produce(const AttnArgs& a, int t0, int kmin, 
                 for (int u = 0; u < FA_PU; ++u) {
                     const long long off = __shfl_sync(0xffffffffu, off_l, i0 + u);
                     const long long src = (off >= 0 ? off : 0) + 4 * lane;
-                    x[u] = *reinterpret_cast<const float4*>(a.pool_k + src);
-                    y[u] = *reinterpret_cast<const float4*>(a.pool_v + src);
+                    x[u] = ld_kv4(a.pool_k + src);
+                    y[u] = ld_kv4(a.pool_v + src);
                     if (off < 0) x[u] = y[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
                 }
 #pragma unroll

@@ -16,9 +16,9 @@
 //   RMSNorm each v head without a weight (Gemma 4's v_norm); with a gate buffer, each q head's
 //   projection is its query then its output gate (Qwen3.5's doubled q_proj), the gate copied out. Given a KV pool
 //   (KvDest.pool_k non-null), the k and v heads also go straight into the token's slot there,
-//   as kv_write_f32 would put them (skipped for a position whose block is out of range). Given a
-//   batch copy (KvDest.copy_k non-null), the k and v heads also go, rounded to bf16, into the
-//   token's row there: what the tensor-core prefill kernel reads for the batch's own keys.
+//   as kv_write_f32 would put them (f32, or rounded to bf16 for a bf16 pool; skipped for a
+//   position whose block is out of range). Given a batch copy (KvDest.copy_k non-null), the k
+//   and v heads also go, rounded to bf16, into the token's row there: what the tensor-core prefill kernel reads for the batch's own keys.
 //   Launch: grid (tokens, ceil((heads_q + 2 * heads_kv) / 4)), block (32, 4): one warp per head
 //   (head_dim <= 256), four heads per block.
 
@@ -124,13 +124,15 @@ extern "C" __global__ void rms_norm_block_f32(const float* x, const float* __res
 
 // Where the prologue writes K/V in the paged pool: the layout of ops/fused.rs's KvDest.
 struct KvDest {
-    float* pool_k;  // null: no pool write
-    float* pool_v;
+    void* pool_k;  // null: no pool write
+    void* pool_v;
     const int* table_start;
     const int* block_tables;
     int tables_len;
     int block_size;
     int blocks;
+    // The pool's values are bf16 (rounded to nearest even once, here), else f32.
+    int pool_bf16;
     // The batch copy of K and V for tensor-core prefill attention ([tokens][heads_kv][head_dim]
     // bf16; null: none), written whether or not the pool is.
     u16* copy_k;
@@ -176,16 +178,17 @@ __device__ __forceinline__ void qkv_split_norm_rope(
         norm = 0;
         rotate = false;
     }
-    // This head's row in the pool, when it is k or v and its block is in range.
-    auto pool_slot = [&](int pos) -> float* {
-        if (!kv.pool_k || h < heads_q) return nullptr;
+    // This head's row in its pool (K or V) as an element offset, when it is k or v and its block
+    // is in range; else -1.
+    auto pool_slot = [&](int pos) -> long long {
+        if (!kv.pool_k || h < heads_q) return -1;
         const int ti = kv.table_start[t] + pos / kv.block_size;
         const int blk = ti >= 0 && ti < kv.tables_len ? kv.block_tables[ti] : -1;
-        if (blk < 0 || blk >= kv.blocks) return nullptr;
+        if (blk < 0 || blk >= kv.blocks) return -1;
         const bool is_k = h < heads_q + heads_kv;
         const int kvh = is_k ? h - heads_q : h - heads_q - heads_kv;
         const u64 row = (u64)blk * kv.block_size + pos % kv.block_size;
-        return (is_k ? kv.pool_k : kv.pool_v) + (row * heads_kv + kvh) * head_dim;
+        return (long long)((row * heads_kv + kvh) * head_dim);
     };
     // cos and sin of rotary pair i, scaled by the attention factor.
     auto rotation = [&](int i, int pos, float& c, float& sn) {
@@ -196,7 +199,7 @@ __device__ __forceinline__ void qkv_split_norm_rope(
     float nw[EARLY ? DIMS_PER_LANE : 1];
     float rc[EARLY ? ROPE_PER_LANE : 1], rs[EARLY ? ROPE_PER_LANE : 1];
     int pos = 0;
-    float* slot = nullptr;
+    long long slot = -1;
     if constexpr (EARLY) {
 #pragma unroll
         for (int d = 0; d < DIMS_PER_LANE; ++d) {
@@ -279,8 +282,15 @@ __device__ __forceinline__ void qkv_split_norm_rope(
         for (int i = lane; i < head_dim; i += 32) crow[i] = f32_to_bf16(hd[i]);
     }
     if (!EARLY) slot = pool_slot(pos);
-    if (slot) {
-        for (int i = lane; i < head_dim; i += 32) slot[i] = hd[i];
+    if (slot >= 0) {
+        void* pool = h < heads_q + heads_kv ? kv.pool_k : kv.pool_v;
+        if (kv.pool_bf16) {
+            u16* row = reinterpret_cast<u16*>(pool) + slot;
+            for (int i = lane; i < head_dim; i += 32) row[i] = f32_to_bf16(hd[i]);
+        } else {
+            float* row = reinterpret_cast<float*>(pool) + slot;
+            for (int i = lane; i < head_dim; i += 32) row[i] = hd[i];
+        }
     }
 }
 

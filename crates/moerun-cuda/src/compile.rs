@@ -32,12 +32,25 @@ const HOPPER_PRELUDE: &str = include_str!("../kernels/hopper.cuh");
 /// argument struct, pool addressing and tile rule.
 const ATTENTION_PRELUDE: &str = include_str!("../kernels/attention_common.cuh");
 
-/// The kernel files that take [`ATTENTION_PRELUDE`].
-const ATTENTION_FILES: &[&str] = &["attention", "attention_wgmma"];
+/// The kernel builds that take [`ATTENTION_PRELUDE`].
+const ATTENTION_FILES: &[&str] = &[
+    "attention",
+    "attention_wgmma",
+    "attention_kvbf16",
+    "attention_wgmma_kvbf16",
+];
 
-/// The preludes of `file`, in the order they precede its text.
+/// The attention files built a second time for a bf16 KV pool (`kv_t`, attention_common.cuh):
+/// the builds named `<file>_kvbf16` ([`crate::ops::KvDtype`] picks one at each call).
+const KV_BF16_DEFINES: &str = "#define MOERUN_KV_BF16 1\n";
+
+/// The preludes of `file`, in the order they precede its text (its defines first).
 fn preludes(file: &KernelFile) -> Vec<&'static str> {
-    let mut parts = vec![PRELUDE];
+    let mut parts = Vec::new();
+    if !file.defines.is_empty() {
+        parts.push(file.defines);
+    }
+    parts.push(PRELUDE);
     if SM90A_FILES.contains(&file.name) {
         parts.push(HOPPER_PRELUDE);
     }
@@ -58,10 +71,13 @@ fn full_source(file: &KernelFile) -> String {
 /// One kernel family: a `.cu` file and the `extern "C"` entry points it defines.
 #[derive(Clone, Copy, Debug)]
 pub struct KernelFile {
-    /// File name under `kernels/`, without `.cu`.
+    /// The build's name (a module, a cache file): the file's name under `kernels/`, without `.cu`,
+    /// or for a second build of a file, that name and a suffix.
     pub name: &'static str,
     /// The file's text.
     pub source: &'static str,
+    /// Text put before everything else (the preludes included): `#define`s that pick a build.
+    pub defines: &'static str,
 }
 
 /// Every kernel family of the backend, in the order [`crate::CudaDevice::open`] loads them.
@@ -69,66 +85,92 @@ pub const KERNEL_FILES: &[KernelFile] = &[
     KernelFile {
         name: "norm",
         source: include_str!("../kernels/norm.cu"),
+        defines: "",
     },
     KernelFile {
         name: "rope",
         source: include_str!("../kernels/rope.cu"),
+        defines: "",
     },
     KernelFile {
         name: "activation",
         source: include_str!("../kernels/activation.cu"),
+        defines: "",
     },
     KernelFile {
         name: "convert",
         source: include_str!("../kernels/convert.cu"),
+        defines: "",
     },
     KernelFile {
         name: "embedding",
         source: include_str!("../kernels/embedding.cu"),
+        defines: "",
     },
     KernelFile {
         name: "router",
         source: include_str!("../kernels/router.cu"),
+        defines: "",
     },
     KernelFile {
         name: "gemv",
         source: include_str!("../kernels/gemv.cu"),
+        defines: "",
     },
     KernelFile {
         name: "attention",
         source: include_str!("../kernels/attention.cu"),
+        defines: "",
     },
     KernelFile {
         name: "attention_wgmma",
         source: include_str!("../kernels/attention_wgmma.cu"),
+        defines: "",
+    },
+    KernelFile {
+        name: "attention_kvbf16",
+        source: include_str!("../kernels/attention.cu"),
+        defines: KV_BF16_DEFINES,
+    },
+    KernelFile {
+        name: "attention_wgmma_kvbf16",
+        source: include_str!("../kernels/attention_wgmma.cu"),
+        defines: KV_BF16_DEFINES,
     },
     KernelFile {
         name: "moe",
         source: include_str!("../kernels/moe.cu"),
+        defines: "",
     },
     KernelFile {
         name: "moe_prefill",
         source: include_str!("../kernels/moe_prefill.cu"),
+        defines: "",
     },
     KernelFile {
         name: "moe_wgmma",
         source: include_str!("../kernels/moe_wgmma.cu"),
+        defines: "",
     },
     KernelFile {
         name: "gemma",
         source: include_str!("../kernels/gemma.cu"),
+        defines: "",
     },
     KernelFile {
         name: "elementwise",
         source: include_str!("../kernels/elementwise.cu"),
+        defines: "",
     },
     KernelFile {
         name: "fused",
         source: include_str!("../kernels/fused.cu"),
+        defines: "",
     },
     KernelFile {
         name: "gated_delta",
         source: include_str!("../kernels/gated_delta.cu"),
+        defines: "",
     },
 ];
 
@@ -136,7 +178,7 @@ pub const KERNEL_FILES: &[KernelFile] = &[
 /// devices (wgmma, setmaxnreg exist only there). Each guards its bodies with
 /// `__CUDA_ARCH_FEAT_SM90_ALL`, so on any other architecture it compiles to entry points that are
 /// never launched.
-pub const SM90A_FILES: &[&str] = &["moe_wgmma", "attention_wgmma"];
+pub const SM90A_FILES: &[&str] = &["moe_wgmma", "attention_wgmma", "attention_wgmma_kvbf16"];
 
 /// The target `file` is compiled for on a device whose plain target is `arch`: `sm_90a` (or
 /// `compute_90a`) for the files of [`SM90A_FILES`] on sm_90, else `arch` itself.
@@ -359,10 +401,16 @@ mod tests {
         let g = KernelFile {
             name: f.name,
             source: "// edited",
+            defines: "",
+        };
+        let h = KernelFile {
+            defines: "#define X 1\n",
+            ..f
         };
         let a = cache_file_name(&f, "sm_90", (13, 0));
         assert_ne!(a, cache_file_name(&f, "sm_80", (13, 0)));
         assert_ne!(a, cache_file_name(&g, "sm_90", (13, 0)));
+        assert_ne!(a, cache_file_name(&h, "sm_90", (13, 0)));
         assert_ne!(a, cache_file_name(&f, "sm_90", (13, 1)));
         assert_eq!(a, cache_file_name(&f, "sm_90", (13, 0)), "stable");
         assert!(a.starts_with("norm-sm_90-") && a.ends_with(".cubin"));

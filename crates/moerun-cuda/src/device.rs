@@ -67,7 +67,8 @@ pub(crate) struct Kernels {
     pub elementwise: crate::ops::ElementwiseKernels,
     pub fused: crate::ops::FusedKernels,
     pub moe: crate::ops::MoeKernels,
-    pub attention: crate::ops::AttentionKernels,
+    /// Indexed by [`crate::ops::KvDtype::slot`]: the builds for f32 and bf16 KV pools.
+    pub attention: [crate::ops::AttentionKernels; 2],
     pub gemma: crate::ops::GemmaKernels,
     pub gated_delta: crate::ops::GatedDeltaKernels,
 }
@@ -139,7 +140,10 @@ impl Kernels {
             elementwise: crate::ops::ElementwiseKernels::load(|f| get("elementwise", f))?,
             fused: crate::ops::FusedKernels::load(|f| get("fused", f))?,
             moe: crate::ops::MoeKernels::load(get)?,
-            attention: crate::ops::AttentionKernels::load(get)?,
+            attention: [
+                crate::ops::AttentionKernels::load(&get, "")?,
+                crate::ops::AttentionKernels::load(&get, "_kvbf16")?,
+            ],
             gemma: crate::ops::GemmaKernels::load(|f| get("gemma", f))?,
             gated_delta: crate::ops::GatedDeltaKernels::load(|f| get("gated_delta", f))?,
         })

@@ -32,7 +32,8 @@ pub use device::{CudaDevice, DeviceInfo, DeviceMatrix};
 pub use error::{CudaError, Result};
 pub use graph::DeviceGraph;
 pub use ops::{
-    AttentionPrefill, AttentionScratch, AttentionShape, BatchKvBf16, DeviceKvPool, TokenPlacement,
+    AttentionPrefill, AttentionScratch, AttentionShape, BatchKvBf16, DeviceKvPool, KvBuffers,
+    KvBuffersMut, KvDtype, TokenPlacement,
 };
 pub use ops::{DecodePass, DeviceExperts, ExpertActivation, MoePath, MoeScratch, WgmmaTile};
 pub use ops::{DeltaSeqs, DeltaShape};

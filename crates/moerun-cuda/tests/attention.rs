@@ -23,9 +23,10 @@ use common::{check, device, poison, rel_err, rng, uniform};
 use moerun_cpu::attention::{
     paged_attention as cpu_attention, AttentionShape as CpuShape, KvPool, TokenSlot,
 };
+use moerun_core::DType;
 use moerun_cuda::{
-    AttentionPrefill, AttentionScratch, AttentionShape, CudaDevice, CudaError, CudaSlice, QkvShape,
-    TokenPlacement,
+    AttentionPrefill, AttentionScratch, AttentionShape, CudaDevice, CudaError, CudaSlice,
+    DeviceKvPool, KvBuffers, KvBuffersMut, KvDtype, QkvShape, TokenPlacement,
 };
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -67,6 +68,10 @@ struct Case<'a> {
     /// again), from the pool and with `batch_copy` from the copy: every run must equal the
     /// default's bit for bit.
     wgmma_builds: bool,
+    /// The pools (the GPU's and the CPU reference's) store this. With bf16 every path run from
+    /// the pool (and from the copy) must also equal, bit for bit, the same path over an f32 pool
+    /// that holds the rounded values.
+    kv_dtype: KvDtype,
 }
 
 impl Case<'_> {
@@ -87,6 +92,7 @@ impl Case<'_> {
             order: None,
             variants: false,
             wgmma_builds: false,
+            kv_dtype: KvDtype::F32,
         }
     }
 }
@@ -183,8 +189,15 @@ fn run_case(dev: &CudaDevice, r: &mut StdRng, case: &Case) -> f64 {
         .batch_copy
         .then(|| dev.batch_kv_bf16(n.max(1), kvh, d).unwrap());
 
-    let mut cpu_pool = KvPool::new(blocks, bs, kvh, d);
-    let mut gpu_pool = dev.kv_pool(blocks, bs, kvh, d).unwrap();
+    let cpu_dtype = match case.kv_dtype {
+        KvDtype::F32 => DType::F32,
+        KvDtype::Bf16 => DType::BF16,
+    };
+    let mut cpu_pool = KvPool::with_dtype(blocks, bs, kvh, d, cpu_dtype);
+    let mut gpu_pool = dev.kv_pool_of(case.kv_dtype, blocks, bs, kvh, d).unwrap();
+    // A bf16 pool's twin: an f32 pool of the values rounded on the host.
+    let mut rounded_pool =
+        (case.kv_dtype == KvDtype::Bf16).then(|| dev.kv_pool(blocks, bs, kvh, d).unwrap());
     let tables_d = dev.upload(&tables).unwrap();
     for (tokens, own) in [(&history, false), (&batch, true)] {
         if tokens.is_empty() {
@@ -210,6 +223,13 @@ fn run_case(dev: &CudaDevice, r: &mut StdRng, case: &Case) -> f64 {
         let copy = if own { copy.as_mut() } else { None };
         dev.kv_write_with_copy(&mut gpu_pool, &kd, &vd, &at, copy)
             .unwrap();
+        if let Some(twin) = rounded_pool.as_mut() {
+            let round = |x: &[f32]| -> Vec<f32> {
+                x.iter().map(|&x| half::bf16::from_f32(x).to_f32()).collect()
+            };
+            let (kr, vr) = (dev.upload(&round(&k)).unwrap(), dev.upload(&round(&v)).unwrap());
+            dev.kv_write(twin, &kr, &vr, &at).unwrap();
+        }
     }
 
     let q = uniform(r, n * h * d, -case.q_range, case.q_range);
@@ -259,16 +279,18 @@ fn run_case(dev: &CudaDevice, r: &mut StdRng, case: &Case) -> f64 {
     };
     let mut scratch = dev.attention_scratch(n, h, d, max_context).unwrap();
     let qd = dev.upload(&q).unwrap();
-    // The case's prefill path from the pool into a poisoned output, downloaded.
-    let from_pool = |scratch: &mut AttentionScratch| {
+    // The case's prefill path from `pool` into a poisoned output, downloaded.
+    let from = |pool: &DeviceKvPool, scratch: &mut AttentionScratch| {
         let mut out = dev.upload(&poison(n * h * d)).unwrap();
-        dev.paged_attention_with(case.prefill, &qd, &gpu_pool, &at, &shape, &mut out, scratch)
+        dev.paged_attention_with(case.prefill, &qd, pool, &at, &shape, &mut out, scratch)
             .unwrap();
         dev.download(&out).unwrap()
     };
+    let from_pool = |scratch: &mut AttentionScratch| from(&gpu_pool, scratch);
     let mut got = from_pool(&mut scratch);
-    // The case's tensor-core path from the batch copy into a poisoned output, downloaded.
-    let from_copy = |scratch: &mut AttentionScratch| {
+    // The case's tensor-core path from the batch copy (and `pool` for earlier keys) into a
+    // poisoned output, downloaded.
+    let from_copy_and = |gpu_pool: &DeviceKvPool, scratch: &mut AttentionScratch| {
         copy.as_ref().map(|copy| {
             let mut out = dev.upload(&poison(n * h * d)).unwrap();
             dev.paged_attention_batch_copy(&qd, &gpu_pool, copy, &at, &shape, &mut out, scratch)
@@ -298,12 +320,30 @@ fn run_case(dev: &CudaDevice, r: &mut StdRng, case: &Case) -> f64 {
             got
         })
     };
+    let from_copy = |scratch: &mut AttentionScratch| from_copy_and(&gpu_pool, scratch);
     let count_differing = |a: &[f32], b: &[f32]| {
         a.iter()
             .zip(b)
             .filter(|(x, y)| x.to_bits() != y.to_bits())
             .count()
     };
+    if let Some(twin) = &rounded_pool {
+        let mut differing = count_differing(&from(twin, &mut scratch), &got);
+        if let (Some(a), Some(b)) = (
+            from_copy(&mut scratch),
+            from_copy_and(twin, &mut scratch),
+        ) {
+            differing += count_differing(&a, &b);
+        }
+        check(
+            &format!(
+                "attention {} bf16 pool vs an f32 pool of the rounded values (elements differing)",
+                case.name
+            ),
+            differing as f64,
+            0.0,
+        );
+    }
     if case.wgmma_builds {
         for build in 1..=7 {
             dev.set_attention_wgmma(Some(build)).unwrap();
@@ -406,13 +446,42 @@ fn kv_write_puts_each_row_in_its_block_and_slot_and_skips_out_of_range_blocks() 
         max_context: 10,
         seq_starts: &[],
     };
-    let mut pool = dev.kv_pool(blocks, bs, kvh, d).unwrap();
     let (kd, vd) = (dev.upload(&k).unwrap(), dev.upload(&v).unwrap());
-    dev.kv_write(&mut pool, &kd, &vd, &at).unwrap();
-    let exact =
-        dev.download(pool.k()).unwrap() == want_k && dev.download(pool.v()).unwrap() == want_v;
-    check("kv_write placement", if exact { 0.0 } else { 1.0 }, 0.0);
-    assert_eq!(pool.bytes(), 2 * blocks * bs * width * 4);
+    for dtype in [KvDtype::F32, KvDtype::Bf16] {
+        let mut pool = dev.kv_pool_of(dtype, blocks, bs, kvh, d).unwrap();
+        dev.kv_write(&mut pool, &kd, &vd, &at).unwrap();
+        // A bf16 pool holds each value rounded to nearest even (half's from_f32).
+        let stored = |x: &[f32]| -> Vec<f32> {
+            match dtype {
+                KvDtype::F32 => x.to_vec(),
+                KvDtype::Bf16 => x.iter().map(|&x| half::bf16::from_f32(x).to_f32()).collect(),
+            }
+        };
+        let (got_k, got_v) = download_pool(dev, &pool);
+        let exact = bits(&got_k) == bits(&stored(&want_k)) && bits(&got_v) == bits(&stored(&want_v));
+        check(
+            &format!("kv_write placement ({dtype:?} pool)"),
+            if exact { 0.0 } else { 1.0 },
+            0.0,
+        );
+        assert_eq!(pool.bytes(), 2 * blocks * bs * width * dtype.size());
+    }
+}
+
+/// A pool's K and V, widened to f32 (exactly) when it stores bf16.
+fn download_pool(dev: &CudaDevice, pool: &DeviceKvPool) -> (Vec<f32>, Vec<f32>) {
+    let widen = |x: Vec<u16>| -> Vec<f32> { x.into_iter().map(|b| f32::from_bits((b as u32) << 16)).collect() };
+    match pool.buffers() {
+        KvBuffers::F32(k, v) => (dev.download(k).unwrap(), dev.download(v).unwrap()),
+        KvBuffers::Bf16(k, v) => (
+            widen(dev.download(k).unwrap()),
+            widen(dev.download(v).unwrap()),
+        ),
+    }
+}
+
+fn bits(x: &[f32]) -> Vec<u32> {
+    x.iter().map(|v| v.to_bits()).collect()
 }
 
 #[test]
@@ -506,7 +575,9 @@ fn repeated_decode_calls_are_bitwise_equal() {
     for (batch, context) in [(1usize, 500usize), (1, 3000), (2, 2000), (40, 700)] {
         let per_seq = context.div_ceil(bs);
         let mut pool = dev.kv_pool(batch * per_seq, bs, kvh, d).unwrap();
-        let (k, v) = pool.k_v_mut();
+        let KvBuffersMut::F32(k, v) = pool.buffers_mut() else {
+            unreachable!("kv_pool makes f32 pools")
+        };
         let fill = |buf: &mut CudaSlice<f32>, r: &mut StdRng| {
             let vals = uniform(r, buf.len(), -1.0, 1.0);
             dev.stream().memcpy_htod(&vals, buf).unwrap();
@@ -658,6 +729,64 @@ fn tensor_core_prefill_is_within_bf16_rounding_of_cpu() {
         case.window = window;
         case.prefill = AttentionPrefill::TensorCoreBf16;
         case.q_range = 2.0;
+        run_and_check(dev, &mut r, &case);
+    }
+}
+
+/// A bf16 pool on every path: decode on the split and cluster kernels (short and long contexts,
+/// windows), exact f32 prefill tiles over a cached prefix (their pool tiles widened), Gemma 4's
+/// head dims 256 and 512, mixed interleaved batches, and the tensor-core prefill from the pool
+/// and from the batch copy (each mma.sync build; each wgmma build on sm_90), whose pool tiles
+/// land as bf16. Each is within its usual tolerance of the CPU over a bf16 pool, and bit for bit
+/// the same path over an f32 pool holding the rounded values (run_case).
+#[test]
+fn bf16_pools_give_the_bits_of_f32_pools_of_the_rounded_values_on_every_path() {
+    let Some(dev) = device() else { return };
+    let _alone = one_at_a_time();
+    let mut r = rng("attention bf16 pool");
+    let decode = [(0, 1), (15, 1), (300, 1), (777, 1)];
+    let long = [(5000, 1), (12, 1)];
+    let many = [(700, 1); 40];
+    let chunked = [(130, 77), (0, 64)];
+    let mixed = [(300, 1), (0, 150), (45, 1), (1000, 70), (64, 128)];
+    let exact: [((usize, usize, usize), &[(usize, usize)], Option<usize>, bool); 9] = [
+        ((32, 4, 128), &decode[..], None, false),
+        ((16, 2, 64), &long[..], None, false),
+        ((32, 4, 128), &many[..], None, false),
+        ((8, 2, 128), &decode[..], Some(100), false),
+        ((4, 2, 32), &chunked[..], None, false),
+        ((8, 8, 128), &chunked[..], Some(100), false),
+        ((16, 2, 512), &chunked[..], None, false),
+        ((16, 8, 256), &decode[..], Some(50), false),
+        ((16, 2, 64), &mixed[..], Some(64), true),
+    ];
+    for (shape, seqs, window, interleave) in exact {
+        let mut case = Case::new(
+            format!("bf16 pool exact {shape:?} {} seqs window {window:?}", seqs.len()),
+            shape,
+        );
+        case.seqs = seqs;
+        case.window = window;
+        case.interleave = interleave;
+        case.q_range = 3.0;
+        case.kv_dtype = KvDtype::Bf16;
+        run_and_check(dev, &mut r, &case);
+    }
+    let cached_odd = [(1500, 400)];
+    let mixed_tc = [(300, 200), (10, 1), (0, 130), (2000, 1), (77, 64)];
+    let tensor_core: [(CopyCase, bool); 4] = [
+        (((8, 2, 128), &cached_odd[..], Some(700), None), true),
+        (((8, 2, 128), &cached_odd[..], None, None), false),
+        (((16, 2, 64), &mixed_tc[..], Some(100), None), true),
+        (((32, 4, 128), &mixed_tc[..], None, None), true),
+    ];
+    for (c, batch_copy) in tensor_core {
+        let (shape, seqs, window, _) = &c;
+        let name = format!("bf16 pool tensor cores {shape:?} {seqs:?} window {window:?}");
+        let mut case = tensor_core_case(name, c, batch_copy);
+        case.kv_dtype = KvDtype::Bf16;
+        case.variants = true;
+        case.wgmma_builds = shape.2 == 128;
         run_and_check(dev, &mut r, &case);
     }
 }
@@ -842,6 +971,85 @@ fn wgmma_prefill_matches_cpu_and_its_builds_agree_bitwise() {
 
 /// The q/k/v prologue's batch copy holds exactly its k and v outputs rounded to bf16 (what the
 /// pool path rounds), with and without a pool to write.
+/// The q/k/v prologue writes its k and v rows straight into the pool, as kv_write would put them:
+/// f32 as they are, bf16 rounded to nearest even; both of its entries (the early one for
+/// decode-sized batches, the plain one past 128 tokens).
+#[test]
+fn qkv_prologue_writes_the_pool_of_either_dtype_as_kv_write_would() {
+    let Some(dev) = device() else { return };
+    let _alone = one_at_a_time();
+    let mut r = rng("qkv prologue pool");
+    let (hq, hkv, d) = (8usize, 2usize, 128usize);
+    let inv_freq: Vec<f32> = (0..d / 2)
+        .map(|i| 10000f32.powf(-2.0 * i as f32 / d as f32))
+        .collect();
+    let rope = dev.upload_rope(&inv_freq, 1.0).unwrap();
+    let k_norm = dev.upload(&uniform(&mut r, d, 0.5, 1.5)).unwrap();
+    let shape = QkvShape {
+        heads_q: hq,
+        heads_kv: hkv,
+        head_dim: d,
+        eps: 1e-6,
+        v_unit_norm: false,
+    };
+    for tokens in [5usize, 200] {
+        let width = (hq + 2 * hkv) * d;
+        let qkv = dev
+            .upload(&uniform(&mut r, tokens * width, -2.0, 2.0))
+            .unwrap();
+        let positions: Vec<u32> = (0..tokens as u32).map(|p| p + 3).collect();
+        let pos_u32 = dev.upload(&positions).unwrap();
+        let blocks = (tokens + 3).div_ceil(16) + 2;
+        let pos_i32: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
+        let tables: Vec<i32> = (0..blocks as i32).rev().collect();
+        let (pos_d, st_d, tables_d) = placement_buffers(dev, &pos_i32, &vec![0; tokens], &tables);
+        let at = TokenPlacement {
+            positions: &pos_d,
+            table_start: &st_d,
+            block_tables: &tables_d,
+            max_context: tokens + 3,
+            seq_starts: &[],
+        };
+        for dtype in [KvDtype::F32, KvDtype::Bf16] {
+            let mut pool = dev.kv_pool_of(dtype, blocks, 16, hkv, d).unwrap();
+            let mut q = dev.zeros::<f32>(tokens * hq * d).unwrap();
+            let mut k = dev.zeros::<f32>(tokens * hkv * d).unwrap();
+            let mut v = dev.zeros::<f32>(tokens * hkv * d).unwrap();
+            dev.qkv_split_norm_rope(
+                &qkv,
+                shape,
+                &pos_u32,
+                None,
+                Some(&k_norm),
+                &rope,
+                &mut q,
+                &mut k,
+                &mut v,
+                None,
+                Some((&mut pool, &at)),
+            )
+            .unwrap();
+            let mut want = dev.kv_pool_of(dtype, blocks, 16, hkv, d).unwrap();
+            dev.kv_write(&mut want, &k, &v, &at).unwrap();
+            let (got_k, got_v) = download_pool(dev, &pool);
+            let (want_k, want_v) = download_pool(dev, &want);
+            let differ = bits(&got_k)
+                .iter()
+                .zip(bits(&want_k))
+                .chain(bits(&got_v).iter().zip(bits(&want_v)))
+                .filter(|(a, b)| **a != *b)
+                .count();
+            let written = bits(&want_k).iter().filter(|&&b| b != 0).count();
+            assert!(written > tokens * hkv * d / 2, "kv_write wrote the rows");
+            check(
+                &format!("qkv prologue pool rows, {tokens} tokens, {dtype:?} (elements differing)"),
+                differ as f64,
+                0.0,
+            );
+        }
+    }
+}
+
 #[test]
 fn qkv_prologue_writes_the_batch_copy_as_its_k_and_v_rounded_to_bf16() {
     let Some(dev) = device() else { return };

@@ -130,9 +130,12 @@ impl KvCache {
         self.num_window_blocks
     }
 
-    /// What the host pools store (a device cache is f32).
+    /// What the pools store (the host's or the device's).
     pub fn dtype(&self) -> DType {
-        self.pools.first().map_or(DType::F32, KvPool::dtype)
+        match &self.device {
+            Some(d) => d.dtype(),
+            None => self.pools.first().map_or(DType::F32, KvPool::dtype),
+        }
     }
 
     /// Bytes of KV storage.

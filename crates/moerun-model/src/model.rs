@@ -189,13 +189,12 @@ impl Model {
 
     /// What the KV caches this model makes ([`Model::new_kv_cache`]) store: f32 (the default,
     /// the precision every conformance test is held to), or bf16 in half the memory, each K/V
-    /// value rounded to nearest even once (transformers keeps a bf16 model's K/V in bf16). f16 is
-    /// refused, and so is bf16 on the CUDA backend, whose cache is f32.
+    /// value rounded to nearest even once (transformers keeps a bf16 model's K/V in bf16), on
+    /// either backend: the CUDA kernels round as the CPU does, so the two read the same K/V. f16
+    /// is refused.
     pub fn set_kv_dtype(&mut self, dtype: DType) -> Result<()> {
         match dtype {
-            DType::F32 => {}
-            DType::BF16 if self.cuda.is_some() => return Err(bf16_kv_on_cuda()),
-            DType::BF16 => {}
+            DType::F32 | DType::BF16 => {}
             DType::F16 => {
                 return Err(Error::Unsupported(
                     "an f16 KV cache (use f32, the default, or bf16)".into(),
@@ -220,9 +219,6 @@ impl Model {
                 Ok(())
             }
             Device::Cuda(ordinal) => {
-                if self.kv_dtype != DType::F32 {
-                    return Err(bf16_kv_on_cuda());
-                }
                 crate::cuda::check_supported(&self.config)?;
                 let dev = CudaDevice::open(ordinal).map_err(crate::cuda::dev_err)?;
                 self.cuda = Some(crate::cuda::upload::upload(
@@ -289,8 +285,12 @@ impl Model {
                 self.kv_dtype,
             )),
             (Some(c), _) => {
-                let dkv =
-                    DeviceKv::new(c.device(), cfg, num_blocks, num_window_blocks, block_size)?;
+                let dkv = DeviceKv::new(
+                    c.device(),
+                    cfg,
+                    (num_blocks, num_window_blocks, block_size),
+                    self.kv_dtype,
+                )?;
                 Ok(KvCache::on_device(
                     cfg,
                     dkv,
@@ -598,13 +598,4 @@ fn check_window_tables(cfg: &ModelConfig, batch: &Batch, kv: &KvCache) -> Result
         }
     }
     Ok(())
-}
-
-/// The refusal of a bf16 KV cache on the CUDA backend.
-fn bf16_kv_on_cuda() -> Error {
-    Error::Unsupported(
-        "a bf16 KV cache on the CUDA backend (its cache is f32: use --kv-dtype f32 with \
-         --device cuda)"
-            .into(),
-    )
 }

@@ -22,7 +22,7 @@
 //! Decode rows then launch 3 warm-ups + 15 timed calls each, in the order of [`rows`].
 
 use moerun_cuda::{
-    AttentionPrefill, AttentionShape, CudaDevice, CudaError, CudaSlice, DeviceKvPool, Result,
+    AttentionPrefill, AttentionShape, CudaDevice, CudaError, CudaSlice, DeviceKvPool, KvBuffersMut, Result,
     TokenPlacement,
 };
 
@@ -65,9 +65,11 @@ fn driver(e: impl std::fmt::Display) -> CudaError {
 /// A pool of `blocks` blocks of random K/V (never zeros: they can time faster than real data).
 fn random_pool(dev: &CudaDevice, rng: &mut XorShift, blocks: usize) -> Result<DeviceKvPool> {
     let mut pool = dev.kv_pool(blocks, BLOCK, KV_HEADS, HEAD_DIM)?;
-    let chunk_len = (16usize << 20).min(pool.k().len());
+    let KvBuffersMut::F32(k, v) = pool.buffers_mut() else {
+        unreachable!("kv_pool makes f32 pools")
+    };
+    let chunk_len = (16usize << 20).min(k.len());
     let chunk = dev.upload(&rng.f32s(chunk_len))?;
-    let (k, v) = pool.k_v_mut();
     for buf in [k, v] {
         let mut o = 0;
         while o < buf.len() {

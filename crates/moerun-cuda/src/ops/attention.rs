@@ -159,11 +159,57 @@ const MAX_CLUSTERS: usize = 16;
 const MAX_CLUSTER_STEPS: usize = 8;
 const LOG2_E: f32 = std::f32::consts::LOG2_E;
 
+/// What a [`DeviceKvPool`] stores: f32 (the default, exact), or bf16 in half the bytes, each
+/// value rounded to nearest even once when written (by `kv_write` or the q/k/v prologue) and
+/// widened exactly when read. The attention kernels are built once per dtype (`MOERUN_KV_BF16`,
+/// attention_common.cuh) with the same arithmetic, so attention over a bf16 pool gives the bits
+/// of attention over an f32 pool holding the rounded values.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KvDtype {
+    #[default]
+    F32,
+    Bf16,
+}
+
+impl KvDtype {
+    /// Index of the dtype's kernel build in `Kernels::attention`.
+    pub(crate) fn slot(self) -> usize {
+        match self {
+            KvDtype::F32 => 0,
+            KvDtype::Bf16 => 1,
+        }
+    }
+    /// Bytes per stored value.
+    pub fn size(self) -> usize {
+        match self {
+            KvDtype::F32 => 4,
+            KvDtype::Bf16 => 2,
+        }
+    }
+}
+
+/// A pool's K and V buffers, as stored.
+pub enum KvBuffers<'a> {
+    F32(&'a CudaSlice<f32>, &'a CudaSlice<f32>),
+    Bf16(&'a CudaSlice<u16>, &'a CudaSlice<u16>),
+}
+
+/// A pool's K and V buffers, writable (callers that fill a pool themselves: benchmarks with
+/// synthetic K/V, tests).
+pub enum KvBuffersMut<'a> {
+    F32(&'a mut CudaSlice<f32>, &'a mut CudaSlice<f32>),
+    Bf16(&'a mut CudaSlice<u16>, &'a mut CudaSlice<u16>),
+}
+
+enum KvStore {
+    F32(CudaSlice<f32>, CudaSlice<f32>),
+    Bf16(CudaSlice<u16>, CudaSlice<u16>),
+}
+
 /// One layer's paged KV on the device: K and V, each `[blocks][block_size][kv_heads][head_dim]`
-/// f32.
+/// of its [`KvDtype`].
 pub struct DeviceKvPool {
-    k: CudaSlice<f32>,
-    v: CudaSlice<f32>,
+    store: KvStore,
     blocks: usize,
     block_size: usize,
     kv_heads: usize,
@@ -183,21 +229,47 @@ impl DeviceKvPool {
     pub fn head_dim(&self) -> usize {
         self.head_dim
     }
+    pub fn dtype(&self) -> KvDtype {
+        match self.store {
+            KvStore::F32(..) => KvDtype::F32,
+            KvStore::Bf16(..) => KvDtype::Bf16,
+        }
+    }
     /// Bytes held on the device (K and V).
     pub fn bytes(&self) -> usize {
-        (self.k.len() + self.v.len()) * 4
+        let values = match &self.store {
+            KvStore::F32(k, v) => k.len() + v.len(),
+            KvStore::Bf16(k, v) => k.len() + v.len(),
+        };
+        values * self.dtype().size()
     }
-    /// The keys, `[blocks][block_size][kv_heads][head_dim]`.
-    pub fn k(&self) -> &CudaSlice<f32> {
-        &self.k
+    /// The keys and values, `[blocks][block_size][kv_heads][head_dim]` each.
+    pub fn buffers(&self) -> KvBuffers<'_> {
+        match &self.store {
+            KvStore::F32(k, v) => KvBuffers::F32(k, v),
+            KvStore::Bf16(k, v) => KvBuffers::Bf16(k, v),
+        }
     }
-    /// The values, laid out as the keys.
-    pub fn v(&self) -> &CudaSlice<f32> {
-        &self.v
+    /// Both buffers, writable.
+    pub fn buffers_mut(&mut self) -> KvBuffersMut<'_> {
+        match &mut self.store {
+            KvStore::F32(k, v) => KvBuffersMut::F32(k, v),
+            KvStore::Bf16(k, v) => KvBuffersMut::Bf16(k, v),
+        }
     }
-    /// Both buffers, for callers that fill a pool themselves (benchmarks with synthetic K/V).
-    pub fn k_v_mut(&mut self) -> (&mut CudaSlice<f32>, &mut CudaSlice<f32>) {
-        (&mut self.k, &mut self.v)
+    /// The device addresses of K and V, for kernels that read them.
+    pub(crate) fn ptrs(&self, dev: &CudaDevice, what: &str) -> Result<(u64, u64)> {
+        match &self.store {
+            KvStore::F32(k, v) => Ok((dev.ptr(k, what)?, dev.ptr(v, what)?)),
+            KvStore::Bf16(k, v) => Ok((dev.ptr(k, what)?, dev.ptr(v, what)?)),
+        }
+    }
+    /// The device addresses of K and V, for kernels that write them.
+    pub(crate) fn ptrs_mut(&mut self, dev: &CudaDevice, what: &str) -> Result<(u64, u64)> {
+        match &mut self.store {
+            KvStore::F32(k, v) => Ok((dev.ptr_mut(k, what)?, dev.ptr_mut(v, what)?)),
+            KvStore::Bf16(k, v) => Ok((dev.ptr_mut(k, what)?, dev.ptr_mut(v, what)?)),
+        }
     }
 }
 
@@ -452,7 +524,13 @@ fn allow_smem(func: &CudaFunction, want: usize) -> usize {
 
 impl AttentionKernels {
     /// `get(file, function)` loads an entry point of a compiled kernel file.
-    pub(crate) fn load(get: impl Fn(&str, &str) -> Result<CudaFunction>) -> Result<Self> {
+    /// The kernels of the attention files' build named with `suffix` ("" for f32 pools,
+    /// "_kvbf16" for bf16 ones: compile.rs).
+    pub(crate) fn load(
+        get: &impl Fn(&str, &str) -> Result<CudaFunction>,
+        suffix: &str,
+    ) -> Result<Self> {
+        let get = |file: &str, func: &str| get(&format!("{file}{suffix}"), func);
         let f = |name: &str| get("attention", name);
         let split_row = |d: usize| -> Result<[CudaFunction; 4]> {
             Ok([
@@ -713,8 +791,14 @@ impl CudaDevice {
     /// Clusters of the cluster decode kernel for (`dim_class`, `group_class`) that run at once, if
     /// this device has the kernel (compute capability 9+, its shared memory granted) and `work`
     /// groups might use it (one cluster each fits the device's SMs). Queried once per kernel.
-    fn cluster_slots(&self, dim_class: usize, group_class: usize, work: usize) -> Option<usize> {
-        let k = &self.kernels.attention;
+    fn cluster_slots(
+        &self,
+        dtype: KvDtype,
+        dim_class: usize,
+        group_class: usize,
+        work: usize,
+    ) -> Option<usize> {
+        let k = &self.kernels.attention[dtype.slot()];
         if self.info().compute_capability.0 < 9
             || !k.cluster_smem_ok[dim_class][group_class]
             || work * CLUSTER_SIZE > self.info().multiprocessors as usize
@@ -736,10 +820,22 @@ impl CudaDevice {
         (slots > 0).then_some(slots)
     }
 
-    /// A zeroed pool of `blocks` blocks of `block_size` positions, `kv_heads * head_dim` values
-    /// each for K and for V. head_dim must be a multiple of 4 (16-byte rows), at most 512.
+    /// A zeroed f32 pool of `blocks` blocks of `block_size` positions, `kv_heads * head_dim`
+    /// values each for K and for V. head_dim must be a multiple of 4 (16-byte rows), at most 512.
     pub fn kv_pool(
         &self,
+        blocks: usize,
+        block_size: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<DeviceKvPool> {
+        self.kv_pool_of(KvDtype::F32, blocks, block_size, kv_heads, head_dim)
+    }
+
+    /// [`CudaDevice::kv_pool`] storing `dtype`.
+    pub fn kv_pool_of(
+        &self,
+        dtype: KvDtype,
         blocks: usize,
         block_size: usize,
         kv_heads: usize,
@@ -762,9 +858,12 @@ impl CudaDevice {
             .checked_mul(block_size)
             .and_then(|x| x.checked_mul(kv_heads * head_dim))
             .ok_or_else(|| CudaError::InvalidArgument("kv_pool: size overflows".into()))?;
+        let store = match dtype {
+            KvDtype::F32 => KvStore::F32(self.zeros(len)?, self.zeros(len)?),
+            KvDtype::Bf16 => KvStore::Bf16(self.zeros(len)?, self.zeros(len)?),
+        };
         Ok(DeviceKvPool {
-            k: self.zeros(len)?,
-            v: self.zeros(len)?,
+            store,
             blocks,
             block_size,
             kv_heads,
@@ -866,8 +965,7 @@ impl CudaDevice {
         let pos = self.ptr(at.positions, "kv_write positions")?;
         let ts = self.ptr(at.table_start, "kv_write table_start")?;
         let bt = self.ptr(at.block_tables, "kv_write block_tables")?;
-        let pk = self.ptr_mut(&mut pool.k, "kv_write pool k")?;
-        let pv = self.ptr_mut(&mut pool.v, "kv_write pool v")?;
+        let (pk, pv) = pool.ptrs_mut(self, "kv_write pool")?;
         let (copy_k, copy_v) = match copy {
             Some(c) => {
                 c.check("kv_write", n, pool.kv_heads, pool.head_dim)?;
@@ -890,7 +988,8 @@ impl CudaDevice {
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = self.stream.launch_builder(&self.kernels.attention.kv_write);
+        let kv_write = &self.kernels.attention[pool.dtype().slot()].kv_write;
+        let mut b = self.stream.launch_builder(kv_write);
         b.arg(&kp)
             .arg(&vp)
             .arg(&pos)
@@ -929,8 +1028,11 @@ impl CudaDevice {
         let max_splits = max_context.max(1).div_ceil(MIN_SPLIT_KEYS);
         // Ask the driver now, outside any graph capture, how many clusters of this head size's
         // cluster kernels run at once (what the calls plan with).
-        for group_class in 0..GROUP_CLASSES.len() {
-            self.cluster_slots(class_of(&DIM_CLASSES, head_dim.max(1)), group_class, 1);
+        for dtype in [KvDtype::F32, KvDtype::Bf16] {
+            for group_class in 0..GROUP_CLASSES.len() {
+                let dim_class = class_of(&DIM_CLASSES, head_dim.max(1));
+                self.cluster_slots(dtype, dim_class, group_class, 1);
+            }
         }
         let rows = num_heads.max(1) * (2 * target).min(max_tokens.max(1) * max_splits);
         Ok(AttentionScratch {
@@ -952,7 +1054,9 @@ impl CudaDevice {
             heads.is_none() || TC_VARIANTS.iter().any(|v| v.heads == h),
             || format!("tensor-core attention: {h} heads per block (1, 2 or 4 are built)"),
         )?;
-        self.kernels.attention.tc_heads.store(h, Ordering::Relaxed);
+        for k in self.kernels.attention.iter() {
+            k.tc_heads.store(h, Ordering::Relaxed);
+        }
         Ok(())
     }
 
@@ -1108,7 +1212,7 @@ impl CudaDevice {
         ensure(d > 0 && d.is_multiple_of(4) && d <= MAX_HEAD_DIM, || {
             format!("paged_attention: head_dim {d} must be a multiple of 4 in 4..={MAX_HEAD_DIM}")
         })?;
-        let kernels = &self.kernels.attention;
+        let kernels = &self.kernels.attention[pool.dtype().slot()];
         let group = num_heads / num_kv_heads;
         // The tiled kernel of this call, its tile height, dynamic shared memory, threads and
         // query heads per block.
@@ -1180,7 +1284,7 @@ impl CudaDevice {
         let dim_class = class_of(&DIM_CLASSES, d);
         let g = GROUP_CLASSES[group_class];
         let cluster = self
-            .cluster_slots(dim_class, group_class, work)
+            .cluster_slots(pool.dtype(), dim_class, group_class, work)
             .and_then(|slots| {
                 // More than one cluster per group needs an arrival count per group and rank.
                 let capacity = if work * CLUSTER_SIZE <= scratch.arrivals.len() {
@@ -1222,11 +1326,12 @@ impl CudaDevice {
             }
             _ => (0, 0),
         };
+        let (pool_k, pool_v) = pool.ptrs(self, "paged_attention pool")?;
         let args = AttnArgs {
             q: qp,
             out: op,
-            pool_k: self.ptr(&pool.k, "paged_attention pool k")?,
-            pool_v: self.ptr(&pool.v, "paged_attention pool v")?,
+            pool_k,
+            pool_v,
             positions,
             table_start,
             block_tables: self.ptr(at.block_tables, "paged_attention block_tables")?,

@@ -235,7 +235,8 @@ impl CudaDevice {
         group: usize,
         own_keys: bool,
     ) -> Option<&'static str> {
-        let w = &self.kernels.attention.wgmma;
+        // Both KV dtypes' builds make the same choice.
+        let w = &self.kernels.attention[0].wgmma;
         let cc = self.info().compute_capability;
         let pick = w.pick(cc, head_dim, group, own_keys)?;
         WGMMA_BUILDS
@@ -258,11 +259,11 @@ impl CudaDevice {
         ensure(build.is_none() || b <= TWO_HEAD_BUILDS, || {
             format!("wgmma attention: build {b} (0 = off, 1..={TWO_HEAD_BUILDS} are built)")
         })?;
-        self.kernels
-            .attention
-            .wgmma
-            .forced
-            .store(build.map_or(0, |b| b + 1), Ordering::Relaxed);
+        for k in self.kernels.attention.iter() {
+            k.wgmma
+                .forced
+                .store(build.map_or(0, |b| b + 1), Ordering::Relaxed);
+        }
         Ok(())
     }
 }

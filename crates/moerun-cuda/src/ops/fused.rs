@@ -11,7 +11,7 @@ use cudarc::driver::{
     CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 
-use super::{blocks, to_i32, BatchKvBf16, DeviceKvPool, DeviceRope, TokenPlacement};
+use super::{blocks, to_i32, BatchKvBf16, DeviceKvPool, DeviceRope, KvDtype, TokenPlacement};
 use crate::error::{ensure, DriverContext, Result};
 use crate::CudaDevice;
 
@@ -72,6 +72,8 @@ struct KvDest {
     tables_len: i32,
     block_size: i32,
     blocks: i32,
+    /// 1: the pool stores bf16 ([`KvDtype::Bf16`]), 0: f32.
+    pool_bf16: i32,
     copy_k: u64,
     copy_v: u64,
 }
@@ -306,10 +308,12 @@ impl CudaDevice {
                     },
                 )?;
                 let (blocks, block_size) = (pool.blocks(), pool.block_size());
-                let (k_buf, v_buf) = pool.k_v_mut();
+                let pool_bf16 = i32::from(pool.dtype() == KvDtype::Bf16);
+                let (pool_k, pool_v) = pool.ptrs_mut(self, "qkv_split_norm_rope pool")?;
                 KvDest {
-                    pool_k: self.ptr_mut(k_buf, "pool k")?,
-                    pool_v: self.ptr_mut(v_buf, "pool v")?,
+                    pool_k,
+                    pool_v,
+                    pool_bf16,
                     table_start: self.ptr(at.table_start, "table_start")?,
                     block_tables: self.ptr(at.block_tables, "block_tables")?,
                     tables_len: to_i32(at.block_tables.len(), "block_tables length")?,

@@ -23,7 +23,8 @@ mod tma;
 
 pub(crate) use attention::AttentionKernels;
 pub use attention::{
-    AttentionPrefill, AttentionScratch, AttentionShape, BatchKvBf16, DeviceKvPool, TokenPlacement,
+    AttentionPrefill, AttentionScratch, AttentionShape, BatchKvBf16, DeviceKvPool, KvBuffers,
+    KvBuffersMut, KvDtype, TokenPlacement,
 };
 pub(crate) use elementwise::ElementwiseKernels;
 pub(crate) use fused::FusedKernels;

@@ -25,11 +25,11 @@ pub(crate) mod upload;
 
 use std::collections::HashMap;
 
-use moerun_core::{Error, Result, Tensor};
+use moerun_core::{DType, Error, Result, Tensor};
 use moerun_cuda::{
     ActivationArena, AttentionPrefill, AttentionScratch, BatchKvBf16, CudaDevice, CudaError,
     CudaSlice, DeviceBuffer, DeviceExperts, DeviceKvPool, DeviceMatrix, DevicePtr, DeviceRepr,
-    DeviceRope, MoeScratch,
+    DeviceRope, KvDtype, MoeScratch,
 };
 
 use crate::config::{ModelConfig, QkNorm};
@@ -227,13 +227,22 @@ pub struct DeviceKv {
 impl DeviceKv {
     /// Pools of `num_blocks` blocks, or `num_window_blocks` for the sliding-window layers when
     /// they are kept apart (see `KvCache::with_window_group`), each with its trash block.
+    /// `dtype`: what the pools store (f32 or bf16; [`crate::Model::set_kv_dtype`]).
     pub(crate) fn new(
         dev: &CudaDevice,
         cfg: &ModelConfig,
-        num_blocks: usize,
-        num_window_blocks: Option<usize>,
-        block_size: usize,
+        (num_blocks, num_window_blocks, block_size): (usize, Option<usize>, usize),
+        dtype: DType,
     ) -> Result<DeviceKv> {
+        let dtype = match dtype {
+            DType::F32 => KvDtype::F32,
+            DType::BF16 => KvDtype::Bf16,
+            DType::F16 => {
+                return Err(Error::Unsupported(
+                    "an f16 KV cache (use f32, the default, or bf16)".into(),
+                ))
+            }
+        };
         // Each layer's own shape (Gemma 4's sliding and full layers differ); none for Gated
         // DeltaNet layers and Gemma 4's KV-shared ones. Sliding-window layers get the window
         // group's blocks when it has its own.
@@ -244,7 +253,7 @@ impl DeviceKv {
                         Some(w) if cfg.layer_kv_windowed(l) => w,
                         _ => num_blocks,
                     };
-                    dev.kv_pool(blocks + 1, block_size, kv_heads, head_dim)
+                    dev.kv_pool_of(dtype, blocks + 1, block_size, kv_heads, head_dim)
                         .map(Some)
                         .map_err(dev_err)
                 }
@@ -287,6 +296,14 @@ impl DeviceKv {
             .next()
             .map(|p| p.block_size())
             .ok_or_else(|| Error::Device("a model without attention layers".into()))
+    }
+
+    /// What the pools store.
+    pub(crate) fn dtype(&self) -> DType {
+        match self.pools.iter().flatten().next().map(DeviceKvPool::dtype) {
+            Some(KvDtype::Bf16) => DType::BF16,
+            _ => DType::F32,
+        }
     }
 
     pub fn bytes(&self) -> usize {
