@@ -88,9 +88,28 @@ fn unsupported_kv_dtypes_are_refused_by_name() {
         &["generate", "hi", "--kv-dtype", "int8"],
         "not a KV cache dtype",
     );
-    // Refused before CUDA is even looked for, so the same on a machine with or without a GPU.
-    refused(
-        &["generate", "hi", "--kv-dtype", "bf16", "--device", "cuda"],
-        "bf16 KV cache on the CUDA backend",
+}
+
+#[test]
+fn a_bf16_kv_cache_is_taken_on_cuda_too() {
+    // With a GPU it runs; without one the only complaint is the missing CUDA, never the dtype.
+    let out = moerun(
+        &[
+            "generate",
+            "hi",
+            "--kv-dtype",
+            "bf16",
+            "--device",
+            "cuda",
+            "--max-tokens",
+            "4",
+        ],
+        "bf16 cuda",
     );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    if !out.status.success() {
+        assert!(stderr.contains("CUDA"), "{stderr}");
+        assert!(!stderr.contains("KV"), "{stderr}");
+    }
 }

@@ -223,8 +223,8 @@ struct Scatter {
 // which are real).
 template <int W, int L, int VPL, int U>
 __device__ __forceinline__ void fetch_keys(const AttnArgs& a, int ts, int kh, int jb, int k1,
-                                           int grp, int sub, int d4, float4 (&kr)[U][VPL],
-                                           float4 (&vr)[U][VPL], bool (&ok)[U]) {
+                                           int grp, int sub, int d4, kv4_t (&kr)[U][VPL],
+                                           kv4_t (&vr)[U][VPL], bool (&ok)[U]) {
     constexpr int GROUPS = 32 * W / L;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -235,11 +235,11 @@ __device__ __forceinline__ void fetch_keys(const AttnArgs& a, int ts, int kh, in
         for (int v = 0; v < VPL; ++v) {
             const int c = sub + L * v;
             if (ok[u] && c < d4) {
-                kr[u][v] = ld_kv4(a.pool_k + off + 4 * c);
-                vr[u][v] = ld_kv4(a.pool_v + off + 4 * c);
+                kr[u][v] = ld_kv4_raw(a.pool_k + off + 4 * c);
+                vr[u][v] = ld_kv4_raw(a.pool_v + off + 4 * c);
             } else {
-                kr[u][v] = zero4();
-                vr[u][v] = zero4();
+                kr[u][v] = zero_kv4();
+                vr[u][v] = zero_kv4();
             }
         }
     }
@@ -343,10 +343,10 @@ __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, in
 
     static_assert(DEPTH == 1 || (DEPTH == 2 && EARLY), "two steps ahead: the cluster kernel's");
     constexpr int STEP = GROUPS * U;
-    float4 kr[U][VPL], vr[U][VPL];
+    kv4_t kr[U][VPL], vr[U][VPL];
     bool ok[U];
     // The next step's rows (DEPTH 2 only; unused otherwise).
-    float4 kr2[U][VPL], vr2[U][VPL];
+    kv4_t kr2[U][VPL], vr2[U][VPL];
     bool ok2[U];
     if constexpr (EARLY) {
         const int old_end = min(k1, fresh);
@@ -387,7 +387,7 @@ __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, in
     if constexpr (!EARLY) fetch_keys<W, L, VPL, U>(a, ts, kh, k0, k1, grp, sub, d4, kr, vr, ok);
     // One step: the U keys of each group (rows kc, vc; okc says which are real) into the running
     // max, sum and accumulator. Steps go in key order, whatever the loop shape below.
-    auto attend_step = [&](const float4 (&kc)[U][VPL], const float4 (&vc)[U][VPL],
+    auto attend_step = [&](const kv4_t (&kc)[U][VPL], const kv4_t (&vc)[U][VPL],
                            const bool (&okc)[U]) {
         float x[U][GM];
 #pragma unroll
@@ -396,7 +396,7 @@ __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, in
             for (int h = 0; h < GM; ++h) {
                 float t = 0.0f;
 #pragma unroll
-                for (int v = 0; v < VPL; ++v) t += dot4(qr[h][v], kc[u][v]);
+                for (int v = 0; v < VPL; ++v) t += dot4(qr[h][v], widen_kv4(kc[u][v]));
                 x[u][h] = t;
             }
             S::reduce(x[u], lane);
@@ -429,7 +429,7 @@ __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, in
             for (int u = 0; u < U; ++u) {
                 const float ph = S::from_owner(p[u], lane, h);
 #pragma unroll
-                for (int v = 0; v < VPL; ++v) acc[h][v] = axpy4(ph, vc[u][v], acc[h][v]);
+                for (int v = 0; v < VPL; ++v) acc[h][v] = axpy4(ph, widen_kv4(vc[u][v]), acc[h][v]);
             }
         }
     };
@@ -448,7 +448,7 @@ __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, in
         }
     } else {
         for (int jb = k0; jb < k1; jb += STEP) {
-            float4 kc[U][VPL], vc[U][VPL];
+            kv4_t kc[U][VPL], vc[U][VPL];
             bool okc[U];
 #pragma unroll
             for (int u = 0; u < U; ++u) {
@@ -1336,8 +1336,10 @@ __device__ __forceinline__ void attn_tile_bf16(const AttnArgs& a) {
             const int idx = tid + it * NT;
             const int r = idx / CH4;
             const int ch = idx - r * CH4;
-            *reinterpret_cast<uint2*>(kb + r * BS + 4 * ch) = landed_bf16x4(kf + r * FS + 4 * ch);
-            *reinterpret_cast<uint2*>(vb + r * BS + 4 * ch) = landed_bf16x4(vf + r * FS + 4 * ch);
+            const uint2 x = landed_bf16x4(kf + r * FS + 4 * ch);
+            const uint2 y = landed_bf16x4(vf + r * FS + 4 * ch);
+            *reinterpret_cast<uint2*>(kb + r * BS + 4 * ch) = x;
+            *reinterpret_cast<uint2*>(vb + r * BS + 4 * ch) = y;
         }
     };
     // Copy tile i (tile npool + i) into stage st (i % ST); always one commit group, so the

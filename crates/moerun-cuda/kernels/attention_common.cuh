@@ -9,22 +9,33 @@
 // dtype). A bf16 value is rounded once, when written (to nearest even, as moerun-cpu's bf16 pool
 // rounds), and widened exactly when read: attention over a bf16 pool is, bit for bit, attention
 // over an f32 pool that holds the rounded values.
+// kv4_t: four pool values as loaded (kept so in the decode kernels' prefetch registers, half the
+// registers for bf16), widened by widen_kv4 where used.
 #ifdef MOERUN_KV_BF16
 typedef u16 kv_t;
+typedef uint2 kv4_t;
 __device__ __forceinline__ kv_t to_kv(float x) { return f32_to_bf16(x); }
-// Four pool values at p (8-byte aligned: head_dim is a multiple of 4), widened.
-__device__ __forceinline__ float4 ld_kv4(const kv_t* p) {
-    const uint2 r = *reinterpret_cast<const uint2*>(p);
+// Four pool values at p (8-byte aligned: head_dim is a multiple of 4).
+__device__ __forceinline__ kv4_t ld_kv4_raw(const kv_t* p) {
+    return *reinterpret_cast<const uint2*>(p);
+}
+__device__ __forceinline__ kv4_t zero_kv4() { return make_uint2(0u, 0u); }
+__device__ __forceinline__ float4 widen_kv4(kv4_t r) {
     return make_float4(__uint_as_float(r.x << 16), __uint_as_float(r.x & 0xffff0000u),
                        __uint_as_float(r.y << 16), __uint_as_float(r.y & 0xffff0000u));
 }
 #else
 typedef float kv_t;
+typedef float4 kv4_t;
 __device__ __forceinline__ kv_t to_kv(float x) { return x; }
-__device__ __forceinline__ float4 ld_kv4(const kv_t* p) {
+__device__ __forceinline__ kv4_t ld_kv4_raw(const kv_t* p) {
     return *reinterpret_cast<const float4*>(p);
 }
+__device__ __forceinline__ kv4_t zero_kv4() { return make_float4(0.0f, 0.0f, 0.0f, 0.0f); }
+__device__ __forceinline__ float4 widen_kv4(kv4_t r) { return r; }
 #endif
+// Four pool values at p, widened to f32.
+__device__ __forceinline__ float4 ld_kv4(const kv_t* p) { return widen_kv4(ld_kv4_raw(p)); }
 
 struct AttnArgs {
     const float* q;

@@ -20,10 +20,10 @@ use std::sync::{Mutex, MutexGuard};
 mod common;
 
 use common::{check, device, poison, rel_err, rng, uniform};
+use moerun_core::DType;
 use moerun_cpu::attention::{
     paged_attention as cpu_attention, AttentionShape as CpuShape, KvPool, TokenSlot,
 };
-use moerun_core::DType;
 use moerun_cuda::{
     AttentionPrefill, AttentionScratch, AttentionShape, CudaDevice, CudaError, CudaSlice,
     DeviceKvPool, KvBuffers, KvBuffersMut, KvDtype, QkvShape, TokenPlacement,
@@ -225,9 +225,14 @@ fn run_case(dev: &CudaDevice, r: &mut StdRng, case: &Case) -> f64 {
             .unwrap();
         if let Some(twin) = rounded_pool.as_mut() {
             let round = |x: &[f32]| -> Vec<f32> {
-                x.iter().map(|&x| half::bf16::from_f32(x).to_f32()).collect()
+                x.iter()
+                    .map(|&x| half::bf16::from_f32(x).to_f32())
+                    .collect()
             };
-            let (kr, vr) = (dev.upload(&round(&k)).unwrap(), dev.upload(&round(&v)).unwrap());
+            let (kr, vr) = (
+                dev.upload(&round(&k)).unwrap(),
+                dev.upload(&round(&v)).unwrap(),
+            );
             dev.kv_write(twin, &kr, &vr, &at).unwrap();
         }
     }
@@ -293,7 +298,7 @@ fn run_case(dev: &CudaDevice, r: &mut StdRng, case: &Case) -> f64 {
     let from_copy_and = |gpu_pool: &DeviceKvPool, scratch: &mut AttentionScratch| {
         copy.as_ref().map(|copy| {
             let mut out = dev.upload(&poison(n * h * d)).unwrap();
-            dev.paged_attention_batch_copy(&qd, &gpu_pool, copy, &at, &shape, &mut out, scratch)
+            dev.paged_attention_batch_copy(&qd, gpu_pool, copy, &at, &shape, &mut out, scratch)
                 .unwrap();
             let got = dev.download(&out).unwrap();
             // With a bf16 output too: the same f32 values, and bf16 rows that are exactly
@@ -301,7 +306,7 @@ fn run_case(dev: &CudaDevice, r: &mut StdRng, case: &Case) -> f64 {
             let mut out = dev.upload(&poison(n * h * d)).unwrap();
             let mut out_b = dev.upload(&vec![0xffffu16; n * h * d]).unwrap();
             dev.paged_attention_batch_copy_with_bf16(
-                &qd, &gpu_pool, copy, &at, &shape, &mut out, &mut out_b, scratch,
+                &qd, gpu_pool, copy, &at, &shape, &mut out, &mut out_b, scratch,
             )
             .unwrap();
             let mut rounded = dev.upload(&vec![0u16; n * h * d]).unwrap();
@@ -329,10 +334,7 @@ fn run_case(dev: &CudaDevice, r: &mut StdRng, case: &Case) -> f64 {
     };
     if let Some(twin) = &rounded_pool {
         let mut differing = count_differing(&from(twin, &mut scratch), &got);
-        if let (Some(a), Some(b)) = (
-            from_copy(&mut scratch),
-            from_copy_and(twin, &mut scratch),
-        ) {
+        if let (Some(a), Some(b)) = (from_copy(&mut scratch), from_copy_and(twin, &mut scratch)) {
             differing += count_differing(&a, &b);
         }
         check(
@@ -454,11 +456,15 @@ fn kv_write_puts_each_row_in_its_block_and_slot_and_skips_out_of_range_blocks() 
         let stored = |x: &[f32]| -> Vec<f32> {
             match dtype {
                 KvDtype::F32 => x.to_vec(),
-                KvDtype::Bf16 => x.iter().map(|&x| half::bf16::from_f32(x).to_f32()).collect(),
+                KvDtype::Bf16 => x
+                    .iter()
+                    .map(|&x| half::bf16::from_f32(x).to_f32())
+                    .collect(),
             }
         };
         let (got_k, got_v) = download_pool(dev, &pool);
-        let exact = bits(&got_k) == bits(&stored(&want_k)) && bits(&got_v) == bits(&stored(&want_v));
+        let exact =
+            bits(&got_k) == bits(&stored(&want_k)) && bits(&got_v) == bits(&stored(&want_v));
         check(
             &format!("kv_write placement ({dtype:?} pool)"),
             if exact { 0.0 } else { 1.0 },
@@ -470,7 +476,11 @@ fn kv_write_puts_each_row_in_its_block_and_slot_and_skips_out_of_range_blocks() 
 
 /// A pool's K and V, widened to f32 (exactly) when it stores bf16.
 fn download_pool(dev: &CudaDevice, pool: &DeviceKvPool) -> (Vec<f32>, Vec<f32>) {
-    let widen = |x: Vec<u16>| -> Vec<f32> { x.into_iter().map(|b| f32::from_bits((b as u32) << 16)).collect() };
+    let widen = |x: Vec<u16>| -> Vec<f32> {
+        x.into_iter()
+            .map(|b| f32::from_bits((b as u32) << 16))
+            .collect()
+    };
     match pool.buffers() {
         KvBuffers::F32(k, v) => (dev.download(k).unwrap(), dev.download(v).unwrap()),
         KvBuffers::Bf16(k, v) => (
@@ -749,7 +759,14 @@ fn bf16_pools_give_the_bits_of_f32_pools_of_the_rounded_values_on_every_path() {
     let many = [(700, 1); 40];
     let chunked = [(130, 77), (0, 64)];
     let mixed = [(300, 1), (0, 150), (45, 1), (1000, 70), (64, 128)];
-    let exact: [((usize, usize, usize), &[(usize, usize)], Option<usize>, bool); 9] = [
+    // (heads, kv heads, head_dim), sequences, window, interleaved.
+    type ExactCase<'a> = (
+        (usize, usize, usize),
+        &'a [(usize, usize)],
+        Option<usize>,
+        bool,
+    );
+    let exact: [ExactCase; 9] = [
         ((32, 4, 128), &decode[..], None, false),
         ((16, 2, 64), &long[..], None, false),
         ((32, 4, 128), &many[..], None, false),
@@ -762,7 +779,10 @@ fn bf16_pools_give_the_bits_of_f32_pools_of_the_rounded_values_on_every_path() {
     ];
     for (shape, seqs, window, interleave) in exact {
         let mut case = Case::new(
-            format!("bf16 pool exact {shape:?} {} seqs window {window:?}", seqs.len()),
+            format!(
+                "bf16 pool exact {shape:?} {} seqs window {window:?}",
+                seqs.len()
+            ),
             shape,
         );
         case.seqs = seqs;
@@ -783,10 +803,11 @@ fn bf16_pools_give_the_bits_of_f32_pools_of_the_rounded_values_on_every_path() {
     for (c, batch_copy) in tensor_core {
         let (shape, seqs, window, _) = &c;
         let name = format!("bf16 pool tensor cores {shape:?} {seqs:?} window {window:?}");
+        let head_dim = shape.2;
         let mut case = tensor_core_case(name, c, batch_copy);
         case.kv_dtype = KvDtype::Bf16;
         case.variants = true;
-        case.wgmma_builds = shape.2 == 128;
+        case.wgmma_builds = head_dim == 128;
         run_and_check(dev, &mut r, &case);
     }
 }

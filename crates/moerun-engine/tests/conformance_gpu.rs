@@ -16,7 +16,7 @@ mod reference;
 
 use std::path::Path;
 
-use moerun_core::Device;
+use moerun_core::{DType, Device};
 use moerun_engine::{run_step, Sequence, SequenceKv};
 use moerun_model::{LogitsFor, Model};
 use reference::{
@@ -119,6 +119,69 @@ fn every_fixture_matches_transformers_and_the_cpu_on_the_gpu() {
         ran += 1;
     }
     assert!(ran >= 7, "only {ran} fixtures ran on the GPU");
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// A bf16 KV cache on the GPU (`Model::set_kv_dtype`, `--kv-dtype bf16`): for every fixture its
+/// logits, through one prefill and token by token, match the CPU's over its own bf16 cache (both
+/// round each K/V value to nearest even once and read it back exactly) within the bars of the f32
+/// caches, and the cache holds half the bytes of an f32 one, outside the attention scratch.
+#[test]
+fn a_bf16_kv_cache_on_the_gpu_matches_the_cpus_bf16_cache() {
+    let mut failures = Vec::new();
+    for name in fixture_names() {
+        let dir = fixtures_dir().join(&name);
+        let Some(gpu) = on_gpu(&dir) else { return };
+        let mut gpu = gpu.unwrap();
+        let mut cpu = Model::load(&dir).unwrap();
+        let r = load_reference(&dir);
+        let f32_cache = gpu.new_kv_cache(4, 16).unwrap();
+        gpu.set_kv_dtype(DType::BF16).unwrap();
+        cpu.set_kv_dtype(DType::BF16).unwrap();
+        let bf16_cache = gpu.new_kv_cache(4, 16).unwrap();
+        assert_eq!(bf16_cache.dtype(), DType::BF16, "{name}");
+        let scratch = f32_cache.bytes() - f32_cache.pool_bytes();
+        assert_eq!(
+            2 * bf16_cache.pool_bytes(),
+            f32_cache.pool_bytes(),
+            "{name}: the bf16 pools hold half the bytes"
+        );
+        assert_eq!(
+            bf16_cache.bytes() - bf16_cache.pool_bytes(),
+            scratch,
+            "{name}"
+        );
+        let (tol_prefill, tol_step) = if r.f32_weights {
+            (1e-4, 1e-4)
+        } else {
+            (2e-2, 1e-3)
+        };
+        let cpu_steps = incremental_logits(&cpu, &r.tokens);
+        let errs = [
+            (
+                "prefill vs cpu",
+                relative_error(
+                    &prefill_logits(&gpu, &r.tokens),
+                    &prefill_logits(&cpu, &r.tokens),
+                ),
+                tol_prefill,
+            ),
+            (
+                "incremental vs cpu",
+                relative_error(&incremental_logits(&gpu, &r.tokens), &cpu_steps),
+                tol_step,
+            ),
+        ];
+        for (what, e, tol) in errs {
+            println!(
+                "RESULT|gpu {name} bf16 KV {what}|{e:.2e}|{tol:.0e}|{}",
+                if e <= tol { "ok" } else { "FAIL" }
+            );
+            if e > tol {
+                failures.push(format!("{name}: bf16 KV {what} {e:.3e} > {tol:.0e}"));
+            }
+        }
+    }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 

@@ -138,9 +138,15 @@ impl KvCache {
         }
     }
 
-    /// Bytes of KV storage.
+    /// Bytes of KV storage (on a GPU with its passes' attention scratch).
     pub fn bytes(&self) -> usize {
         self.pools.iter().map(KvPool::bytes).sum::<usize>()
             + self.device.as_ref().map_or(0, |d| d.bytes())
+    }
+
+    /// Bytes of the K/V values alone (what the dtype halves).
+    pub fn pool_bytes(&self) -> usize {
+        self.pools.iter().map(KvPool::bytes).sum::<usize>()
+            + self.device.as_ref().map_or(0, |d| d.pool_bytes())
     }
 }

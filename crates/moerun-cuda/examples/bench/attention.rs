@@ -22,8 +22,8 @@
 //! Decode rows then launch 3 warm-ups + 15 timed calls each, in the order of [`rows`].
 
 use moerun_cuda::{
-    AttentionPrefill, AttentionShape, CudaDevice, CudaError, CudaSlice, DeviceKvPool, KvBuffersMut, Result,
-    TokenPlacement,
+    AttentionPrefill, AttentionShape, CudaDevice, CudaError, CudaSlice, DeviceKvPool, KvBuffersMut,
+    Result, TokenPlacement,
 };
 
 /// Which tensor-core kernel a prefill row runs: the mma.sync build with this many query heads

@@ -307,12 +307,16 @@ impl DeviceKv {
     }
 
     pub fn bytes(&self) -> usize {
+        self.pool_bytes() + self.scratch.attention.bytes()
+    }
+
+    /// Bytes of the pools' K/V values.
+    pub fn pool_bytes(&self) -> usize {
         self.pools
             .iter()
             .flatten()
             .map(DeviceKvPool::bytes)
             .sum::<usize>()
-            + self.scratch.attention.bytes()
     }
 }
 
