@@ -52,15 +52,17 @@ if [ -n "${GPU_BUILD_TESTS:-}" ]; then
     rm -f .gpu-bin/stage/ops_bench
 fi
 # pack_revision NAME REV: REV's moerun as moerun-NAME, built from a git worktree (the working
-# tree stays as it is) into the same target directory (its dependencies are reused; the everyday
-# binary is rebuilt below).
+# tree stays as it is) into a target directory of its own, kept between runs (target/revisions).
+# Not the working tree's: cargo names a workspace crate's artifacts the same from any path and
+# judges them fresh by mtime, so a revision built there would be taken for the working tree's
+# newer-looking build of the same crate.
 pack_revision() {
     local name=$1 rev=$2 tmp root=$PWD
     tmp=$(mktemp -d)
     git worktree add --detach "$tmp/tree" "$rev" >/dev/null
-    (cd "$tmp/tree" && MOERUN_NO_EMBEDDED_MODEL=1 CARGO_TARGET_DIR="$root/target" \
+    (cd "$tmp/tree" && MOERUN_NO_EMBEDDED_MODEL=1 CARGO_TARGET_DIR="$root/target/revisions" \
         cargo build --release -p moerun-cli)
-    cp target/release/moerun ".gpu-bin/stage/moerun-$name"
+    cp target/revisions/release/moerun ".gpu-bin/stage/moerun-$name"
     git worktree remove --force "$tmp/tree"
     rm -rf "$tmp"
 }

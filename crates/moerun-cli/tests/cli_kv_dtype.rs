@@ -1,6 +1,6 @@
 //! `--kv-dtype`: the KV cache in bf16 (half the memory) on the embedded default model, a trained
 //! Qwen3-MoE, scores its held-out text within 0.2% of the f32 cache's perplexity (0.02% measured:
-//! 8.5534 against 8.5515); generation runs; f16 and bf16 on CUDA are refused by name.
+//! 8.5534 against 8.5515); generation runs; f16 is refused by name, bf16 on CUDA is not.
 
 use std::path::Path;
 use std::process::{Command, Output};

@@ -157,6 +157,26 @@ fn a_bf16_kv_cache_on_the_gpu_matches_the_cpus_bf16_cache() {
             (2e-2, 1e-3)
         };
         let cpu_steps = incremental_logits(&cpu, &r.tokens);
+        // Diagnostics: the gap per position, and how far the CPU's own logits move between an
+        // f32 and a bf16 cache (the model's sensitivity to K/V rounding).
+        let gpu_steps = incremental_logits(&gpu, &r.tokens);
+        let mut cpu_f32 = Model::load(&dir).unwrap();
+        cpu_f32.set_kv_dtype(DType::F32).unwrap();
+        let sensitivity = relative_error(&cpu_steps, &incremental_logits(&cpu_f32, &r.tokens));
+        let v = gpu.config.vocab_size;
+        let per_pos: Vec<String> = (0..r.tokens.len())
+            .map(|p| {
+                let e = relative_error(
+                    &gpu_steps[p * v..(p + 1) * v],
+                    &cpu_steps[p * v..(p + 1) * v],
+                );
+                format!("{e:.1e}")
+            })
+            .collect();
+        println!(
+            "DIAG|{name}|sensitivity {sensitivity:.2e}|per position {}",
+            per_pos.join(" ")
+        );
         let errs = [
             (
                 "prefill vs cpu",
@@ -264,6 +284,24 @@ fn graphs_captured_while_another_thread_opens_and_drops_devices_give_the_lone_lo
     };
     let tokens = &r.tokens[..2];
     let alone = incremental_logits(&model, tokens);
+    // incremental_logits, and whether its steps ran from a captured graph (not the eager
+    // fallback a failed capture leaves: that would pass the logits check too).
+    let run = || {
+        let mut kv = SequenceKv::for_model(&model, tokens.len()).unwrap();
+        let mut seq = Sequence::new(tokens.to_vec());
+        let mut logits = Vec::new();
+        for _ in 0..tokens.len() {
+            let out = run_step(
+                &model,
+                &mut kv,
+                &mut [&mut seq],
+                &[1],
+                LogitsFor::LastOfEachSeq,
+            );
+            logits.extend(out.unwrap().logits);
+        }
+        (logits, kv.cache_mut().decode_graphs())
+    };
     let done = AtomicBool::new(false);
     let (runs, churned) = std::thread::scope(|s| {
         let churn = s.spawn(|| {
@@ -274,13 +312,18 @@ fn graphs_captured_while_another_thread_opens_and_drops_devices_give_the_lone_lo
             }
             opened
         });
-        let runs: Vec<Vec<f32>> = (0..150)
-            .map(|_| incremental_logits(&model, tokens))
-            .collect();
+        let runs: Vec<(Vec<f32>, Result<usize, String>)> = (0..150).map(|_| run()).collect();
         done.store(true, Ordering::Relaxed);
         (runs, churn.join().unwrap())
     });
     assert!(churned > 0, "the other thread never opened a device");
+    for (i, (_, graphs)) in runs.iter().enumerate() {
+        assert!(
+            matches!(graphs, Ok(n) if *n >= 1),
+            "run {i}: its decode steps did not run from a graph: {graphs:?}"
+        );
+    }
+    let runs: Vec<Vec<f32>> = runs.into_iter().map(|(logits, _)| logits).collect();
     let worst = runs
         .iter()
         .map(|got| relative_error(got, &alone))
@@ -349,7 +392,8 @@ fn forty_sequences_decode_from_a_graph_as_each_alone_on_the_gpu() {
             t[start..start + len].to_vec()
         })
         .collect();
-    // Prefill all but the last two tokens, then two single-token steps; the decode logits.
+    // Prefill all but the last two tokens, then two single-token steps; the decode logits (the
+    // steps must run from a captured graph, not the eager fallback).
     let decode = |seqs: &mut Vec<Sequence>| -> Vec<Vec<f32>> {
         let total: usize = seqs.iter().map(|s| s.tokens.len()).sum();
         let mut kv = SequenceKv::for_model(&model, total + 16 * seqs.len()).unwrap();
@@ -357,13 +401,20 @@ fn forty_sequences_decode_from_a_graph_as_each_alone_on_the_gpu() {
         let heads: Vec<usize> = refs.iter().map(|s| s.tokens.len() - 2).collect();
         run_step(&model, &mut kv, &mut refs, &heads, LogitsFor::LastOfEachSeq).unwrap();
         let ones = vec![1; refs.len()];
-        (0..2)
+        let logits = (0..2)
             .map(|_| {
                 run_step(&model, &mut kv, &mut refs, &ones, LogitsFor::LastOfEachSeq)
                     .unwrap()
                     .logits
             })
-            .collect()
+            .collect();
+        let graphs = kv.cache_mut().decode_graphs();
+        assert!(
+            matches!(graphs, Ok(n) if n >= 1),
+            "{} sequences: decode steps not from a graph: {graphs:?}",
+            refs.len()
+        );
+        logits
     };
     let mut batch: Vec<Sequence> = prompts.iter().map(|p| Sequence::new(p.clone())).collect();
     let batched = decode(&mut batch);

@@ -144,6 +144,12 @@ impl KvCache {
             + self.device.as_ref().map_or(0, |d| d.bytes())
     }
 
+    /// The CUDA decode-step graphs captured for this cache (`Ok(0)` on the CPU), or why graphs
+    /// are off for it (a capture failed; its steps then run eagerly, with the same results).
+    pub fn decode_graphs(&self) -> std::result::Result<usize, String> {
+        self.device.as_ref().map_or(Ok(0), |d| d.graphs.state())
+    }
+
     /// Bytes of the K/V values alone (what the dtype halves).
     pub fn pool_bytes(&self) -> usize {
         self.pools.iter().map(KvPool::bytes).sum::<usize>()

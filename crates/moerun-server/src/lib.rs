@@ -56,7 +56,7 @@ pub struct ServerOptions {
     /// Shut down gracefully on Ctrl-C (the CLI); tests stop the server by hand.
     pub handle_ctrl_c: bool,
     /// What the KV cache stores (`--kv-dtype`): f32, or bf16 in half the bytes per token (so
-    /// twice the tokens in a budget; CPU only for now, `Model::set_kv_dtype`).
+    /// twice the tokens in a budget, on either backend; `Model::set_kv_dtype`).
     pub kv_dtype: DType,
 }
 

@@ -55,6 +55,14 @@ pub(crate) struct DecodeGraphs {
 }
 
 impl DecodeGraphs {
+    /// How many decode graphs are captured, or why graphs are off (a capture failed).
+    pub(crate) fn state(&self) -> Result<usize, String> {
+        match &self.disabled {
+            Some(why) => Err(why.clone()),
+            None => Ok(self.by_bucket.len()),
+        }
+    }
+
     pub(crate) fn clear(&mut self) {
         self.by_bucket.clear();
         self.ahead = None;
