@@ -51,6 +51,17 @@ impl KvValues {
         }
     }
 
+    /// Every value, widened (exactly) to f32.
+    fn to_f32(&self) -> Vec<f32> {
+        match self {
+            KvValues::F32(v) => v.clone(),
+            KvValues::Bf16(v) => v
+                .iter()
+                .map(|&h| f32::from_bits((h as u32) << 16))
+                .collect(),
+        }
+    }
+
     fn store(&mut self, at: usize, values: &[f32]) {
         match self {
             KvValues::F32(v) => v[at..at + values.len()].copy_from_slice(values),
@@ -126,6 +137,12 @@ impl KvPool {
             k: KvValues::zeros(dtype, n),
             v: KvValues::zeros(dtype, n),
         }
+    }
+
+    /// The keys and values as stored, widened to f32: `[blocks][block_size][kv_heads][head_dim]`
+    /// each (for tests and tools that compare caches).
+    pub fn to_f32(&self) -> (Vec<f32>, Vec<f32>) {
+        (self.k.to_f32(), self.v.to_f32())
     }
 
     /// What the pool stores.

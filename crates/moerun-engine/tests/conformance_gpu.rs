@@ -122,10 +122,82 @@ fn every_fixture_matches_transformers_and_the_cpu_on_the_gpu() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
-/// A bf16 KV cache on the GPU (`Model::set_kv_dtype`, `--kv-dtype bf16`): for every fixture its
-/// logits, through one prefill and token by token, match the CPU's over its own bf16 cache (both
-/// round each K/V value to nearest even once and read it back exactly) within the bars of the f32
-/// caches, and the cache holds half the bytes of an f32 one, outside the attention scratch.
+/// Logits of a run over `tokens` (one prefill, or token by token) and every layer's K/V after it.
+fn logits_and_kv(model: &Model, tokens: &[u32], prefill: bool) -> (Vec<f32>, Vec<LayerKv>) {
+    let mut kv = SequenceKv::for_model(model, tokens.len()).unwrap();
+    let mut seq = Sequence::new(tokens.to_vec());
+    let logits = if prefill {
+        let out = run_step(
+            model,
+            &mut kv,
+            &mut [&mut seq],
+            &[usize::MAX],
+            LogitsFor::AllTokens,
+        );
+        out.unwrap().logits
+    } else {
+        let mut all = Vec::new();
+        for _ in 0..tokens.len() {
+            let out = run_step(
+                model,
+                &mut kv,
+                &mut [&mut seq],
+                &[1],
+                LogitsFor::LastOfEachSeq,
+            );
+            all.extend(out.unwrap().logits);
+        }
+        all
+    };
+    let layers = (0..model.config.num_layers())
+        .map(|l| kv.cache_mut().layer_kv(l).unwrap())
+        .collect();
+    (logits, layers)
+}
+
+/// One layer's K and V widened to f32, or `None` without K/V.
+type LayerKv = Option<(Vec<f32>, Vec<f32>)>;
+
+/// Values of two bf16 caches' layers that differ (each must be the other's bf16 neighbour), and
+/// how many were compared.
+fn bf16_flips(name: &str, a: &[LayerKv], b: &[LayerKv]) -> (usize, usize) {
+    let (mut flips, mut compared) = (0, 0);
+    for (l, pair) in a.iter().zip(b).enumerate() {
+        let (Some((ak, av)), Some((bk, bv))) = pair else {
+            continue;
+        };
+        assert_eq!(
+            (ak.len(), av.len()),
+            (bk.len(), bv.len()),
+            "{name} layer {l}"
+        );
+        for (x, y) in ak.iter().chain(av).zip(bk.iter().chain(bv)) {
+            compared += 1;
+            if x.to_bits() != y.to_bits() {
+                // Neighbouring bf16 values of one sign: their f32 patterns differ in the 16th bit.
+                assert_eq!(
+                    x.to_bits().abs_diff(y.to_bits()),
+                    1 << 16,
+                    "{name} layer {l}: {x} and {y} are not neighbouring bf16 values"
+                );
+                flips += 1;
+            }
+        }
+    }
+    (flips, compared)
+}
+
+/// A bf16 KV cache on the GPU (`Model::set_kv_dtype`, `--kv-dtype bf16`) against the CPU's, for
+/// every fixture, through one prefill and token by token:
+/// - the caches hold the same values: the GPU and the CPU compute each K/V value in f32 (orders
+///   of summation apart, ~1e-7) and round it to nearest even, so a value differs only where
+///   the two f32 results straddle a rounding boundary, by one bf16 step, and rarely (checked
+///   for every value of every layer; a wrong rounding mode would move about half of them);
+/// - where no value differs, the logits agree within the bars of the f32 caches; where some
+///   do (Gemma 4's small random models: sharp attention and routing amplify one step of 2^-8
+///   to 1e-4..4e-2 in later positions, while their logits move 1.6e-2..1.8e-1 between an f32
+///   and a bf16 cache on the CPU), within that movement;
+/// - the bf16 pools hold half the bytes of the f32 ones; the attention scratch is unchanged.
 #[test]
 fn a_bf16_kv_cache_on_the_gpu_matches_the_cpus_bf16_cache() {
     let mut failures = Vec::new();
@@ -133,6 +205,7 @@ fn a_bf16_kv_cache_on_the_gpu_matches_the_cpus_bf16_cache() {
         let dir = fixtures_dir().join(&name);
         let Some(gpu) = on_gpu(&dir) else { return };
         let mut gpu = gpu.unwrap();
+        let cpu_f32 = Model::load(&dir).unwrap();
         let mut cpu = Model::load(&dir).unwrap();
         let r = load_reference(&dir);
         let f32_cache = gpu.new_kv_cache(4, 16).unwrap();
@@ -140,7 +213,6 @@ fn a_bf16_kv_cache_on_the_gpu_matches_the_cpus_bf16_cache() {
         cpu.set_kv_dtype(DType::BF16).unwrap();
         let bf16_cache = gpu.new_kv_cache(4, 16).unwrap();
         assert_eq!(bf16_cache.dtype(), DType::BF16, "{name}");
-        let scratch = f32_cache.bytes() - f32_cache.pool_bytes();
         assert_eq!(
             2 * bf16_cache.pool_bytes(),
             f32_cache.pool_bytes(),
@@ -148,57 +220,40 @@ fn a_bf16_kv_cache_on_the_gpu_matches_the_cpus_bf16_cache() {
         );
         assert_eq!(
             bf16_cache.bytes() - bf16_cache.pool_bytes(),
-            scratch,
-            "{name}"
+            f32_cache.bytes() - f32_cache.pool_bytes(),
+            "{name}: the same scratch"
         );
         let (tol_prefill, tol_step) = if r.f32_weights {
             (1e-4, 1e-4)
         } else {
             (2e-2, 1e-3)
         };
-        let cpu_steps = incremental_logits(&cpu, &r.tokens);
-        // Diagnostics: the gap per position, and how far the CPU's own logits move between an
-        // f32 and a bf16 cache (the model's sensitivity to K/V rounding).
-        let gpu_steps = incremental_logits(&gpu, &r.tokens);
-        let mut cpu_f32 = Model::load(&dir).unwrap();
-        cpu_f32.set_kv_dtype(DType::F32).unwrap();
-        let sensitivity = relative_error(&cpu_steps, &incremental_logits(&cpu_f32, &r.tokens));
-        let v = gpu.config.vocab_size;
-        let per_pos: Vec<String> = (0..r.tokens.len())
-            .map(|p| {
-                let e = relative_error(
-                    &gpu_steps[p * v..(p + 1) * v],
-                    &cpu_steps[p * v..(p + 1) * v],
-                );
-                format!("{e:.1e}")
-            })
-            .collect();
-        println!(
-            "DIAG|{name}|sensitivity {sensitivity:.2e}|per position {}",
-            per_pos.join(" ")
-        );
-        let errs = [
-            (
-                "prefill vs cpu",
-                relative_error(
-                    &prefill_logits(&gpu, &r.tokens),
-                    &prefill_logits(&cpu, &r.tokens),
-                ),
-                tol_prefill,
-            ),
-            (
-                "incremental vs cpu",
-                relative_error(&incremental_logits(&gpu, &r.tokens), &cpu_steps),
-                tol_step,
-            ),
-        ];
-        for (what, e, tol) in errs {
+        let (cpu_steps, _) = logits_and_kv(&cpu_f32, &r.tokens, false);
+        for (what, prefill, tol) in [
+            ("prefill", true, tol_prefill),
+            ("incremental", false, tol_step),
+        ] {
+            let (got, got_kv) = logits_and_kv(&gpu, &r.tokens, prefill);
+            let (want, want_kv) = logits_and_kv(&cpu, &r.tokens, prefill);
+            let (flips, compared) = bf16_flips(&name, &got_kv, &want_kv);
+            assert!(compared > 0, "{name}: no K/V compared");
+            let e = relative_error(&got, &want);
+            // Where values differ: the logits' own movement between an f32 and a bf16 cache.
+            let bar = if flips == 0 {
+                tol
+            } else {
+                relative_error(&want, &cpu_steps).max(tol)
+            };
             println!(
-                "RESULT|gpu {name} bf16 KV {what}|{e:.2e}|{tol:.0e}|{}",
-                if e <= tol { "ok" } else { "FAIL" }
+                "RESULT|gpu {name} bf16 KV {what} vs cpu ({flips} of {compared} K/V values a \
+                 bf16 step apart)|{e:.2e}|{bar:.0e}|{}",
+                if e <= bar { "ok" } else { "FAIL" }
             );
-            if e > tol {
-                failures.push(format!("{name}: bf16 KV {what} {e:.3e} > {tol:.0e}"));
+            if e > bar || flips * 100 > compared {
+                failures.push(format!(
+                    "{name}: bf16 KV {what} {e:.3e} (bar {bar:.0e}), {flips} of {compared} values \
+                     differ"
+                ));
             }
         }
     }

@@ -150,6 +150,22 @@ impl KvCache {
         self.device.as_ref().map_or(Ok(0), |d| d.graphs.state())
     }
 
+    /// Layer `layer`'s keys and values as stored, widened to f32, `[blocks][block_size][kv_heads]
+    /// [head_dim]` each over the cache's `num_blocks` blocks (the window group's for a windowed
+    /// layer with blocks of its own); downloaded from the GPU for a device cache. `None` for a
+    /// layer without K/V (linear attention, Gemma 4's shared-KV layers on the GPU). For tests and
+    /// tools that compare caches.
+    pub fn layer_kv(&self, layer: usize) -> moerun_core::Result<Option<(Vec<f32>, Vec<f32>)>> {
+        match &self.device {
+            Some(d) => d.layer_kv(layer),
+            None => Ok(self
+                .pools
+                .get(layer)
+                .filter(|p| p.bytes() > 0)
+                .map(KvPool::to_f32)),
+        }
+    }
+
     /// Bytes of the K/V values alone (what the dtype halves).
     pub fn pool_bytes(&self) -> usize {
         self.pools.iter().map(KvPool::bytes).sum::<usize>()

@@ -257,6 +257,34 @@ impl DeviceKvPool {
             KvStore::Bf16(k, v) => KvBuffersMut::Bf16(k, v),
         }
     }
+    /// K and V as stored, widened (exactly) to f32, after the pool's stream has finished
+    /// (for tests and tools that compare caches).
+    pub fn download_f32(&self) -> Result<(Vec<f32>, Vec<f32>)> {
+        let widen = |x: Vec<u16>| -> Vec<f32> {
+            x.into_iter()
+                .map(|h| f32::from_bits((h as u32) << 16))
+                .collect()
+        };
+        let (k, v) = match &self.store {
+            KvStore::F32(k, v) => (
+                k.stream().clone_dtoh(k).ctx("downloading the pool's K")?,
+                v.stream().clone_dtoh(v).ctx("downloading the pool's V")?,
+            ),
+            KvStore::Bf16(k, v) => (
+                widen(k.stream().clone_dtoh(k).ctx("downloading the pool's K")?),
+                widen(v.stream().clone_dtoh(v).ctx("downloading the pool's V")?),
+            ),
+        };
+        let stream = match &self.store {
+            KvStore::F32(k, _) => k.stream(),
+            KvStore::Bf16(k, _) => k.stream(),
+        };
+        stream
+            .synchronize()
+            .ctx("synchronising the pool's stream")?;
+        Ok((k, v))
+    }
+
     /// The device addresses of K and V, for kernels that read them.
     pub(crate) fn ptrs(&self, dev: &CudaDevice, what: &str) -> Result<(u64, u64)> {
         match &self.store {

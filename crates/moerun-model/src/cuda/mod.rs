@@ -310,6 +310,18 @@ impl DeviceKv {
         self.pool_bytes() + self.scratch.attention.bytes()
     }
 
+    /// Layer `layer`'s K and V widened to f32, without the trash block (`KvCache::layer_kv`).
+    pub(crate) fn layer_kv(&self, layer: usize) -> Result<Option<(Vec<f32>, Vec<f32>)>> {
+        let Some(Some(pool)) = self.pools.get(layer) else {
+            return Ok(None);
+        };
+        let keep = (pool.blocks() - 1) * pool.block_size() * pool.kv_heads() * pool.head_dim();
+        let (mut k, mut v) = pool.download_f32().map_err(dev_err)?;
+        k.truncate(keep);
+        v.truncate(keep);
+        Ok(Some((k, v)))
+    }
+
     /// Bytes of the pools' K/V values.
     pub fn pool_bytes(&self) -> usize {
         self.pools
