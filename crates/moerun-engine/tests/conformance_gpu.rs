@@ -158,10 +158,15 @@ fn logits_and_kv(model: &Model, tokens: &[u32], prefill: bool) -> (Vec<f32>, Vec
 /// One layer's K and V widened to f32, or `None` without K/V.
 type LayerKv = Option<(Vec<f32>, Vec<f32>)>;
 
-/// Values of two bf16 caches' layers that differ (each must be the other's bf16 neighbour), and
-/// how many were compared.
-fn bf16_flips(name: &str, a: &[LayerKv], b: &[LayerKv]) -> (usize, usize) {
-    let (mut flips, mut compared) = (0, 0);
+/// How two bf16 caches' layers differ: values not bit-equal over every layer, values compared,
+/// and at the first layer with K/V the values more than one bf16 step (plus the f32 noise of
+/// the two computations: 1e-5 of the layer's largest value) apart. The first layer's K/V come
+/// from the embeddings through one norm and one projection on both sides, so they agree to
+/// f32 rounding before the bf16 rounding and can only land one step apart; deeper layers
+/// inherit what earlier differences did to the activations.
+fn bf16_differences(name: &str, a: &[LayerKv], b: &[LayerKv]) -> (usize, usize, usize) {
+    let (mut differ, mut compared, mut first_far) = (0, 0, 0);
+    let mut first = true;
     for (l, pair) in a.iter().zip(b).enumerate() {
         let (Some((ak, av)), Some((bk, bv))) = pair else {
             continue;
@@ -171,28 +176,32 @@ fn bf16_flips(name: &str, a: &[LayerKv], b: &[LayerKv]) -> (usize, usize) {
             (bk.len(), bv.len()),
             "{name} layer {l}"
         );
+        let largest = ak.iter().chain(av).fold(0.0f32, |m, x| m.max(x.abs()));
         for (x, y) in ak.iter().chain(av).zip(bk.iter().chain(bv)) {
             compared += 1;
-            if x.to_bits() != y.to_bits() {
-                // Neighbouring bf16 values of one sign: their f32 patterns differ in the 16th bit.
-                assert_eq!(
-                    x.to_bits().abs_diff(y.to_bits()),
-                    1 << 16,
-                    "{name} layer {l}: {x} and {y} are not neighbouring bf16 values"
-                );
-                flips += 1;
+            if x.to_bits() == y.to_bits() {
+                continue;
+            }
+            differ += 1;
+            // One bf16 step at the larger magnitude: 2^-7 of its power of two.
+            let big = x.abs().max(y.abs());
+            let step = f32::from_bits(big.to_bits() & 0x7f80_0000) / 128.0;
+            if first && (x - y).abs() > step + 1e-5 * largest {
+                first_far += 1;
             }
         }
+        first = false;
     }
-    (flips, compared)
+    (differ, compared, first_far)
 }
 
 /// A bf16 KV cache on the GPU (`Model::set_kv_dtype`, `--kv-dtype bf16`) against the CPU's, for
 /// every fixture, through one prefill and token by token:
 /// - the caches hold the same values: the GPU and the CPU compute each K/V value in f32 (orders
-///   of summation apart, ~1e-7) and round it to nearest even, so a value differs only where
-///   the two f32 results straddle a rounding boundary, by one bf16 step, and rarely (checked
-///   for every value of every layer; a wrong rounding mode would move about half of them);
+///   of summation apart) and round it to nearest even, so a value differs only where the two
+///   f32 results straddle a rounding boundary (at the first layer by one bf16 step; deeper,
+///   by what those differences did to the activations), and rarely: at most 1% of all values
+///   (a wrong rounding mode would move about half of them);
 /// - where no value differs, the logits agree within the bars of the f32 caches; where some
 ///   do (Gemma 4's small random models: sharp attention and routing amplify one step of 2^-8
 ///   to 1e-4..4e-2 in later positions, while their logits move 1.6e-2..1.8e-1 between an f32
@@ -235,24 +244,25 @@ fn a_bf16_kv_cache_on_the_gpu_matches_the_cpus_bf16_cache() {
         ] {
             let (got, got_kv) = logits_and_kv(&gpu, &r.tokens, prefill);
             let (want, want_kv) = logits_and_kv(&cpu, &r.tokens, prefill);
-            let (flips, compared) = bf16_flips(&name, &got_kv, &want_kv);
+            let (differ, compared, first_far) = bf16_differences(&name, &got_kv, &want_kv);
             assert!(compared > 0, "{name}: no K/V compared");
             let e = relative_error(&got, &want);
             // Where values differ: the logits' own movement between an f32 and a bf16 cache.
-            let bar = if flips == 0 {
+            let bar = if differ == 0 {
                 tol
             } else {
                 relative_error(&want, &cpu_steps).max(tol)
             };
             println!(
-                "RESULT|gpu {name} bf16 KV {what} vs cpu ({flips} of {compared} K/V values a \
-                 bf16 step apart)|{e:.2e}|{bar:.0e}|{}",
+                "RESULT|gpu {name} bf16 KV {what} vs cpu ({differ} of {compared} K/V values \
+                 differ, {first_far} of the first layer's by more than a step)|{e:.2e}|{bar:.0e}|{}",
                 if e <= bar { "ok" } else { "FAIL" }
             );
-            if e > bar || flips * 100 > compared {
+            // A wrong rounding would move about half the values; a wrong value, more than a step.
+            if e > bar || differ * 100 > compared || first_far > 0 {
                 failures.push(format!(
-                    "{name}: bf16 KV {what} {e:.3e} (bar {bar:.0e}), {flips} of {compared} values \
-                     differ"
+                    "{name}: bf16 KV {what} {e:.3e} (bar {bar:.0e}), {differ} of {compared} \
+                     values differ, {first_far} far at the first layer"
                 ));
             }
         }
