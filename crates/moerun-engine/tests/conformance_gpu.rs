@@ -197,11 +197,13 @@ fn bf16_differences(name: &str, a: &[LayerKv], b: &[LayerKv]) -> (usize, usize, 
 
 /// A bf16 KV cache on the GPU (`Model::set_kv_dtype`, `--kv-dtype bf16`) against the CPU's, for
 /// every fixture, through one prefill and token by token:
-/// - the caches hold the same values: the GPU and the CPU compute each K/V value in f32 (orders
-///   of summation apart) and round it to nearest even, so a value differs only where the two
-///   f32 results straddle a rounding boundary (at the first layer by one bf16 step; deeper,
-///   by what those differences did to the activations), and rarely: at most 1% of all values
-///   (a wrong rounding mode would move about half of them);
+/// - the caches hold the same values: where both sides compute the K/V in f32 (f32 weights, or
+///   token by token), they round each value to nearest even from f32 results orders of
+///   summation apart, so at the first layer a value differs only where the two straddle a
+///   rounding boundary, by one bf16 step; deeper layers inherit what those differences did to
+///   the activations (on the H200: 0-3.7% of all values differ, 8% in one prefill of Gemma 4's
+///   small MoE; none more than a step at the first layer). The rounding itself is checked bit
+///   for bit by tests/attention.rs (kv_write, the q/k/v prologue);
 /// - where no value differs, the logits agree within the bars of the f32 caches; where some
 ///   do (Gemma 4's small random models: sharp attention and routing amplify one step of 2^-8
 ///   to 1e-4..4e-2 in later positions, while their logits move 1.6e-2..1.8e-1 between an f32
@@ -258,8 +260,11 @@ fn a_bf16_kv_cache_on_the_gpu_matches_the_cpus_bf16_cache() {
                  differ, {first_far} of the first layer's by more than a step)|{e:.2e}|{bar:.0e}|{}",
                 if e <= bar { "ok" } else { "FAIL" }
             );
-            // A wrong rounding would move about half the values; a wrong value, more than a step.
-            if e > bar || differ * 100 > compared || first_far > 0 {
+            // A bf16 model's prefill multiplies bf16-rounded activations on tensor cores (the
+            // CPU keeps them f32): its K/V differ by more than rounding from the first layer on
+            // (its logits' 2e-2 bar). Elsewhere both sides compute the first layer's K/V in f32.
+            let f32_activations = r.f32_weights || !prefill;
+            if e > bar || (f32_activations && first_far > 0) {
                 failures.push(format!(
                     "{name}: bf16 KV {what} {e:.3e} (bar {bar:.0e}), {differ} of {compared} \
                      values differ, {first_far} far at the first layer"
