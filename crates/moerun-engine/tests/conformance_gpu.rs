@@ -21,7 +21,7 @@ use moerun_engine::{run_step, Sequence, SequenceKv};
 use moerun_model::{LogitsFor, Model};
 use reference::{
     batched_and_alone, chunked_logits, fixture_names, fixtures_dir, greedy, incremental_logits,
-    load_reference, model_picks_and_logit_argmax, prefill_logits, relative_error,
+    load_reference, logits_with_kv, model_picks_and_logit_argmax, prefill_logits, relative_error,
     WINDOWED_FIXTURES,
 };
 
@@ -124,31 +124,7 @@ fn every_fixture_matches_transformers_and_the_cpu_on_the_gpu() {
 
 /// Logits of a run over `tokens` (one prefill, or token by token) and every layer's K/V after it.
 fn logits_and_kv(model: &Model, tokens: &[u32], prefill: bool) -> (Vec<f32>, Vec<LayerKv>) {
-    let mut kv = SequenceKv::for_model(model, tokens.len()).unwrap();
-    let mut seq = Sequence::new(tokens.to_vec());
-    let logits = if prefill {
-        let out = run_step(
-            model,
-            &mut kv,
-            &mut [&mut seq],
-            &[usize::MAX],
-            LogitsFor::AllTokens,
-        );
-        out.unwrap().logits
-    } else {
-        let mut all = Vec::new();
-        for _ in 0..tokens.len() {
-            let out = run_step(
-                model,
-                &mut kv,
-                &mut [&mut seq],
-                &[1],
-                LogitsFor::LastOfEachSeq,
-            );
-            all.extend(out.unwrap().logits);
-        }
-        all
-    };
+    let (logits, mut kv) = logits_with_kv(model, tokens, prefill);
     let layers = (0..model.config.num_layers())
         .map(|l| kv.cache_mut().layer_kv(l).unwrap())
         .collect();
@@ -357,19 +333,7 @@ fn graphs_captured_while_another_thread_opens_and_drops_devices_give_the_lone_lo
     // incremental_logits, and whether its steps ran from a captured graph (not the eager
     // fallback a failed capture leaves: that would pass the logits check too).
     let run = || {
-        let mut kv = SequenceKv::for_model(&model, tokens.len()).unwrap();
-        let mut seq = Sequence::new(tokens.to_vec());
-        let mut logits = Vec::new();
-        for _ in 0..tokens.len() {
-            let out = run_step(
-                &model,
-                &mut kv,
-                &mut [&mut seq],
-                &[1],
-                LogitsFor::LastOfEachSeq,
-            );
-            logits.extend(out.unwrap().logits);
-        }
+        let (logits, mut kv) = logits_with_kv(&model, tokens, false);
         (logits, kv.cache_mut().decode_graphs())
     };
     let done = AtomicBool::new(false);

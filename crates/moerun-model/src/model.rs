@@ -190,8 +190,8 @@ impl Model {
     /// What the KV caches this model makes ([`Model::new_kv_cache`]) store: f32 (the default,
     /// the precision every conformance test is held to), or bf16 in half the memory, each K/V
     /// value rounded to nearest even once (transformers keeps a bf16 model's K/V in bf16), on
-    /// either backend: the CUDA kernels round as the CPU does, so the two read the same K/V. f16
-    /// is refused.
+    /// either backend: the CUDA kernels round as the CPU does (the two caches differ only where
+    /// their f32 values straddle a rounding boundary). f16 is refused.
     pub fn set_kv_dtype(&mut self, dtype: DType) -> Result<()> {
         match dtype {
             DType::F32 | DType::BF16 => {}

@@ -3,7 +3,10 @@
 //! batch over each token's visible positions, with exactly the semantics of moerun-cpu's
 //! `paged_attention`: a token at position `p` sees its own sequence's positions `lo..=p`
 //! (`lo = p + 1 - window` under a sliding window), found through the sequence's block table;
-//! query head `h` reads kv head `h / (num_heads / num_kv_heads)`.
+//! query head `h` reads kv head `h / (num_heads / num_kv_heads)`. A pool stores f32 or bf16
+//! ([`KvDtype`]); every kernel below exists in one build per dtype, and where this text says
+//! "the f32 pool" a bf16 pool's values are read the same way, widened (so the same bits as an
+//! f32 pool holding those values).
 //!
 //! One call runs up to three kernels, and each token is handled by exactly one path, chosen on
 //! the device by the *tile rule* (no host synchronisation, grid sizes from host-known bounds):

@@ -82,37 +82,32 @@ pub fn argmax(row: &[f32]) -> u32 {
     moerun_model::argmax(row)
 }
 
-/// Logits of every position through one prefill.
-pub fn prefill_logits(model: &Model, tokens: &[u32]) -> Vec<f32> {
+/// Logits of every position through one prefill, or (`prefill` false) one token per step
+/// through the KV cache, and the cache after it.
+pub fn logits_with_kv(model: &Model, tokens: &[u32], prefill: bool) -> (Vec<f32>, SequenceKv) {
     let mut kv = SequenceKv::for_model(model, tokens.len()).unwrap();
     let mut seq = Sequence::new(tokens.to_vec());
-    run_step(
-        model,
-        &mut kv,
-        &mut [&mut seq],
-        &[usize::MAX],
-        LogitsFor::AllTokens,
-    )
-    .unwrap()
-    .logits
+    let (chunk, logits_for, steps) = if prefill {
+        (usize::MAX, LogitsFor::AllTokens, 1)
+    } else {
+        (1, LogitsFor::LastOfEachSeq, tokens.len())
+    };
+    let mut all = Vec::new();
+    for _ in 0..steps {
+        let out = run_step(model, &mut kv, &mut [&mut seq], &[chunk], logits_for);
+        all.extend(out.unwrap().logits);
+    }
+    (all, kv)
+}
+
+/// Logits of every position through one prefill.
+pub fn prefill_logits(model: &Model, tokens: &[u32]) -> Vec<f32> {
+    logits_with_kv(model, tokens, true).0
 }
 
 /// Logits of every position, one token per step through the KV cache.
 pub fn incremental_logits(model: &Model, tokens: &[u32]) -> Vec<f32> {
-    let mut kv = SequenceKv::for_model(model, tokens.len()).unwrap();
-    let mut seq = Sequence::new(tokens.to_vec());
-    let mut all = Vec::new();
-    for _ in 0..tokens.len() {
-        let out = run_step(
-            model,
-            &mut kv,
-            &mut [&mut seq],
-            &[1],
-            LogitsFor::LastOfEachSeq,
-        );
-        all.extend(out.unwrap().logits);
-    }
-    all
+    logits_with_kv(model, tokens, false).0
 }
 
 /// `n` greedy tokens after `prompt`.
