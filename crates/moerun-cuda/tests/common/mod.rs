@@ -4,7 +4,7 @@
 
 #![allow(dead_code)] // each test binary uses its own subset
 
-use std::sync::OnceLock;
+use std::sync::{OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use moerun_cuda::CudaDevice;
 use rand::rngs::StdRng;
@@ -21,6 +21,29 @@ pub fn device() -> Option<&'static CudaDevice> {
             None
         }
     }
+}
+
+/// The tests of a binary share one device and so one stream. A graph capture on that stream
+/// takes in whatever any thread enqueues meanwhile (uploads from pageable memory, which a capture
+/// refuses, other tests' kernels, their allocations), so a capturing test must have the stream
+/// alone: it holds [`stream_alone`], every other test of its binary [`stream_shared`].
+/// (tests/moe.rs failed about one run in three at the default test threads without this: a
+/// SIGSEGV, CUDA_ERROR_ILLEGAL_STATE in a capture, CUDA_ERROR_INVALID_VALUE in an allocation.)
+static STREAM_TURNS: RwLock<()> = RwLock::new(());
+
+/// Held by a test that enqueues work but captures nothing (see [`STREAM_TURNS`]).
+pub fn stream_shared() -> RwLockReadGuard<'static, ()> {
+    // A test that panicked while holding it leaves nothing inconsistent: the lock guards no data.
+    STREAM_TURNS
+        .read()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Held by a test that captures a graph on the shared stream (see [`STREAM_TURNS`]).
+pub fn stream_alone() -> RwLockWriteGuard<'static, ()> {
+    STREAM_TURNS
+        .write()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// A generator seeded from the clock (fresh inputs every run), printing its seed so a failure
