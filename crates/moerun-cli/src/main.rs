@@ -52,8 +52,8 @@ pub struct DeviceFlag {
     /// Device to run on: cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu", value_parser = parse_device)]
     pub device: moerun_core::Device,
-    /// What the KV cache stores: f32, or bf16 in half the memory (each value rounded once; CPU
-    /// only for now).
+    /// What the KV cache stores: f32, or bf16 in half the memory (each value rounded once), on
+    /// either device.
     #[arg(long, default_value = "f32", value_parser = parse_kv_dtype)]
     pub kv_dtype: moerun_core::DType,
 }
