@@ -26,7 +26,7 @@ use moerun_cpu::attention::{
 };
 use moerun_cuda::{
     AttentionPrefill, AttentionScratch, AttentionShape, CudaDevice, CudaError, CudaSlice,
-    DeviceKvPool, KvBuffers, KvBuffersMut, KvDtype, QkvShape, TokenPlacement,
+    DeviceKvPool, DeviceRope, KvBuffers, KvBuffersMut, KvDtype, QkvShape, TokenPlacement,
 };
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -992,6 +992,28 @@ fn wgmma_prefill_matches_cpu_and_its_builds_agree_bitwise() {
 
 /// The q/k/v prologue's batch copy holds exactly its k and v outputs rounded to bf16 (what the
 /// pool path rounds), with and without a pool to write.
+/// The q/k/v prologue's fixed inputs for `hq` / `hkv` heads of `d`: RoPE tables (base 10000),
+/// a random k norm, and the shape.
+fn prologue_inputs(
+    dev: &CudaDevice,
+    r: &mut StdRng,
+    (hq, hkv, d): (usize, usize, usize),
+) -> (DeviceRope, CudaSlice<f32>, QkvShape) {
+    let inv_freq: Vec<f32> = (0..d / 2)
+        .map(|i| 10000f32.powf(-2.0 * i as f32 / d as f32))
+        .collect();
+    let rope = dev.upload_rope(&inv_freq, 1.0).unwrap();
+    let k_norm = dev.upload(&uniform(r, d, 0.5, 1.5)).unwrap();
+    let shape = QkvShape {
+        heads_q: hq,
+        heads_kv: hkv,
+        head_dim: d,
+        eps: 1e-6,
+        v_unit_norm: false,
+    };
+    (rope, k_norm, shape)
+}
+
 /// The q/k/v prologue writes its k and v rows straight into the pool, as kv_write would put them:
 /// f32 as they are, bf16 rounded to nearest even; both of its entries (the early one for
 /// decode-sized batches, the plain one past 128 tokens).
@@ -1001,18 +1023,7 @@ fn qkv_prologue_writes_the_pool_of_either_dtype_as_kv_write_would() {
     let _alone = one_at_a_time();
     let mut r = rng("qkv prologue pool");
     let (hq, hkv, d) = (8usize, 2usize, 128usize);
-    let inv_freq: Vec<f32> = (0..d / 2)
-        .map(|i| 10000f32.powf(-2.0 * i as f32 / d as f32))
-        .collect();
-    let rope = dev.upload_rope(&inv_freq, 1.0).unwrap();
-    let k_norm = dev.upload(&uniform(&mut r, d, 0.5, 1.5)).unwrap();
-    let shape = QkvShape {
-        heads_q: hq,
-        heads_kv: hkv,
-        head_dim: d,
-        eps: 1e-6,
-        v_unit_norm: false,
-    };
+    let (rope, k_norm, shape) = prologue_inputs(dev, &mut r, (hq, hkv, d));
     for tokens in [5usize, 200] {
         let width = (hq + 2 * hkv) * d;
         let qkv = dev
@@ -1083,18 +1094,7 @@ fn qkv_prologue_writes_the_batch_copy_as_its_k_and_v_rounded_to_bf16() {
         .unwrap();
     let positions: Vec<u32> = (0..tokens as u32).map(|p| p + 5).collect();
     let pos_u32 = dev.upload(&positions).unwrap();
-    let inv_freq: Vec<f32> = (0..d / 2)
-        .map(|i| 10000f32.powf(-2.0 * i as f32 / d as f32))
-        .collect();
-    let rope = dev.upload_rope(&inv_freq, 1.0).unwrap();
-    let k_norm = dev.upload(&uniform(&mut r, d, 0.5, 1.5)).unwrap();
-    let shape = QkvShape {
-        heads_q: hq,
-        heads_kv: hkv,
-        head_dim: d,
-        eps: 1e-6,
-        v_unit_norm: false,
-    };
+    let (rope, k_norm, shape) = prologue_inputs(dev, &mut r, (hq, hkv, d));
     let blocks = tokens.div_ceil(16) + 6;
     let mut pool = dev.kv_pool(blocks, 16, hkv, d).unwrap();
     let pos_i32: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
