@@ -2,8 +2,8 @@
 //
 // Pool: K and V each [blocks][block_size][kv_heads][head_dim], f32 or (the MOERUN_KV_BF16
 // build, attention_common.cuh) bf16; every kernel below reads it through ld_kv4 or the staging
-// helpers, so both builds do the same arithmetic on the same widened values. Token i of the flat batch sits
-// at position positions[i] of the sequence whose block table starts at
+// helpers, so both builds do the same arithmetic on the same widened values. Token i of the
+// flat batch sits at position positions[i] of the sequence whose block table starts at
 // block_tables[table_start[i]]: position p of that sequence lives in block
 // block_tables[table_start[i] + p / block_size], slot p % block_size. Token i attends to its
 // sequence's positions lo..=p, lo = max(0, p + 1 - window) (window 0: no window), as
@@ -41,9 +41,10 @@
 //   blocks per SM; dynamic shared: 3 stages of the bf16 K and V tiles, [64][D + 8] each, which
 //   ldmatrix(.trans) reads. Key tiles of the batch's own positions are cp.async-copied from the
 //   batch copy (AttnArgs.copy_k/v); the others are read from the pool and rounded (an f32
-//   pool; a bf16 one holds them rounded already; see the section below). attn_tile_bf16_h2_d<D> and _h4_d<D>: the same tiles and arithmetic (the same
-//   bits), each warp 16 tokens of two query heads of one kv head (32 rows sharing every K and V
-//   fragment); blocks of 2 heads (grid (n / 64, num_heads / 2), block 128, 2 stages + a bf16 q
+//   pool; a bf16 one holds them rounded already; see the section below).
+//   attn_tile_bf16_h2_d<D> and _h4_d<D>: the same tiles and arithmetic (the same bits), each
+//   warp 16 tokens of two query heads of one kv head (32 rows sharing every K and V fragment);
+//   blocks of 2 heads (grid (n / 64, num_heads / 2), block 128, 2 stages + a bf16 q
 //   tile, two blocks per SM) or 4 heads (grid (n / 64, num_heads / 4), block 256, 3 stages + q,
 //   one block per SM).
 //
@@ -1305,9 +1306,9 @@ __device__ __forceinline__ void attn_tile_bf16(const AttnArgs& a) {
     };
     // Pool tiles: rows of keys by cp.async into the landing stages (land_kv4: f32 rows in their
     // 16-byte slots, or bf16 rows in each slot's first half; rows past kend or out of range:
-    // zeros), then rounded to bf16 (landed_bf16x4) into stage PS. ST == 3: K rows of the whole tile into
-    // stage 0, V rows into stage 1. ST == 2: K rows of keys kt + 32 half .. + 31, then their V
-    // rows, into stage 0.
+    // zeros), then rounded to bf16 (landed_bf16x4) into stage PS. ST == 3: K rows of the whole
+    // tile into stage 0, V rows into stage 1. ST == 2: K rows of keys kt + 32 half .. + 31, then
+    // their V rows, into stage 0.
     float* const kf = reinterpret_cast<float*>(bf);
     float* const vf = ST == 3 ? reinterpret_cast<float*>(bf + STAGE) : kf + (TILE_N / 2) * FS;
     constexpr int PR = ST == 3 ? TILE_N : TILE_N / 2;  // key rows per fetch

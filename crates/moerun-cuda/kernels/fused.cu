@@ -18,7 +18,8 @@
 //   (KvDest.pool_k non-null), the k and v heads also go straight into the token's slot there,
 //   as kv_write_f32 would put them (f32, or rounded to bf16 for a bf16 pool; skipped for a
 //   position whose block is out of range). Given a batch copy (KvDest.copy_k non-null), the k
-//   and v heads also go, rounded to bf16, into the token's row there: what the tensor-core prefill kernel reads for the batch's own keys.
+//   and v heads also go, rounded to bf16, into the token's row there: what the tensor-core
+//   prefill kernel reads for the batch's own keys.
 //   Launch: grid (tokens, ceil((heads_q + 2 * heads_kv) / 4)), block (32, 4): one warp per head
 //   (head_dim <= 256), four heads per block.
 
