@@ -90,19 +90,22 @@ trait KvRead {
 /// Bytes per cache line, the prefetch step.
 const LINE: usize = 64;
 
-/// Prefetch `bytes` bytes from `p` into the first-level cache, a line at a time.
+/// Prefetch `values[at..at + len]` into the first-level cache, a line at a time.
 #[inline(always)]
-fn prefetch_bytes(p: *const u8, bytes: usize) {
+fn prefetch_range<T>(values: &[T], at: usize, len: usize) {
+    let range = &values[at..at + len];
     #[cfg(target_arch = "x86_64")]
-    for o in (0..bytes).step_by(LINE) {
-        // SAFETY: a prefetch reads nothing architecturally and cannot fault; `p + o` stays
-        // within the slice the caller's range came from (checked by the caller's bounds).
+    for o in (0..std::mem::size_of_val(range)).step_by(LINE) {
+        // SAFETY: a prefetch reads nothing architecturally and cannot fault; `o` stays within
+        // `range`'s bytes.
         unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.add(o).cast())
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                range.as_ptr().cast::<u8>().add(o).cast(),
+            )
         };
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = (p, bytes);
+    let _ = range;
 }
 
 impl KvRead for [f32] {
@@ -115,8 +118,7 @@ impl KvRead for [f32] {
     }
     #[inline(always)]
     fn prefetch(&self, at: usize, len: usize) {
-        let v = &self[at..at + len];
-        prefetch_bytes(v.as_ptr().cast(), std::mem::size_of_val(v));
+        prefetch_range(self, at, len);
     }
 }
 
@@ -128,8 +130,7 @@ impl KvRead for [u16] {
     }
     #[inline(always)]
     fn prefetch(&self, at: usize, len: usize) {
-        let v = &self[at..at + len];
-        prefetch_bytes(v.as_ptr().cast(), std::mem::size_of_val(v));
+        prefetch_range(self, at, len);
     }
     #[inline(always)]
     fn read<'a>(&'a self, at: usize, len: usize, buf: &'a mut Self::Scratch) -> &'a [f32] {

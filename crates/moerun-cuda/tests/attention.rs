@@ -15,18 +15,18 @@
 //! in another order than mma.sync, so the two agree only within the bf16 tolerance).
 //! Without a GPU every test prints "skipped: CUDA is unavailable: <reason>" and passes.
 
-use std::sync::{Mutex, MutexGuard};
-
 mod common;
 
-use common::{check, device, poison, rel_err, rng, uniform};
+// Every test holds `device_alone`: some switch the prefill attention build (`set_attention_wgmma`,
+// device-wide) while others compare paths bit for bit.
+use common::{check, device, device_alone, poison, rel_err, rng, uniform};
 use moerun_core::DType;
 use moerun_cpu::attention::{
     paged_attention as cpu_attention, AttentionShape as CpuShape, KvPool, TokenSlot,
 };
 use moerun_cuda::{
     AttentionPrefill, AttentionScratch, AttentionShape, CudaDevice, CudaError, CudaSlice,
-    DeviceKvPool, DeviceRope, KvBuffers, KvBuffersMut, KvDtype, QkvShape, TokenPlacement,
+    DeviceKvPool, DeviceRope, KvBuffersMut, KvDtype, QkvShape, TokenPlacement,
 };
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -95,13 +95,6 @@ impl Case<'_> {
             kv_dtype: KvDtype::F32,
         }
     }
-}
-
-/// The tests of this binary share one device, and some switch its prefill attention build
-/// (`set_attention_wgmma`, device-wide) while others compare paths bit for bit: they take turns.
-fn one_at_a_time() -> MutexGuard<'static, ()> {
-    static TURN: Mutex<()> = Mutex::new(());
-    TURN.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// Blocks for each sequence from one shuffled list of the pool's blocks: the flat block table
@@ -326,12 +319,6 @@ fn run_case(dev: &CudaDevice, r: &mut StdRng, case: &Case) -> f64 {
         })
     };
     let from_copy = |scratch: &mut AttentionScratch| from_copy_and(&gpu_pool, scratch);
-    let count_differing = |a: &[f32], b: &[f32]| {
-        a.iter()
-            .zip(b)
-            .filter(|(x, y)| x.to_bits() != y.to_bits())
-            .count()
-    };
     if let Some(twin) = &rounded_pool {
         let mut differing = count_differing(&from(twin, &mut scratch), &got);
         if let (Some(a), Some(b)) = (from_copy(&mut scratch), from_copy_and(twin, &mut scratch)) {
@@ -418,7 +405,7 @@ fn run_and_check(dev: &CudaDevice, r: &mut StdRng, case: &Case) {
 #[test]
 fn kv_write_puts_each_row_in_its_block_and_slot_and_skips_out_of_range_blocks() {
     let Some(dev) = device() else { return };
-    let _alone = one_at_a_time();
+    let _alone = device_alone();
     let mut r = rng("kv_write");
     let (blocks, bs, kvh, d) = (6usize, 4usize, 2usize, 8usize);
     let width = kvh * d;
@@ -462,9 +449,9 @@ fn kv_write_puts_each_row_in_its_block_and_slot_and_skips_out_of_range_blocks() 
                     .collect(),
             }
         };
-        let (got_k, got_v) = download_pool(dev, &pool);
-        let exact =
-            bits(&got_k) == bits(&stored(&want_k)) && bits(&got_v) == bits(&stored(&want_v));
+        let (got_k, got_v) = pool.download_f32().unwrap();
+        let exact = count_differing(&got_k, &stored(&want_k)) == 0
+            && count_differing(&got_v, &stored(&want_v)) == 0;
         check(
             &format!("kv_write placement ({dtype:?} pool)"),
             if exact { 0.0 } else { 1.0 },
@@ -474,30 +461,18 @@ fn kv_write_puts_each_row_in_its_block_and_slot_and_skips_out_of_range_blocks() 
     }
 }
 
-/// A pool's K and V, widened to f32 (exactly) when it stores bf16.
-fn download_pool(dev: &CudaDevice, pool: &DeviceKvPool) -> (Vec<f32>, Vec<f32>) {
-    let widen = |x: Vec<u16>| -> Vec<f32> {
-        x.into_iter()
-            .map(|b| f32::from_bits((b as u32) << 16))
-            .collect()
-    };
-    match pool.buffers() {
-        KvBuffers::F32(k, v) => (dev.download(k).unwrap(), dev.download(v).unwrap()),
-        KvBuffers::Bf16(k, v) => (
-            widen(dev.download(k).unwrap()),
-            widen(dev.download(v).unwrap()),
-        ),
-    }
-}
-
-fn bits(x: &[f32]) -> Vec<u32> {
-    x.iter().map(|v| v.to_bits()).collect()
+/// Elements of `a` and `b` whose bits differ.
+fn count_differing(a: &[f32], b: &[f32]) -> usize {
+    a.iter()
+        .zip(b)
+        .filter(|(x, y)| x.to_bits() != y.to_bits())
+        .count()
 }
 
 #[test]
 fn decode_matches_cpu_for_every_head_dim_and_gqa_ratio() {
     let Some(dev) = device() else { return };
-    let _alone = one_at_a_time();
+    let _alone = device_alone();
     let mut r = rng("attention decode");
     let seqs = [(0, 1), (1, 1), (15, 1), (16, 1), (300, 1), (777, 1)];
     for d in [16, 24, 32, 48, 64, 128, 256] {
@@ -512,7 +487,7 @@ fn decode_matches_cpu_for_every_head_dim_and_gqa_ratio() {
 #[test]
 fn long_decode_contexts_split_and_combine_like_the_cpu() {
     let Some(dev) = device() else { return };
-    let _alone = one_at_a_time();
+    let _alone = device_alone();
     let mut r = rng("attention long decode");
     let seqs = [(4095, 1), (1500, 1), (2000, 1), (64, 1)];
     for (window, bound) in [(None, None), (Some(1000), None), (None, Some(100))] {
@@ -543,7 +518,7 @@ fn long_decode_contexts_split_and_combine_like_the_cpu() {
 #[test]
 fn small_decode_batches_match_cpu_on_one_or_many_clusters() {
     let Some(dev) = device() else { return };
-    let _alone = one_at_a_time();
+    let _alone = device_alone();
     let mut r = rng("attention cluster decode");
     let one = |c: usize| vec![(c, 1)];
     for (shape, seqs, window, bound) in [
@@ -579,7 +554,7 @@ fn small_decode_batches_match_cpu_on_one_or_many_clusters() {
 #[test]
 fn repeated_decode_calls_are_bitwise_equal() {
     let Some(dev) = device() else { return };
-    let _alone = one_at_a_time();
+    let _alone = device_alone();
     let mut r = rng("attention repeat");
     let (h, kvh, d, bs) = (32usize, 4usize, 128usize, 16usize);
     for (batch, context) in [(1usize, 500usize), (1, 3000), (2, 2000), (40, 700)] {
@@ -640,7 +615,7 @@ fn repeated_decode_calls_are_bitwise_equal() {
 #[test]
 fn prefill_and_chunked_prefill_match_cpu_on_the_exact_tiled_path() {
     let Some(dev) = device() else { return };
-    let _alone = one_at_a_time();
+    let _alone = device_alone();
     let mut r = rng("attention prefill");
     let one = [(0, 200)];
     let chunked = [(130, 77), (0, 64)];
@@ -672,7 +647,7 @@ fn prefill_and_chunked_prefill_match_cpu_on_the_exact_tiled_path() {
 #[test]
 fn gemma4_head_dims_256_and_512_match_cpu_decode_and_prefill() {
     let Some(dev) = device() else { return };
-    let _alone = one_at_a_time();
+    let _alone = device_alone();
     let mut r = rng("attention gemma4");
     let decode = [(0, 1), (17, 1), (1030, 1), (2500, 1)];
     let prefill = [(0, 150)];
@@ -701,7 +676,7 @@ fn gemma4_head_dims_256_and_512_match_cpu_decode_and_prefill() {
 #[test]
 fn mixed_batches_of_prefills_and_decodes_match_cpu_grouped_and_interleaved() {
     let Some(dev) = device() else { return };
-    let _alone = one_at_a_time();
+    let _alone = device_alone();
     let mut r = rng("attention mixed");
     let seqs = [(300, 1), (0, 150), (45, 1), (1000, 70), (7, 1), (64, 128)];
     for interleave in [false, true] {
@@ -721,7 +696,7 @@ fn mixed_batches_of_prefills_and_decodes_match_cpu_grouped_and_interleaved() {
 #[test]
 fn tensor_core_prefill_is_within_bf16_rounding_of_cpu() {
     let Some(dev) = device() else { return };
-    let _alone = one_at_a_time();
+    let _alone = device_alone();
     let mut r = rng("attention bf16");
     let one = [(0, 600)];
     let mixed = [(300, 200), (10, 1), (0, 130), (2000, 1)];
@@ -752,7 +727,7 @@ fn tensor_core_prefill_is_within_bf16_rounding_of_cpu() {
 #[test]
 fn bf16_pools_give_the_bits_of_f32_pools_of_the_rounded_values_on_every_path() {
     let Some(dev) = device() else { return };
-    let _alone = one_at_a_time();
+    let _alone = device_alone();
     let mut r = rng("attention bf16 pool");
     let decode = [(0, 1), (15, 1), (300, 1), (777, 1)];
     let long = [(5000, 1), (12, 1)];
@@ -846,7 +821,7 @@ fn tensor_core_case<'a>(
 #[test]
 fn tensor_core_prefill_from_the_batch_copy_equals_the_pool_path_bitwise() {
     let Some(dev) = device() else { return };
-    let _alone = one_at_a_time();
+    let _alone = device_alone();
     let mut r = rng("attention bf16 batch copy");
     let fresh = [(0, 600)];
     let cached_whole = [(1024, 300)];
@@ -885,7 +860,7 @@ fn tensor_core_prefill_from_the_batch_copy_equals_the_pool_path_bitwise() {
 #[test]
 fn tensor_core_prefill_builds_are_bitwise_equal() {
     let Some(dev) = device() else { return };
-    let _alone = one_at_a_time();
+    let _alone = device_alone();
     let mut r = rng("attention bf16 builds");
     let fresh = [(0, 600)];
     let cached_odd = [(1500, 400)];
@@ -924,7 +899,7 @@ fn tensor_core_prefill_builds_are_bitwise_equal() {
 #[test]
 fn wgmma_prefill_matches_cpu_and_its_builds_agree_bitwise() {
     let Some(dev) = device() else { return };
-    let _alone = one_at_a_time();
+    let _alone = device_alone();
     let mut r = rng("attention wgmma");
     for group in [1, 2, 3, 8] {
         for own_keys in [false, true] {
@@ -1020,7 +995,7 @@ fn prologue_inputs(
 #[test]
 fn qkv_prologue_writes_the_pool_of_either_dtype_as_kv_write_would() {
     let Some(dev) = device() else { return };
-    let _alone = one_at_a_time();
+    let _alone = device_alone();
     let mut r = rng("qkv prologue pool");
     let (hq, hkv, d) = (8usize, 2usize, 128usize);
     let (rope, k_norm, shape) = prologue_inputs(dev, &mut r, (hq, hkv, d));
@@ -1063,15 +1038,10 @@ fn qkv_prologue_writes_the_pool_of_either_dtype_as_kv_write_would() {
             .unwrap();
             let mut want = dev.kv_pool_of(dtype, blocks, 16, hkv, d).unwrap();
             dev.kv_write(&mut want, &k, &v, &at).unwrap();
-            let (got_k, got_v) = download_pool(dev, &pool);
-            let (want_k, want_v) = download_pool(dev, &want);
-            let differ = bits(&got_k)
-                .iter()
-                .zip(bits(&want_k))
-                .chain(bits(&got_v).iter().zip(bits(&want_v)))
-                .filter(|(a, b)| **a != *b)
-                .count();
-            let written = bits(&want_k).iter().filter(|&&b| b != 0).count();
+            let (got_k, got_v) = pool.download_f32().unwrap();
+            let (want_k, want_v) = want.download_f32().unwrap();
+            let differ = count_differing(&got_k, &want_k) + count_differing(&got_v, &want_v);
+            let written = want_k.iter().filter(|x| x.to_bits() != 0).count();
             assert!(written > tokens * hkv * d / 2, "kv_write wrote the rows");
             check(
                 &format!("qkv prologue pool rows, {tokens} tokens, {dtype:?} (elements differing)"),
@@ -1085,7 +1055,7 @@ fn qkv_prologue_writes_the_pool_of_either_dtype_as_kv_write_would() {
 #[test]
 fn qkv_prologue_writes_the_batch_copy_as_its_k_and_v_rounded_to_bf16() {
     let Some(dev) = device() else { return };
-    let _alone = one_at_a_time();
+    let _alone = device_alone();
     let mut r = rng("qkv prologue copy");
     let (hq, hkv, d, tokens) = (8usize, 2usize, 128usize, 70usize);
     let width = (hq + 2 * hkv) * d;
@@ -1175,7 +1145,7 @@ fn qkv_prologue_writes_the_batch_copy_as_its_k_and_v_rounded_to_bf16() {
 #[test]
 fn bad_shapes_and_unsupported_paths_are_refused() {
     let Some(dev) = device() else { return };
-    let _alone = one_at_a_time();
+    let _alone = device_alone();
     assert!(matches!(
         dev.kv_pool(4, 16, 2, 30),
         Err(CudaError::InvalidArgument(_))

@@ -371,7 +371,7 @@ fn not_every_third(e: u32) -> bool {
 
 #[test]
 fn decode_path_matches_cpu_for_every_dtype_batch_size_and_empty_experts() {
-    let _turn = common::stream_shared();
+    let _turn = common::device_shared();
     let Some(dev) = device() else { return };
     let mut r = rng("moe_decode");
     // H = 196 and I = 36 are whole f32 chunks but not whole tiles (32 down rows, 8 intermediate
@@ -417,7 +417,7 @@ fn decode_path_matches_cpu_for_every_dtype_batch_size_and_empty_experts() {
 
 #[test]
 fn every_decode_pass_size_gives_the_same_bits() {
-    let _turn = common::stream_shared();
+    let _turn = common::device_shared();
     let Some(dev) = device() else { return };
     let mut r = rng("moe_decode_passes");
     let (e, k, h, i) = (16usize, 4usize, 256usize, 64usize);
@@ -479,7 +479,7 @@ fn bits(v: &[f32]) -> Vec<u32> {
 
 #[test]
 fn decode_rows_do_not_depend_on_the_rest_of_the_batch() {
-    let _turn = common::stream_shared();
+    let _turn = common::device_shared();
     let Some(dev) = device() else { return };
     let mut r = rng("moe_batch_invariance");
     let (e, k, h, i) = (32usize, 4usize, 128usize, 64usize);
@@ -512,7 +512,7 @@ fn decode_rows_do_not_depend_on_the_rest_of_the_batch() {
 
 #[test]
 fn decode_path_replays_from_a_cuda_graph() {
-    let _turn = common::stream_alone();
+    let _turn = common::device_alone();
     let Some(dev) = device() else { return };
     let mut r = rng("moe_graph");
     let (e, h, i) = (64usize, 256usize, 128usize);
@@ -528,7 +528,7 @@ fn decode_path_replays_from_a_cuda_graph() {
 /// inputs at replay, tiles and all (the GEMMs find their tiles from the device offsets).
 #[test]
 fn wgmma_prefill_path_replays_from_a_cuda_graph() {
-    let _turn = common::stream_alone();
+    let _turn = common::device_alone();
     let Some(dev) = wgmma_device() else { return };
     let mut r = rng("moe_wgmma_graph");
     let (e, h, i) = (64usize, 256usize, 128usize);
@@ -594,7 +594,7 @@ fn replay_from_graph(
 
 #[test]
 fn prefill_paths_match_cpu_for_batch_sizes_and_empty_experts() {
-    let _turn = common::stream_shared();
+    let _turn = common::device_shared();
     let Some(dev) = device() else { return };
     let mut r = rng("moe_prefill");
     let cases = [
@@ -630,7 +630,7 @@ fn prefill_paths_match_cpu_for_batch_sizes_and_empty_experts() {
 /// 64), 128 experts top-8, on every path (decode sizes including the tiny pass, prefill).
 #[test]
 fn gelu_tanh_experts_match_cpu_on_every_path() {
-    let _turn = common::stream_shared();
+    let _turn = common::device_shared();
     let Some(dev) = device() else { return };
     let mut r = rng("moe_gelu");
     let gemma = Case {
@@ -664,7 +664,7 @@ fn gelu_tanh_experts_match_cpu_on_every_path() {
 
 #[test]
 fn out_of_range_ids_poison_their_token_in_decode_and_fail_prefill() {
-    let _turn = common::stream_shared();
+    let _turn = common::device_shared();
     let Some(dev) = device() else { return };
     let mut r = rng("moe_bad_ids");
     let (e, k, h, i, n) = (8usize, 2usize, 64usize, 32usize, 3usize);
@@ -722,7 +722,7 @@ fn out_of_range_ids_poison_their_token_in_decode_and_fail_prefill() {
 
 #[test]
 fn shapes_that_do_not_fit_are_refused() {
-    let _turn = common::stream_shared();
+    let _turn = common::device_shared();
     let Some(dev) = device() else { return };
     let mut r = rng("moe_shapes");
     let (e, k, h, i) = (8usize, 2usize, 64usize, 32usize);
@@ -828,7 +828,7 @@ fn loaded_routing(r: &mut StdRng, loads: &[usize], k: usize) -> (Vec<u32>, Vec<f
 /// the 64-wide K blocks or of the tile widths, and Qwen3-30B-A3B's H 2048 x I 768 (32 K blocks).
 #[test]
 fn wgmma_prefill_matches_cpu_for_uneven_expert_loads() {
-    let _turn = common::stream_shared();
+    let _turn = common::device_shared();
     let Some(dev) = wgmma_device() else { return };
     let mut r = rng("moe_wgmma_loads");
     // (experts, H, I, k, per-expert first-rank loads, activation)
@@ -885,7 +885,7 @@ fn wgmma_prefill_matches_cpu_for_uneven_expert_loads() {
 /// wrong length is refused.
 #[test]
 fn wgmma_prefill_from_a_bf16_copy_of_x_gives_the_same_bits() {
-    let _turn = common::stream_shared();
+    let _turn = common::device_shared();
     let Some(dev) = wgmma_device() else { return };
     let mut r = rng("moe_wgmma_bf16_x");
     let (e, h, i, k) = (16usize, 256usize, 128usize, 4usize);
@@ -938,7 +938,7 @@ fn wgmma_prefill_from_a_bf16_copy_of_x_gives_the_same_bits() {
 /// reference and against the cuBLAS path on the same inputs.
 #[test]
 fn wgmma_prefill_matches_on_the_hd128_long_fixture_shape() {
-    let _turn = common::stream_shared();
+    let _turn = common::device_shared();
     let Some(dev) = wgmma_device() else { return };
     let mut r = rng("moe_wgmma_fixture_shape");
     let (e, k, h, i, n) = (8usize, 2usize, 64usize, 32usize, 150usize);
@@ -997,7 +997,7 @@ fn wgmma_prefill_matches_on_the_hd128_long_fixture_shape() {
 
 #[test]
 fn the_path_rule_sends_small_batches_and_non_bf16_weights_to_decode() {
-    let _turn = common::stream_shared();
+    let _turn = common::device_shared();
     assert_eq!(MoePath::for_batch(1, DType::BF16), MoePath::Decode);
     assert_eq!(
         MoePath::for_batch(MoePath::DECODE_MAX_TOKENS, DType::BF16),

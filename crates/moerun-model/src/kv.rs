@@ -28,6 +28,11 @@ pub struct KvCache {
     pub(crate) device: Option<crate::cuda::DeviceKv>,
 }
 
+/// The refusal of an f16 KV cache (`Model::set_kv_dtype`, the device pools).
+pub(crate) fn f16_kv_refused() -> moerun_core::Error {
+    moerun_core::Error::Unsupported("an f16 KV cache (use f32, the default, or bf16)".into())
+}
+
 impl KvCache {
     /// Storage for `num_blocks` blocks of `block_size` tokens for every attention layer of
     /// `cfg`. Linear-attention layers keep no KV (their state lives in a `LinearStateCache`):

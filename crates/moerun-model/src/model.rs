@@ -195,11 +195,7 @@ impl Model {
     pub fn set_kv_dtype(&mut self, dtype: DType) -> Result<()> {
         match dtype {
             DType::F32 | DType::BF16 => {}
-            DType::F16 => {
-                return Err(Error::Unsupported(
-                    "an f16 KV cache (use f32, the default, or bf16)".into(),
-                ))
-            }
+            DType::F16 => return Err(crate::kv::f16_kv_refused()),
         }
         self.kv_dtype = dtype;
         Ok(())

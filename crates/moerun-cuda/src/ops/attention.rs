@@ -263,29 +263,23 @@ impl DeviceKvPool {
     /// K and V as stored, widened (exactly) to f32, after the pool's stream has finished
     /// (for tests and tools that compare caches).
     pub fn download_f32(&self) -> Result<(Vec<f32>, Vec<f32>)> {
+        fn get<T: DeviceRepr + Default + Clone>(x: &CudaSlice<T>, what: &str) -> Result<Vec<T>> {
+            let v = x.stream().clone_dtoh(x).ctx(what)?;
+            x.stream().synchronize().ctx(what)?;
+            Ok(v)
+        }
         let widen = |x: Vec<u16>| -> Vec<f32> {
             x.into_iter()
                 .map(|h| f32::from_bits((h as u32) << 16))
                 .collect()
         };
-        let (k, v) = match &self.store {
-            KvStore::F32(k, v) => (
-                k.stream().clone_dtoh(k).ctx("downloading the pool's K")?,
-                v.stream().clone_dtoh(v).ctx("downloading the pool's V")?,
-            ),
+        Ok(match &self.store {
+            KvStore::F32(k, v) => (get(k, "downloading K")?, get(v, "downloading V")?),
             KvStore::Bf16(k, v) => (
-                widen(k.stream().clone_dtoh(k).ctx("downloading the pool's K")?),
-                widen(v.stream().clone_dtoh(v).ctx("downloading the pool's V")?),
+                widen(get(k, "downloading K")?),
+                widen(get(v, "downloading V")?),
             ),
-        };
-        let stream = match &self.store {
-            KvStore::F32(k, _) => k.stream(),
-            KvStore::Bf16(k, _) => k.stream(),
-        };
-        stream
-            .synchronize()
-            .ctx("synchronising the pool's stream")?;
-        Ok((k, v))
+        })
     }
 
     /// The device addresses of K and V, for kernels that read them.

@@ -23,25 +23,26 @@ pub fn device() -> Option<&'static CudaDevice> {
     }
 }
 
-/// The tests of a binary share one device and so one stream. A graph capture on that stream
-/// takes in whatever any thread enqueues meanwhile (uploads from pageable memory, which a capture
-/// refuses, other tests' kernels, their allocations), so a capturing test must have the stream
-/// alone: it holds [`stream_alone`], every other test of its binary [`stream_shared`].
-/// (tests/moe.rs failed about one run in three at the default test threads without this: a
-/// SIGSEGV, CUDA_ERROR_ILLEGAL_STATE in a capture, CUDA_ERROR_INVALID_VALUE in an allocation.)
-static STREAM_TURNS: RwLock<()> = RwLock::new(());
+/// The tests of a binary share one device and so one stream. A test that needs them alone holds
+/// [`device_alone`], the others [`device_shared`]: a graph capture on the stream takes in whatever
+/// any thread enqueues meanwhile (uploads from pageable memory, which a capture refuses, other
+/// tests' kernels, their allocations: tests/moe.rs failed about one run in three at the default
+/// test threads without this, with a SIGSEGV, CUDA_ERROR_ILLEGAL_STATE in a capture or
+/// CUDA_ERROR_INVALID_VALUE in an allocation), and a device-wide setting switched in one test
+/// (tests/attention.rs's `set_attention_wgmma`) changes what another compares bit for bit.
+static DEVICE_TURNS: RwLock<()> = RwLock::new(());
 
-/// Held by a test that enqueues work but captures nothing (see [`STREAM_TURNS`]).
-pub fn stream_shared() -> RwLockReadGuard<'static, ()> {
+/// Held by a test that uses the shared device beside others (see [`DEVICE_TURNS`]).
+pub fn device_shared() -> RwLockReadGuard<'static, ()> {
     // A test that panicked while holding it leaves nothing inconsistent: the lock guards no data.
-    STREAM_TURNS
+    DEVICE_TURNS
         .read()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// Held by a test that captures a graph on the shared stream (see [`STREAM_TURNS`]).
-pub fn stream_alone() -> RwLockWriteGuard<'static, ()> {
-    STREAM_TURNS
+/// Held by a test that needs the shared device alone (see [`DEVICE_TURNS`]).
+pub fn device_alone() -> RwLockWriteGuard<'static, ()> {
+    DEVICE_TURNS
         .write()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }

@@ -237,11 +237,7 @@ impl DeviceKv {
         let dtype = match dtype {
             DType::F32 => KvDtype::F32,
             DType::BF16 => KvDtype::Bf16,
-            DType::F16 => {
-                return Err(Error::Unsupported(
-                    "an f16 KV cache (use f32, the default, or bf16)".into(),
-                ))
-            }
+            DType::F16 => return Err(crate::kv::f16_kv_refused()),
         };
         // Each layer's own shape (Gemma 4's sliding and full layers differ); none for Gated
         // DeltaNet layers and Gemma 4's KV-shared ones. Sliding-window layers get the window
