@@ -235,13 +235,7 @@ __device__ __forceinline__ void fetch_keys(const AttnArgs& a, int ts, int kh, in
 #pragma unroll
         for (int v = 0; v < VPL; ++v) {
             const int c = sub + L * v;
-            if (ok[u] && c < d4) {
-                kr[u][v] = ld_kv4_raw(a.pool_k + off + 4 * c);
-                vr[u][v] = ld_kv4_raw(a.pool_v + off + 4 * c);
-            } else {
-                kr[u][v] = zero_kv4();
-                vr[u][v] = zero_kv4();
-            }
+            ld_kv_pair<VPL>(a.pool_k, a.pool_v, off, 4 * c, ok[u] && c < d4, kr[u][v], vr[u][v]);
         }
     }
 }

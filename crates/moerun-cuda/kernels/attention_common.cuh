@@ -20,6 +20,28 @@ __device__ __forceinline__ kv4_t ld_kv4_raw(const kv_t* p) {
     return *reinterpret_cast<const uint2*>(p);
 }
 __device__ __forceinline__ kv4_t zero_kv4() { return make_uint2(0u, 0u); }
+// Four pool values at p if `pred`, else zeros, as one predicated load (ld_kv_pair says why):
+// TIED loads into registers that already hold the zeros; untied writes the zeros under the
+// opposite predicate.
+template <bool TIED>
+__device__ __forceinline__ kv4_t ld_kv4_raw_if(const kv_t* p, bool pred) {
+    kv4_t r;
+    if constexpr (TIED) {
+        r = zero_kv4();
+        asm volatile(
+            "{\n\t.reg .pred q;\n\tsetp.ne.u32 q, %3, 0;\n\t@q ld.global.v2.u32 {%0, %1}, [%2];"
+            "\n\t}"
+            : "+r"(r.x), "+r"(r.y)
+            : "l"(p), "r"((unsigned)pred));
+    } else {
+        asm volatile(
+            "{\n\t.reg .pred q;\n\tsetp.ne.u32 q, %3, 0;\n\t@q ld.global.v2.u32 {%0, %1}, [%2];"
+            "\n\t@!q mov.b32 %0, 0;\n\t@!q mov.b32 %1, 0;\n\t}"
+            : "=r"(r.x), "=r"(r.y)
+            : "l"(p), "r"((unsigned)pred));
+    }
+    return r;
+}
 __device__ __forceinline__ float4 widen_kv4(kv4_t r) {
     return make_float4(__uint_as_float(r.x << 16), __uint_as_float(r.x & 0xffff0000u),
                        __uint_as_float(r.y << 16), __uint_as_float(r.y & 0xffff0000u));
@@ -32,10 +54,45 @@ __device__ __forceinline__ kv4_t ld_kv4_raw(const kv_t* p) {
     return *reinterpret_cast<const float4*>(p);
 }
 __device__ __forceinline__ kv4_t zero_kv4() { return make_float4(0.0f, 0.0f, 0.0f, 0.0f); }
+// As the bf16 build's.
+template <bool TIED>
+__device__ __forceinline__ kv4_t ld_kv4_raw_if(const kv_t* p, bool pred) {
+    kv4_t r;
+    if constexpr (TIED) {
+        r = zero_kv4();
+        asm volatile(
+            "{\n\t.reg .pred q;\n\tsetp.ne.u32 q, %5, 0;"
+            "\n\t@q ld.global.v4.f32 {%0, %1, %2, %3}, [%4];\n\t}"
+            : "+f"(r.x), "+f"(r.y), "+f"(r.z), "+f"(r.w)
+            : "l"(p), "r"((unsigned)pred));
+    } else {
+        asm volatile(
+            "{\n\t.reg .pred q;\n\tsetp.ne.u32 q, %5, 0;"
+            "\n\t@q ld.global.v4.f32 {%0, %1, %2, %3}, [%4];\n\t@!q mov.b32 %0, 0;"
+            "\n\t@!q mov.b32 %1, 0;\n\t@!q mov.b32 %2, 0;\n\t@!q mov.b32 %3, 0;\n\t}"
+            : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w)
+            : "l"(p), "r"((unsigned)pred));
+    }
+    return r;
+}
 __device__ __forceinline__ float4 widen_kv4(kv4_t r) { return r; }
 #endif
 // Four pool values at p, widened to f32.
 __device__ __forceinline__ float4 ld_kv4(const kv_t* p) { return widen_kv4(ld_kv4_raw(p)); }
+// The K and V pool values at off + at if `real`, else zeros (a decode kernel's prefetch of a key),
+// as predicated loads. Written as an if/else, ptxas sometimes loaded into a temporary and moved it
+// into place under the predicate, and a move waits for its load: a prefetch's loads then went out
+// one round trip at a time. Predicated loads into their own registers: decode over an f32 pool at
+// batch 1 and 8192 keys 35.8 -> 31.2 µs, 8 sequences of 512 keys 21.6 -> 19.8 (H200, `ops_bench
+// attention`; docs/perf/cuda-model.md v14). Each form of the load makes one kernel spill (NVRTC
+// 13.0: TIED the split kernel at head_dim 512, untied at 16), so the head dims of 4 values per
+// lane (VPL 4) take the untied one. Volatile: loads after the programmatic wait must stay after it.
+template <int VPL>
+__device__ __forceinline__ void ld_kv_pair(const kv_t* k, const kv_t* v, long long off, int at,
+                                           bool real, kv4_t& kr, kv4_t& vr) {
+    kr = ld_kv4_raw_if<VPL < 4>(k + off + at, real);
+    vr = ld_kv4_raw_if<VPL < 4>(v + off + at, real);
+}
 
 struct AttnArgs {
     const float* q;

@@ -1,8 +1,10 @@
 //! Attention rows of ops_bench, on Qwen3-30B-A3B's attention shape (32 query heads, 4 kv heads,
 //! head_dim 128), block size 16, block tables of shuffled blocks:
-//! - decode (split-K + combine): GB/s = K and V rows read (batch x context x kv_heads x head_dim x
-//!   4 bytes x 2) over the time of one call; pools smaller than the L2 are cycled through copies
-//!   (separate blocks) adding up to >= 512 MiB, as for the GEMV rows;
+//! - decode (split-K + combine), over an f32 pool and over a bf16 pool: GB/s = K and V rows read
+//!   (batch x context x kv_heads x head_dim x 4 or 2 bytes x 2) over the time of one call; pools
+//!   smaller than the L2 are cycled through copies (separate blocks) adding up to >= 512 MiB, as
+//!   for the GEMV rows; `MOERUN_ATTN_BENCH_IN_ORDER=1` lays each sequence's blocks out in order
+//!   instead of shuffled;
 //! - prefill of one 4096-token sequence from position 0: TFLOP/s with causal FLOPs
 //!   4 · n²/2 · heads · head_dim, exact f32 tiles, bf16 tensor-core tiles reading every key from
 //!   the f32 pool, and the same reading the batch's own keys from a bf16 batch copy (what a
@@ -23,7 +25,7 @@
 
 use moerun_cuda::{
     AttentionPrefill, AttentionShape, CudaDevice, CudaError, CudaSlice, DeviceKvPool, KvBuffersMut,
-    Result, TokenPlacement,
+    KvDtype, Result, TokenPlacement,
 };
 
 /// Which tensor-core kernel a prefill row runs: the mma.sync build with this many query heads
@@ -62,25 +64,50 @@ fn driver(e: impl std::fmt::Display) -> CudaError {
     CudaError::Unavailable(format!("bench copy: {e}"))
 }
 
-/// A pool of `blocks` blocks of random K/V (never zeros: they can time faster than real data).
-fn random_pool(dev: &CudaDevice, rng: &mut XorShift, blocks: usize) -> Result<DeviceKvPool> {
-    let mut pool = dev.kv_pool(blocks, BLOCK, KV_HEADS, HEAD_DIM)?;
-    let KvBuffersMut::F32(k, v) = pool.buffers_mut() else {
-        unreachable!("kv_pool makes f32 pools")
+/// A pool of `blocks` blocks of random K/V stored as `dtype` (never zeros: they can time faster
+/// than real data).
+fn random_pool(
+    dev: &CudaDevice,
+    rng: &mut XorShift,
+    blocks: usize,
+    dtype: KvDtype,
+) -> Result<DeviceKvPool> {
+    let mut pool = dev.kv_pool_of(dtype, blocks, BLOCK, KV_HEADS, HEAD_DIM)?;
+    let values = pool.buffers_mut();
+    let len = match &values {
+        KvBuffersMut::F32(k, _) => k.len(),
+        KvBuffersMut::Bf16(k, _) => k.len(),
     };
-    let chunk_len = (16usize << 20).min(k.len());
-    let chunk = dev.upload(&rng.f32s(chunk_len))?;
-    for buf in [k, v] {
+    let chunk_len = (16usize << 20).min(len);
+    match values {
+        KvBuffersMut::F32(k, v) => fill_cycling(dev, &dev.upload(&rng.f32s(chunk_len))?, [k, v])?,
+        KvBuffersMut::Bf16(k, v) => {
+            let bits: Vec<u16> = (0..chunk_len)
+                .map(|_| half::bf16::from_f32(rng.next_f32()).to_bits())
+                .collect();
+            fill_cycling(dev, &dev.upload(&bits)?, [k, v])?
+        }
+    }
+    Ok(pool)
+}
+
+/// Fill each buffer with copies of `chunk`.
+fn fill_cycling<T: cudarc::driver::DeviceRepr>(
+    dev: &CudaDevice,
+    chunk: &CudaSlice<T>,
+    bufs: [&mut CudaSlice<T>; 2],
+) -> Result<()> {
+    for buf in bufs {
         let mut o = 0;
         while o < buf.len() {
-            let len = chunk_len.min(buf.len() - o);
+            let len = chunk.len().min(buf.len() - o);
             dev.stream()
                 .memcpy_dtod(&chunk.slice(..len), &mut buf.slice_mut(o..o + len))
                 .map_err(driver)?;
             o += len;
         }
     }
-    Ok(pool)
+    Ok(())
 }
 
 /// 0..n in a random order (Fisher-Yates).
@@ -93,16 +120,28 @@ fn permutation(rng: &mut XorShift, n: usize) -> Vec<i32> {
     v
 }
 
-fn decode_row(dev: &CudaDevice, rng: &mut XorShift, batch: usize, context: usize) -> Result<Row> {
+fn decode_row(
+    dev: &CudaDevice,
+    rng: &mut XorShift,
+    (batch, context): (usize, usize),
+    dtype: KvDtype,
+) -> Result<Row> {
     let per_seq = context.div_ceil(BLOCK);
-    let bytes = batch * context * KV_HEADS * HEAD_DIM * 4 * 2;
+    let bytes = batch * context * KV_HEADS * HEAD_DIM * dtype.size() * 2;
     let copies = if std::env::var_os("MOERUN_ATTN_BENCH_NCU").is_some() {
         1
     } else {
         ROTATE_BYTES.div_ceil(bytes).clamp(1, 64)
     };
-    let pool = random_pool(dev, rng, copies * batch * per_seq)?;
-    let tables = dev.upload(&permutation(rng, copies * batch * per_seq))?;
+    let pool = random_pool(dev, rng, copies * batch * per_seq, dtype)?;
+    // MOERUN_ATTN_BENCH_IN_ORDER=1: each sequence's blocks one after another in the pool (as a
+    // fresh cache hands them out), instead of shuffled.
+    let tables = if std::env::var_os("MOERUN_ATTN_BENCH_IN_ORDER").is_some() {
+        (0..(copies * batch * per_seq) as i32).collect()
+    } else {
+        permutation(rng, copies * batch * per_seq)
+    };
+    let tables = dev.upload(&tables)?;
     let positions = dev.upload(&vec![context as i32 - 1; batch])?;
     let starts: Vec<CudaSlice<i32>> = (0..copies)
         .map(|c| {
@@ -128,7 +167,7 @@ fn decode_row(dev: &CudaDevice, rng: &mut XorShift, batch: usize, context: usize
         })
     })? / copies as f64;
     Ok(Row {
-        op: format!("attention decode b={batch}"),
+        op: format!("attention decode b={batch} {dtype:?} pool"),
         shape: format!("ctx {context} 32/4x128"),
         us: ms * 1e3,
         gbs: Some(bytes as f64 / (ms * 1e-3) / 1e9),
@@ -147,7 +186,7 @@ fn prefill_row(
 ) -> Result<Row> {
     let total = cached + n;
     let blocks = total.div_ceil(BLOCK);
-    let mut pool = random_pool(dev, rng, blocks)?;
+    let mut pool = random_pool(dev, rng, blocks, KvDtype::F32)?;
     let tables = dev.upload(&permutation(rng, blocks))?;
     let positions = dev.upload(&(cached as i32..total as i32).collect::<Vec<_>>())?;
     let starts = dev.upload(&vec![0i32; n])?;
@@ -239,8 +278,10 @@ pub fn rows(dev: &CudaDevice, rng: &mut XorShift) -> Result<Vec<Row>> {
     let only = std::env::var("MOERUN_ATTN_BENCH").unwrap_or_default();
     let mut rows = Vec::new();
     if only.is_empty() || only == "decode" {
-        for (batch, context) in DECODE_ROWS {
-            rows.push(decode_row(dev, rng, batch, context)?);
+        for row in DECODE_ROWS {
+            for dtype in [KvDtype::F32, KvDtype::Bf16] {
+                rows.push(decode_row(dev, rng, row, dtype)?);
+            }
         }
     }
     if only.is_empty() || only == "prefill" {
