@@ -26,7 +26,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 exclude=.git/info/exclude
-if [ -f "$exclude" ] && ! grep -qxF '/.gpu-bin/' "$exclude"; then
+if [ -d .git ] && ! grep -qxsF '/.gpu-bin/' "$exclude"; then
+    mkdir -p .git/info
     echo '/.gpu-bin/' >>"$exclude"
 fi
 
