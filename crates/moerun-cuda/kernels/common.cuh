@@ -117,6 +117,18 @@ __device__ __forceinline__ uint4 load_stream(const uint4* p) {
     return r;
 }
 
+// load_stream for a kernel's loads before its programmatic wait (pdl_entry): the same bytes
+// through the coherent path. ptxas keeps a coherent load before griddepcontrol.wait, but it
+// hoisted the wait above every ld.global.nc (legal for read-only data, and it undid the point of
+// loading early): in the SASS of every GEMV the wait came first and the weights loaded after it.
+__device__ __forceinline__ uint4 load_stream_early(const uint4* p) {
+    uint4 r;
+    asm volatile("ld.global.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+    return r;
+}
+
 // A 16-byte chunk of weights widened to f32.
 struct ChunkBf16 {
     static constexpr int N = 8;

@@ -49,7 +49,7 @@ __device__ __forceinline__ void gemv_warp_row(const void* __restrict__ w_raw, co
     uint4 q[GEMV_UNROLL];
 #pragma unroll
     for (int u = 0; u < GEMV_UNROLL; ++u)
-        q[u] = row < n && u < first ? load_stream(w + c + 32 * u) : make_uint4(0u, 0u, 0u, 0u);
+        q[u] = row < n && u < first ? load_stream_early(w + c + 32 * u) : make_uint4(0u, 0u, 0u, 0u);
     pdl_entry();
     if (row >= n) return;
     float acc[M];
@@ -147,8 +147,9 @@ __device__ __forceinline__ void gemv_block_rows(const void* __restrict__ w_raw,
     for (int u = 0; u < U; ++u)
 #pragma unroll
         for (int r = 0; r < R; ++r)
-            q[u][r] = u < first && r < rows_here ? load_stream(w + (u64)r * chunks + c + ROWS_THREADS * u)
-                                                 : make_uint4(0u, 0u, 0u, 0u);
+            q[u][r] = u < first && r < rows_here
+                          ? load_stream_early(w + (u64)r * chunks + c + ROWS_THREADS * u)
+                          : make_uint4(0u, 0u, 0u, 0u);
     pdl_entry();
     float acc[M][R];
 #pragma unroll

@@ -120,13 +120,16 @@ __device__ __forceinline__ void moe_warp_rows(const uint4* const (&w)[R], const 
 #pragma unroll
         for (int r = 0; r < R; ++r) acc[m][r] = 0.0f;
     uint4 q[U][R];
-    auto load = [&](int c0) {
+    // early: before the programmatic wait (load_stream_early says why it differs).
+    auto load = [&](int c0, bool early) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int c = c0 + 32 * u;
 #pragma unroll
             for (int r = 0; r < R; ++r)
-                q[u][r] = c < chunks ? load_stream(w[r] + c) : make_uint4(0u, 0u, 0u, 0u);
+                q[u][r] = c >= chunks ? make_uint4(0u, 0u, 0u, 0u)
+                          : early     ? load_stream_early(w[r] + c)
+                                      : load_stream(w[r] + c);
         }
     };
     auto step = [&](int c0) {
@@ -159,16 +162,16 @@ __device__ __forceinline__ void moe_warp_rows(const uint4* const (&w)[R], const 
     };
     if constexpr (WAIT) {
         int c0 = lane;
-        load(c0);
+        load(c0, true);
         pdl_entry();
         while (c0 < chunks) {
             step(c0);
             c0 += 32 * U;
-            if (c0 < chunks) load(c0);
+            if (c0 < chunks) load(c0, false);
         }
     } else {
         for (int c0 = lane; c0 < chunks; c0 += 32 * U) {
-            load(c0);
+            load(c0, false);
             step(c0);
         }
     }
