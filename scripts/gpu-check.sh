@@ -6,7 +6,8 @@
 # prefill for each, decode at 8/32/128 sequences for the first. Ends with short tables: each check's relative error with pass/fail, the op speeds,
 # the model figures against the rooflines. Full logs go to $OUT (the device tool's output
 # folder; /tmp/gpu-check elsewhere): tests.log, bench.log, memcheck.log, nvidia-smi.txt,
-# model-bench.log, bench-models.json and trace.log (the device tool brings back at most 8 files).
+# model-bench.log, bench-models.json, trace.log and early-loads.log (the device tool brings back
+# at most 8 files).
 #
 #   bash scripts/gpu-check.sh            # tests, op bench, memcheck, model bench
 #   bash scripts/gpu-check.sh tests      # tests and memcheck only
@@ -60,6 +61,18 @@ if [ "${GPU_CHECK_OPS_BENCH:-1}" = 0 ]; then
     : >"$out/bench.log"
 else
     "$bin/ops_bench" >"$out/bench.log" 2>&1 || { status=1; tail -5 "$out/bench.log"; }
+fi
+
+# Loads meant to go out before a kernel's programmatic wait are there in the SASS ptxas made
+# (scripts/probes/early_loads.py: ptxas once hoisted the wait above every GEMV's weight loads).
+echo "== loads before the programmatic wait (scripts/probes/early_loads.py --check)"
+if [ -x /usr/local/cuda/bin/cuobjdump ]; then
+    PATH=/usr/local/cuda/bin:$PATH CUOBJDUMP=/usr/local/cuda/bin/cuobjdump \
+        python3 scripts/probes/early_loads.py --check >"$out/early-loads.log" 2>&1 &&
+        echo "ok ($(grep -c 'loads before the wait' "$out/early-loads.log") kernels)" ||
+        { status=1; tail -3 "$out/early-loads.log"; }
+else
+    echo "skipped (no /usr/local/cuda/bin/cuobjdump)"
 fi
 
 echo "== compute-sanitizer memcheck (ops, matmul, tensor-core prefill attention)"

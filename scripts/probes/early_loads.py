@@ -1,0 +1,108 @@
+#!/usr/bin/env python3
+"""Which kernels issue global loads before their programmatic wait, read from the SASS ptxas
+actually produced (no GPU needed).
+
+A kernel launched under programmatic dependent launch may load what the kernel before it does
+not write (weights, older K/V rows) before `griddepcontrol.wait` (ACQBULK in SASS), so that its
+blocks stream while the previous kernel finishes. The PTX order is not enough: ptxas may hoist
+the wait above loads it sees as independent of it, and did so for every `ld.global.nc` weight
+load of the GEMVs (docs/perf/cuda-model.md v14), which then ran after the wait. This compiles
+each file as compile.rs does (the preludes, the bf16-KV define for the `_kvbf16` builds) to an
+sm_90 cubin, disassembles it, and per kernel counts the global loads (LDG) before the first
+ACQBULK. `--check` fails (exit 1) if a kernel meant to load early (EARLY) has none there.
+
+    LD_LIBRARY_PATH=/tmp/nvrtc/nvidia/cu13/lib PATH=/tmp/nvdis/nvidia/cu13/bin:$PATH \\
+        CUOBJDUMP=/tmp/cuobj/nvidia/cu13/bin/cuobjdump \\
+        python3 scripts/probes/early_loads.py [--check] [file ...]
+
+NVRTC from `pip install --target /tmp/nvrtc 'nvidia-cuda-nvrtc==13.0.*'` (the device machine's
+version), cuobjdump and nvdisasm from `pip install --target /tmp/cuobj nvidia-cuda-cuobjdump`
+and `--target /tmp/nvdis nvidia-cuda-nvdisasm` (13.2 reads 13.0's cubins). Default files: gemv,
+moe, attention, attention_kvbf16 and fused. The sm_90a files (wgmma) are not handled.
+"""
+import ctypes
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+KERNELS = os.path.join(os.path.dirname(__file__), "..", "..", "crates", "moerun-cuda", "kernels")
+# Kernels whose loads are meant to go out before their wait (name prefixes), and the files they
+# are in: the GEMVs (weight rows), the tiny MoE down kernel (its experts' rows once it has read
+# the ids), the decode attention kernels (K/V rows older than the token's own), the decode norms
+# and attention prologue (their weights and constants).
+EARLY = ("gemv_", "moe_tiny_down_", "attn_cluster_", "attn_split_", "add_rms_norm_",
+         "rms_norm_block_", "qkv_split_norm_rope_early_")
+DEFAULT_FILES = ["gemv", "moe", "attention", "attention_kvbf16", "fused"]
+
+
+def source(name):
+    """The text compile.rs hands NVRTC for kernel file `name`."""
+    base = name.removesuffix("_kvbf16")
+    text = "#define MOERUN_KV_BF16\n" if name.endswith("_kvbf16") else ""
+    text += open(os.path.join(KERNELS, "common.cuh")).read() + "\n"
+    if base.startswith("attention"):
+        text += open(os.path.join(KERNELS, "attention_common.cuh")).read() + "\n"
+    return text + open(os.path.join(KERNELS, base + ".cu")).read()
+
+
+def cubin(name):
+    lib = ctypes.CDLL(os.environ.get("NVRTC_LIB", "libnvrtc.so.13"))
+    prog = ctypes.c_void_p()
+    if lib.nvrtcCreateProgram(ctypes.byref(prog), source(name).encode(), b"k.cu", 0, None, None):
+        sys.exit("nvrtcCreateProgram failed")
+    opts = [b"--gpu-architecture=sm_90", b"--std=c++17"]
+    if lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts)):
+        n = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
+        log = ctypes.create_string_buffer(n.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        sys.exit(f"{name}: {log.value.decode()}")
+    n = ctypes.c_size_t()
+    lib.nvrtcGetCUBINSize(prog, ctypes.byref(n))
+    buf = ctypes.create_string_buffer(n.value)
+    lib.nvrtcGetCUBIN(prog, buf)
+    return buf.raw
+
+
+def kernels_sass(name):
+    """{kernel: [SASS instruction text]} of file `name`."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin(name))
+        f.flush()
+        dump = subprocess.run([os.environ.get("CUOBJDUMP", "cuobjdump"), "-sass", f.name],
+                              check=True, capture_output=True, text=True).stdout
+    out, cur = {}, None
+    for line in dump.splitlines():
+        if "Function : " in line:
+            cur = line.split()[-1]
+            out[cur] = []
+        elif cur and re.match(r"\s+/\*[0-9a-f]{4}\*/", line):
+            out[cur].append(line.split("*/", 1)[1].split(";")[0].strip())
+    return out
+
+
+def main():
+    args = sys.argv[1:]
+    check = "--check" in args
+    files = [a for a in args if a != "--check"] or DEFAULT_FILES
+    bad = []
+    for name in files:
+        for kernel, sass in sorted(kernels_sass(name).items()):
+            waits = [i for i, ins in enumerate(sass) if "ACQBULK" in ins]
+            if not waits:
+                continue
+            early = sum(1 for ins in sass[: waits[0]] if re.search(r"\bLDG\b|\bLDG\.", ins))
+            loads = sum(1 for ins in sass if re.search(r"\bLDG\b|\bLDG\.", ins))
+            meant = kernel.startswith(EARLY)
+            flag = "  <- meant to load early" if meant and early == 0 else ""
+            print(f"{name:18} {kernel:36} loads before the wait {early:3d} of {loads:4d}{flag}")
+            if flag:
+                bad.append(f"{name}:{kernel}")
+    if check and bad:
+        sys.exit(f"no loads before the programmatic wait in: {', '.join(bad)}")
+
+
+if __name__ == "__main__":
+    main()
