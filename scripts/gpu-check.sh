@@ -65,7 +65,7 @@ fi
 
 # Loads meant to go out before a kernel's programmatic wait are there in the SASS ptxas made
 # (scripts/probes/early_loads.py: ptxas once hoisted the wait above every GEMV's weight loads).
-echo "== loads before the programmatic wait (scripts/probes/early_loads.py --check)"
+echo "== loads before the programmatic wait, launch-first order, in the SASS (scripts/probes/early_loads.py --check)"
 if [ -x /usr/local/cuda/bin/cuobjdump ]; then
     PATH=/usr/local/cuda/bin:$PATH CUOBJDUMP=/usr/local/cuda/bin/cuobjdump \
         python3 scripts/probes/early_loads.py --check >"$out/early-loads.log" 2>&1 &&

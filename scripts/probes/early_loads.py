@@ -9,7 +9,8 @@ the wait above loads it sees as independent of it, and did so for every `ld.glob
 load of the GEMVs (docs/perf/cuda-model.md v14), which then ran after the wait. This compiles
 each file as compile.rs does (the preludes, the bf16-KV define for the `_kvbf16` builds) to an
 sm_90 cubin, disassembles it, and per kernel counts the global loads (LDG) before the first
-ACQBULK. `--check` fails (exit 1) if a kernel meant to load early (EARLY) has none there.
+ACQBULK. `--check` fails (exit 1) if a kernel meant to load early (EARLY) has none there, or if
+a launch-first kernel (LAUNCH_FIRST) does not trigger its successor (PREEXIT) before its wait.
 
     LD_LIBRARY_PATH=/tmp/nvrtc/nvidia/cu13/lib PATH=/tmp/nvdis/nvidia/cu13/bin:$PATH \\
         CUOBJDUMP=/tmp/cuobj/nvidia/cu13/bin/cuobjdump \\
@@ -18,7 +19,7 @@ ACQBULK. `--check` fails (exit 1) if a kernel meant to load early (EARLY) has no
 NVRTC from `pip install --target /tmp/nvrtc 'nvidia-cuda-nvrtc==13.0.*'` (the device machine's
 version), cuobjdump and nvdisasm from `pip install --target /tmp/cuobj nvidia-cuda-cuobjdump`
 and `--target /tmp/nvdis nvidia-cuda-nvdisasm` (13.2 reads 13.0's cubins). Default files: gemv,
-moe, attention, attention_kvbf16 and fused. The sm_90a files (wgmma) are not handled.
+moe, attention, attention_kvbf16, fused and router. The sm_90a files (wgmma) are not handled.
 """
 import ctypes
 import os
@@ -34,7 +35,10 @@ KERNELS = os.path.join(os.path.dirname(__file__), "..", "..", "crates", "moerun-
 # and attention prologue (their weights and constants).
 EARLY = ("gemv_", "moe_tiny_down_", "attn_cluster_", "attn_split_", "add_rms_norm_",
          "rms_norm_block_", "qkv_split_norm_rope_early_")
-DEFAULT_FILES = ["gemv", "moe", "attention", "attention_kvbf16", "fused"]
+# graph::LAUNCH_FIRST_KERNELS (prefixes): they let their successor launch (launch_dependents,
+# PREEXIT in SASS) before they wait; kernels_compile checks the PTX, this the SASS.
+LAUNCH_FIRST = ("add_rms_norm_f32", "qkv_split_norm_rope_", "rms_norm_block_f32", "route_topk_f32_l")
+DEFAULT_FILES = ["gemv", "moe", "attention", "attention_kvbf16", "fused", "router"]
 
 
 def source(name):
@@ -95,13 +99,17 @@ def main():
                 continue
             early = sum(1 for ins in sass[: waits[0]] if re.search(r"\bLDG\b|\bLDG\.", ins))
             loads = sum(1 for ins in sass if re.search(r"\bLDG\b|\bLDG\.", ins))
-            meant = kernel.startswith(EARLY)
-            flag = "  <- meant to load early" if meant and early == 0 else ""
+            triggers = [i for i, ins in enumerate(sass) if "PREEXIT" in ins]
+            flag = ""
+            if kernel.startswith(EARLY) and early == 0:
+                flag = "  <- meant to load early"
+            if kernel.startswith(LAUNCH_FIRST) and not (triggers and triggers[0] < waits[0]):
+                flag += "  <- meant to launch its successor before waiting"
             print(f"{name:18} {kernel:36} loads before the wait {early:3d} of {loads:4d}{flag}")
             if flag:
                 bad.append(f"{name}:{kernel}")
     if check and bad:
-        sys.exit(f"no loads before the programmatic wait in: {', '.join(bad)}")
+        sys.exit(f"programmatic launch not as meant in: {', '.join(bad)}")
 
 
 if __name__ == "__main__":
