@@ -14,8 +14,9 @@
 #                                   git worktree; the working tree and its target stay as they are)
 #   GPU_BUILD_ALSO="NAME=<git revision> ..."  also packs each revision's moerun as moerun-NAME
 #                                   (scripts/gpu-ab.sh's `@NAME`): several branches in one device run
-#   GPU_BUILD_TESTS="conformance_gpu graph ..."   packs only these test executables (the device
-#                                   tool carries at most ~5.4 MB beside the ~61.6 MB tree)
+#   GPU_BUILD_TESTS="conformance_gpu graph ..."   packs only these test executables, and ops_bench
+#                                   only if listed (the device tool carries at most ~5.4 MB beside
+#                                   the ~61.6 MB tree)
 # All packed into .gpu-bin/moerun-gpu.tar.xz. .gpu-bin/ is git-ignored (.git/info/exclude);
 # scripts/gpu-check.sh travels with the working tree. The normal build (with the embedded model)
 # is restored at the end.
@@ -50,7 +51,7 @@ if [ -n "${GPU_BUILD_TESTS:-}" ]; then
     for f in .gpu-bin/stage/test-*; do
         case " $GPU_BUILD_TESTS " in *" ${f#.gpu-bin/stage/test-} "*) ;; *) rm -f "$f" ;; esac
     done
-    rm -f .gpu-bin/stage/ops_bench
+    case " $GPU_BUILD_TESTS " in *" ops_bench "*) ;; *) rm -f .gpu-bin/stage/ops_bench ;; esac
 fi
 # pack_revision NAME REV: REV's moerun as moerun-NAME, built from a git worktree (the working
 # tree stays as it is) into a target directory of its own, kept between runs (target/revisions).
