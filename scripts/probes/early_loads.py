@@ -7,8 +7,8 @@ not write (weights, older K/V rows) before `griddepcontrol.wait` (ACQBULK in SAS
 blocks stream while the previous kernel finishes. The PTX order is not enough: ptxas may hoist
 the wait above loads it sees as independent of it, and did so for every `ld.global.nc` weight
 load of the GEMVs (docs/perf/cuda-model.md v14), which then ran after the wait. This compiles
-each file as compile.rs does (the preludes, the bf16-KV define for the `_kvbf16` builds) to an
-sm_90 cubin, disassembles it, and per kernel counts the global loads (LDG) before the first
+each file as compile.rs does (nvrtc_build.py: the preludes, the bf16-KV define for the `_kvbf16`
+builds) to an sm_90 cubin, disassembles it, and per kernel counts the global loads (LDG) before the first
 ACQBULK. `--check` fails (exit 1) if a kernel meant to load early (EARLY) has none there, or if
 a launch-first kernel (LAUNCH_FIRST) does not trigger its successor (PREEXIT) before its wait.
 
@@ -21,14 +21,14 @@ version), cuobjdump and nvdisasm from `pip install --target /tmp/cuobj nvidia-cu
 and `--target /tmp/nvdis nvidia-cuda-nvdisasm` (13.2 reads 13.0's cubins). Default files: gemv,
 moe, attention, attention_kvbf16, fused and router. The sm_90a files (wgmma) are not handled.
 """
-import ctypes
 import os
 import re
 import subprocess
 import sys
 import tempfile
 
-KERNELS = os.path.join(os.path.dirname(__file__), "..", "..", "crates", "moerun-cuda", "kernels")
+from nvrtc_build import KERNELS, compile_source, source
+
 # Kernels whose loads are meant to go out before their wait (name prefixes), and the files they
 # are in: the GEMVs (weight rows), the tiny MoE down kernel (its experts' rows once it has read
 # the ids), the decode attention kernels (K/V rows older than the token's own), the decode norms
@@ -41,39 +41,12 @@ LAUNCH_FIRST = ("add_rms_norm_f32", "qkv_split_norm_rope_", "rms_norm_block_f32"
 DEFAULT_FILES = ["gemv", "moe", "attention", "attention_kvbf16", "fused", "router"]
 
 
-def source(name):
-    """The text compile.rs hands NVRTC for kernel file `name`."""
-    base = name.removesuffix("_kvbf16")
-    text = "#define MOERUN_KV_BF16\n" if name.endswith("_kvbf16") else ""
-    text += open(os.path.join(KERNELS, "common.cuh")).read() + "\n"
-    if base.startswith("attention"):
-        text += open(os.path.join(KERNELS, "attention_common.cuh")).read() + "\n"
-    return text + open(os.path.join(KERNELS, base + ".cu")).read()
-
-
-def cubin(name):
-    lib = ctypes.CDLL(os.environ.get("NVRTC_LIB", "libnvrtc.so.13"))
-    prog = ctypes.c_void_p()
-    if lib.nvrtcCreateProgram(ctypes.byref(prog), source(name).encode(), b"k.cu", 0, None, None):
-        sys.exit("nvrtcCreateProgram failed")
-    opts = [b"--gpu-architecture=sm_90", b"--std=c++17"]
-    if lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts)):
-        n = ctypes.c_size_t()
-        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
-        log = ctypes.create_string_buffer(n.value)
-        lib.nvrtcGetProgramLog(prog, log)
-        sys.exit(f"{name}: {log.value.decode()}")
-    n = ctypes.c_size_t()
-    lib.nvrtcGetCUBINSize(prog, ctypes.byref(n))
-    buf = ctypes.create_string_buffer(n.value)
-    lib.nvrtcGetCUBIN(prog, buf)
-    return buf.raw
-
-
 def kernels_sass(name):
     """{kernel: [SASS instruction text]} of file `name`."""
+    base = name.removesuffix("_kvbf16")
+    text = source(os.path.join(KERNELS, base + ".cu"), bf16_kv=name != base)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin(name))
+        f.write(compile_source(text, "sm_90"))
         f.flush()
         dump = subprocess.run([os.environ.get("CUOBJDUMP", "cuobjdump"), "-sass", f.name],
                               check=True, capture_output=True, text=True).stdout

@@ -7,41 +7,21 @@ indexed at run time lands there), f32 FMAs, branches.
         crates/moerun-cuda/kernels/gemv.cu [substring ...]
 
 NVRTC comes from `pip install nvidia-cuda-nvrtc` (set NVRTC_LIB to its libnvrtc.so.13 if it is
-not on the library path). The file is compiled as compile.rs does it: kernels/common.cuh
-prepended (and attention_common.cuh for attention*.cu), for compute_90; the sm_90a files
+not on the library path). The file is compiled as compile.rs does it (nvrtc_build.py:
+kernels/common.cuh prepended, and attention_common.cuh for attention*.cu), for compute_90; the sm_90a files
 (moe_wgmma.cu, attention_wgmma.cu: hopper.cuh, wgmma) are not handled. Counts are static (each
 unrolled copy counts once), which is what compares two versions of the same kernel.
 """
-import ctypes
-import os
 import re
 import sys
+
+from nvrtc_build import compile_source, source
 
 COUNTS = {"shfl": "shfl.sync", "local": ".local", "fma": "fma.rn.f32", "bra": "bra"}
 
 
 def ptx_of(path):
-    lib = ctypes.CDLL(os.environ.get("NVRTC_LIB", "libnvrtc.so.13"))
-    kernels = os.path.dirname(path)
-    src = open(os.path.join(kernels, "common.cuh")).read() + "\n"
-    if os.path.basename(path).startswith("attention"):
-        src += open(os.path.join(kernels, "attention_common.cuh")).read() + "\n"
-    src += open(path).read()
-    prog = ctypes.c_void_p()
-    if lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"k.cu", 0, None, None):
-        sys.exit("nvrtcCreateProgram failed")
-    opts = [b"--gpu-architecture=compute_90", b"-default-device", b"-std=c++17"]
-    failed = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
-    n = ctypes.c_size_t()
-    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
-    log = ctypes.create_string_buffer(n.value)
-    lib.nvrtcGetProgramLog(prog, log)
-    if failed:
-        sys.exit(log.value.decode())
-    lib.nvrtcGetPTXSize(prog, ctypes.byref(n))
-    ptx = ctypes.create_string_buffer(n.value)
-    lib.nvrtcGetPTX(prog, ptx)
-    return ptx.value.decode()
+    return compile_source(source(path), "compute_90")
 
 
 def main():

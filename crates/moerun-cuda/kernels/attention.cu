@@ -93,8 +93,6 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-__host__ __device__ constexpr int ilog2(int v) { return v <= 1 ? 0 : 1 + ilog2(v >> 1); }
-
 // Four pool values (src; `ok` false: zeros, nothing read) into f32 shared memory at dst, for a
 // tile read as f32: an f32 pool by cp.async (the caller commits and waits), a bf16 pool widened
 // by a plain load and store (done when this returns).
@@ -172,7 +170,10 @@ extern "C" __global__ void __launch_bounds__(128)
 // the split kernels of d = 128 take 2, see ATTN_SPLIT_2KEYS).
 #define SPLIT_KEYS 4
 
-// Reduce-scatter of GM per-lane partial sums over a group of L lanes: each halving step sends
+// Reduce-scatter of GM per-lane partial sums over a group of L lanes (common.cuh's
+// warp_reduce_scatter does the same steps over a whole warp; these kernels keep the loop form
+// they were measured with: over L lanes through that template, the SASS of the g8 builds
+// changed): each halving step sends
 // half of the heads to the partner lane and keeps the other half, so after the log2(GM) halving
 // steps (as far as the group has lanes) a lane holds the group's full sums of OWN heads,
 // base(lane) .. base(lane) + OWN, in x[0 .. OWN).

@@ -29,7 +29,7 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-__host__ __device__ constexpr int log2_const(int v) { return v <= 1 ? 0 : 1 + log2_const(v >> 1); }
+__host__ __device__ constexpr int ilog2(int v) { return v <= 1 ? 0 : 1 + ilog2(v >> 1); }
 
 // Warp reduce-scatter of NV per-lane partial sums, kept in groups of KEEP adjacent values (NV and
 // KEEP powers of two, NV / KEEP at most 32): a step at lane offset o (16, 8, ..., warp_sum's
@@ -41,7 +41,7 @@ __host__ __device__ constexpr int log2_const(int v) { return v <= 1 ? 0 : 1 + lo
 // hold the same totals; scatter_writer picks one of them.
 template <int NV, int KEEP = 1, int K = 0>
 __device__ __forceinline__ void warp_reduce_scatter(float (&x)[NV], int lane) {
-    static_assert((1 << log2_const(NV)) == NV && (1 << log2_const(KEEP)) == KEEP && KEEP <= NV &&
+    static_assert((1 << ilog2(NV)) == NV && (1 << ilog2(KEEP)) == KEEP && KEEP <= NV &&
                       NV / KEEP <= 32,
                   "powers of two, at most a warp's worth of groups");
     // One step per instantiation, so that every index is a constant and x stays in registers.
@@ -67,7 +67,7 @@ __device__ __forceinline__ void warp_reduce_scatter(float (&x)[NV], int lane) {
 // The first of the values whose totals warp_reduce_scatter<NV, KEEP> leaves in `lane`.
 template <int NV, int KEEP = 1>
 __device__ __forceinline__ int scatter_first(int lane) {
-    constexpr int NH = log2_const(NV / KEEP);
+    constexpr int NH = ilog2(NV / KEEP);
     int h = 0;
 #pragma unroll
     for (int k = 0; k < NH; ++k)
@@ -78,7 +78,7 @@ __device__ __forceinline__ int scatter_first(int lane) {
 // Whether `lane` is the one lane that writes its totals (of those holding the same ones).
 template <int NV, int KEEP = 1>
 __device__ __forceinline__ bool scatter_writer(int lane) {
-    return (lane & ((32 >> log2_const(NV / KEEP)) - 1)) == 0;
+    return (lane & ((32 >> ilog2(NV / KEEP)) - 1)) == 0;
 }
 
 __device__ __forceinline__ float warp_max(float v) {

@@ -965,8 +965,6 @@ fn wgmma_prefill_matches_cpu_and_its_builds_agree_bitwise() {
     }
 }
 
-/// The q/k/v prologue's batch copy holds exactly its k and v outputs rounded to bf16 (what the
-/// pool path rounds), with and without a pool to write.
 /// The q/k/v prologue's fixed inputs for `hq` / `hkv` heads of `d`: RoPE tables (base 10000),
 /// a random k norm, and the shape.
 fn prologue_inputs(
@@ -989,6 +987,48 @@ fn prologue_inputs(
     (rope, k_norm, shape)
 }
 
+/// One sequence's `tokens` new tokens from position `first`, as the prologue tests feed them:
+/// random q/k/v rows (hq + 2 hkv heads of d) and their placement over `blocks` blocks, taken in
+/// reverse order.
+struct PrologueBatch {
+    qkv: CudaSlice<f32>,
+    positions: CudaSlice<u32>,
+    placement: (CudaSlice<i32>, CudaSlice<i32>, CudaSlice<i32>),
+    max_context: usize,
+}
+
+impl PrologueBatch {
+    fn new(
+        dev: &CudaDevice,
+        r: &mut StdRng,
+        (hq, hkv, d): (usize, usize, usize),
+        (tokens, first): (usize, usize),
+        blocks: usize,
+    ) -> PrologueBatch {
+        let width = (hq + 2 * hkv) * d;
+        let qkv = dev.upload(&uniform(r, tokens * width, -2.0, 2.0)).unwrap();
+        let positions: Vec<u32> = (0..tokens as u32).map(|p| p + first as u32).collect();
+        let pos_i32: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
+        let tables: Vec<i32> = (0..blocks as i32).rev().collect();
+        PrologueBatch {
+            qkv,
+            positions: dev.upload(&positions).unwrap(),
+            placement: placement_buffers(dev, &pos_i32, &vec![0; tokens], &tables),
+            max_context: tokens + first,
+        }
+    }
+
+    fn at(&self) -> TokenPlacement<'_> {
+        TokenPlacement {
+            positions: &self.placement.0,
+            table_start: &self.placement.1,
+            block_tables: &self.placement.2,
+            max_context: self.max_context,
+            seq_starts: &[],
+        }
+    }
+}
+
 /// The q/k/v prologue writes its k and v rows straight into the pool, as kv_write would put them:
 /// f32 as they are, bf16 rounded to nearest even; both of its entries (the early one for
 /// decode-sized batches, the plain one past 128 tokens).
@@ -1000,32 +1040,18 @@ fn qkv_prologue_writes_the_pool_of_either_dtype_as_kv_write_would() {
     let (hq, hkv, d) = (8usize, 2usize, 128usize);
     let (rope, k_norm, shape) = prologue_inputs(dev, &mut r, (hq, hkv, d));
     for tokens in [5usize, 200] {
-        let width = (hq + 2 * hkv) * d;
-        let qkv = dev
-            .upload(&uniform(&mut r, tokens * width, -2.0, 2.0))
-            .unwrap();
-        let positions: Vec<u32> = (0..tokens as u32).map(|p| p + 3).collect();
-        let pos_u32 = dev.upload(&positions).unwrap();
         let blocks = (tokens + 3).div_ceil(16) + 2;
-        let pos_i32: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
-        let tables: Vec<i32> = (0..blocks as i32).rev().collect();
-        let (pos_d, st_d, tables_d) = placement_buffers(dev, &pos_i32, &vec![0; tokens], &tables);
-        let at = TokenPlacement {
-            positions: &pos_d,
-            table_start: &st_d,
-            block_tables: &tables_d,
-            max_context: tokens + 3,
-            seq_starts: &[],
-        };
+        let batch = PrologueBatch::new(dev, &mut r, (hq, hkv, d), (tokens, 3), blocks);
+        let at = batch.at();
         for dtype in [KvDtype::F32, KvDtype::Bf16] {
             let mut pool = dev.kv_pool_of(dtype, blocks, 16, hkv, d).unwrap();
             let mut q = dev.zeros::<f32>(tokens * hq * d).unwrap();
             let mut k = dev.zeros::<f32>(tokens * hkv * d).unwrap();
             let mut v = dev.zeros::<f32>(tokens * hkv * d).unwrap();
             dev.qkv_split_norm_rope(
-                &qkv,
+                &batch.qkv,
                 shape,
-                &pos_u32,
+                &batch.positions,
                 None,
                 Some(&k_norm),
                 &rope,
@@ -1052,31 +1078,19 @@ fn qkv_prologue_writes_the_pool_of_either_dtype_as_kv_write_would() {
     }
 }
 
+/// The q/k/v prologue's batch copy holds exactly its k and v outputs rounded to bf16 (what the
+/// pool path rounds), with and without a pool to write.
 #[test]
 fn qkv_prologue_writes_the_batch_copy_as_its_k_and_v_rounded_to_bf16() {
     let Some(dev) = device() else { return };
     let _alone = device_alone();
     let mut r = rng("qkv prologue copy");
     let (hq, hkv, d, tokens) = (8usize, 2usize, 128usize, 70usize);
-    let width = (hq + 2 * hkv) * d;
-    let qkv = dev
-        .upload(&uniform(&mut r, tokens * width, -2.0, 2.0))
-        .unwrap();
-    let positions: Vec<u32> = (0..tokens as u32).map(|p| p + 5).collect();
-    let pos_u32 = dev.upload(&positions).unwrap();
-    let (rope, k_norm, shape) = prologue_inputs(dev, &mut r, (hq, hkv, d));
     let blocks = tokens.div_ceil(16) + 6;
+    let batch = PrologueBatch::new(dev, &mut r, (hq, hkv, d), (tokens, 5), blocks);
+    let at = batch.at();
+    let (rope, k_norm, shape) = prologue_inputs(dev, &mut r, (hq, hkv, d));
     let mut pool = dev.kv_pool(blocks, 16, hkv, d).unwrap();
-    let pos_i32: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
-    let tables: Vec<i32> = (0..blocks as i32).rev().collect();
-    let (pos_d, st_d, tables_d) = placement_buffers(dev, &pos_i32, &vec![0; tokens], &tables);
-    let at = TokenPlacement {
-        positions: &pos_d,
-        table_start: &st_d,
-        block_tables: &tables_d,
-        max_context: tokens + 5,
-        seq_starts: &[],
-    };
     for with_pool in [true, false] {
         let mut q = dev.zeros::<f32>(tokens * hq * d).unwrap();
         let mut k = dev.zeros::<f32>(tokens * hkv * d).unwrap();
@@ -1084,9 +1098,9 @@ fn qkv_prologue_writes_the_batch_copy_as_its_k_and_v_rounded_to_bf16() {
         let mut copy = dev.batch_kv_bf16(tokens + 3, hkv, d).unwrap();
         let kv = with_pool.then_some((&mut pool, &at));
         dev.qkv_split_norm_rope_copy(
-            &qkv,
+            &batch.qkv,
             shape,
-            &pos_u32,
+            &batch.positions,
             (None, Some(&k_norm)),
             &rope,
             (&mut q, &mut k, &mut v),
@@ -1125,9 +1139,9 @@ fn qkv_prologue_writes_the_batch_copy_as_its_k_and_v_rounded_to_bf16() {
     let mut v = dev.zeros::<f32>(tokens * hkv * d).unwrap();
     let err = dev
         .qkv_split_norm_rope_copy(
-            &qkv,
+            &batch.qkv,
             shape,
-            &pos_u32,
+            &batch.positions,
             (None, None),
             &rope,
             (&mut q, &mut k, &mut v),

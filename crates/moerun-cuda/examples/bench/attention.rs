@@ -73,13 +73,8 @@ fn random_pool(
     dtype: KvDtype,
 ) -> Result<DeviceKvPool> {
     let mut pool = dev.kv_pool_of(dtype, blocks, BLOCK, KV_HEADS, HEAD_DIM)?;
-    let values = pool.buffers_mut();
-    let len = match &values {
-        KvBuffersMut::F32(k, _) => k.len(),
-        KvBuffersMut::Bf16(k, _) => k.len(),
-    };
-    let chunk_len = (16usize << 20).min(len);
-    match values {
+    let chunk_len = (16usize << 20).min(blocks * BLOCK * KV_HEADS * HEAD_DIM);
+    match pool.buffers_mut() {
         KvBuffersMut::F32(k, v) => fill_cycling(dev, &dev.upload(&rng.f32s(chunk_len))?, [k, v])?,
         KvBuffersMut::Bf16(k, v) => {
             let bits: Vec<u16> = (0..chunk_len)
