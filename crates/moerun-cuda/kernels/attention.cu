@@ -512,24 +512,35 @@ __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, in
     __syncthreads();
 }
 
+// combine_warps for elements e .. e + N of head h: the warps' weights once, each element's sum
+// exactly as combine_warps adds it.
+template <int W, int GM, int N>
+__device__ __forceinline__ void combine_warps_n(const float* s_acc, const float* s_ml, int d, int h,
+                                                int e, float (&num)[N], float& mx, float& sum) {
+    mx = NEG_INF;
+#pragma unroll
+    for (int w = 0; w < W; ++w) mx = fmaxf(mx, s_ml[(w * GM + h) * 2]);
+    const float ref = softmax_ref(mx);
+    sum = 0.0f;
+#pragma unroll
+    for (int n = 0; n < N; ++n) num[n] = 0.0f;
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+        const float c = exp2f(s_ml[(w * GM + h) * 2] - ref);
+        sum += c * s_ml[(w * GM + h) * 2 + 1];
+#pragma unroll
+        for (int n = 0; n < N; ++n) num[n] += c * s_acc[(w * GM + h) * d + e + n];
+    }
+}
+
 // Element e of head h merged over the W warps' states attend_keys left: returns the unnormalised
 // sum, sets the max and the softmax sum.
 template <int W, int GM>
 __device__ __forceinline__ float combine_warps(const float* s_acc, const float* s_ml, int d, int h,
                                                int e, float& mx, float& sum) {
-    mx = NEG_INF;
-#pragma unroll
-    for (int w = 0; w < W; ++w) mx = fmaxf(mx, s_ml[(w * GM + h) * 2]);
-    const float ref = softmax_ref(mx);
-    float num = 0.0f;
-    sum = 0.0f;
-#pragma unroll
-    for (int w = 0; w < W; ++w) {
-        const float c = exp2f(s_ml[(w * GM + h) * 2] - ref);
-        sum += c * s_ml[(w * GM + h) * 2 + 1];
-        num += c * s_acc[(w * GM + h) * d + e];
-    }
-    return num;
+    float num[1];
+    combine_warps_n<W, GM, 1>(s_acc, s_ml, d, h, e, num, mx, sum);
+    return num[0];
 }
 
 // L lanes per key, VPL float4 of the head per lane (L * VPL * 4 >= head_dim), up to GM query
@@ -660,28 +671,76 @@ ATTN_SPLIT(attn_split_d512_g2, 32, 4, 2)
 // (1, CL_SIZE, 1), block CL_THREADS. A token's visible keys are shared evenly by the blocks of
 // its first `act` clusters, act = min(clusters, ceil(len / (CL_SIZE * chunk))) (a.chunk: the
 // fewest keys a block should take), so a token beyond the host's context bound is still covered
-// exactly. Each block leaves its state (unnormalised acc, max, sum per head) in its shared
-// memory; after a cluster barrier, block r of the cluster merges slice r of the (head, element)
-// items over the CL_SIZE blocks (weights per head from their (max, sum), a float4 per lane, the
-// ranks summed by shuffles in a fixed tree order). With one active cluster that is the output.
-// With several, each block writes its slice of the cluster's partial (acc, max, sum; part_acc
-// row * clusters + cluster) and the last of the token's clusters to count slice r (an atomic in
-// `arrivals`, per (token, kv head x head chunk, rank), reset by that block) merges slice r of
-// their partials. A second cluster barrier keeps every block's shared memory alive until the
-// others have read it. Dynamic shared memory: (CL_WARPS + 1) * G * (head_dim + 2) floats.
+// exactly. Block r of the cluster (its %cluster_ctarank) owns slice r of the (head, element)
+// float4 items of the output. Each block merges its warps' states and sends every slice owner
+// that slice of its state (unnormalised acc) and its (max, sum) per head, by st.async into the
+// owner's shared-memory inbox, which counts the bytes on an mbarrier; the owner waits for all of
+// them and merges its slice over the CL_SIZE blocks (weights per head from their (max, sum), a
+// float4 per lane, the ranks summed by shuffles in a fixed tree order). No block reads another's
+// shared memory, so no cluster barrier orders the merge (a release barrier is a GPU-wide MEMBAR);
+// one relaxed barrier at the start publishes the mbarriers. With one active cluster the merge is
+// the output. With several, each block writes its slice of the cluster's partial (acc, max, sum;
+// part_acc row * clusters + cluster) and the last of the token's clusters to count slice r (an
+// atomic in `arrivals`, per (token, kv head x head chunk, rank), reset by that block) merges
+// slice r of their partials. Dynamic shared memory: CL_WARPS * G * (head_dim + 2) floats, then
+// the inbox (ops/attention.rs cluster_smem).
 
 #define CL_SIZE 8
 #define CL_WARPS 8
 #define CL_THREADS (32 * CL_WARPS)
 
-// Arrive (release: this block's shared-memory writes become visible to the cluster) and wait
-// (acquire) on the cluster barrier; every thread of every block of the cluster must take part.
-__device__ __forceinline__ void cluster_arrive() {
-    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-}
+// Wait (acquire) on the cluster barrier; every thread of every block of the cluster must take
+// part. Its arrive is relaxed (cluster_arrive_relaxed): a release arrive is a GPU-wide MEMBAR in
+// the SASS, ~1-2 µs on batch 1's path (a globaltimer probe, docs/perf/cuda-model.md v15).
 __device__ __forceinline__ void cluster_wait() {
     asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
+// Arrive without ordering anything (no fence): for the start-of-kernel barrier that publishes
+// the mbarriers' initialisation (the fence.mbarrier_init before it orders that).
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+// This block's mbarrier `bar` (in shared memory), armed for `bytes` of st.async stores from the
+// cluster: one arrival (this one) and the bytes' completion finish its phase 0. The other
+// blocks may signal it once every thread has passed fence.mbarrier_init and a cluster barrier.
+__device__ __forceinline__ void inbox_arm(u64* bar, u32 bytes) {
+    const u32 b = (u32)__cvta_generic_to_shared(bar);
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(b) : "memory");
+    u64 state;
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 %0, [%1], %2;"
+                 : "=l"(state)
+                 : "r"(b), "r"(bytes)
+                 : "memory");
+}
+// Wait until phase 0 of `bar` completes: every byte inbox_arm expects has landed (acquire at
+// cluster scope: the stores of the other blocks are visible after it).
+__device__ __forceinline__ void inbox_wait(u64* bar) {
+    const u32 b = (u32)__cvta_generic_to_shared(bar);
+    u32 done = 0;
+    while (!done) {
+        asm volatile(
+            "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], 0; "
+            "selp.u32 %0, 1, 0, p; }"
+            : "=r"(done)
+            : "r"(b)
+            : "memory");
+    }
+}
+// Stores into another block's shared memory (shared::cluster addresses, cluster_addr) that
+// signal its mbarrier `bar` (also a shared::cluster address) with their bytes: no fence, no
+// cluster barrier (a release barrier costs a GPU-wide MEMBAR in the SASS).
+__device__ __forceinline__ void st_async4(u32 addr, float4 v, u32 bar) {
+    asm volatile(
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];"
+        ::"r"(addr), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(bar)
+        : "memory");
+}
+__device__ __forceinline__ void st_async2(u32 addr, float x, float y, u32 bar) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];"
+                 ::"r"(addr), "f"(x), "f"(y), "r"(bar)
+                 : "memory");
+}
+
 // The shared::cluster address of `p` (in this block's shared memory) in block `rank`.
 __device__ __forceinline__ u32 cluster_addr(const float* p, u32 rank) {
     const u32 local = (u32)__cvta_generic_to_shared(p);
@@ -689,20 +748,6 @@ __device__ __forceinline__ u32 cluster_addr(const float* p, u32 rank) {
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(local), "r"(rank));
     return r;
 }
-__device__ __forceinline__ float ld_cluster(u32 addr) {
-    float v;
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
-    return v;
-}
-__device__ __forceinline__ float4 ld_cluster4(u32 addr) {
-    float4 v;
-    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
-                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-                 : "r"(addr)
-                 : "memory");
-    return v;
-}
-
 // Slice `rank` of the `act` cluster partials of token i's heads h0 .. h0 + gh: items beg .. end
 // (float4 of the [gh][d] output). Run by the last cluster to count this slice; `w` holds
 // [heads of the slice][act] floats, `sums` one per head of the slice.
@@ -749,8 +794,9 @@ __device__ __forceinline__ void attn_cluster(const AttnArgs& a) {
     const int len = pos + 1 - lo;
     const int nclust = a.nsplit / CL_SIZE;
     const int cl = blockIdx.y / CL_SIZE;
-    // This block's share of the keys and of the merge. (It is %cluster_ctarank for clusters of
-    // (1, CL_SIZE, 1), though nothing relies on that: the merge reads every rank.)
+    // This block's share of the keys and of the merge: its rank in the cluster, the block the
+    // merge's st.async address (%cluster_ctarank: the linear index in a cluster of (1, CL_SIZE, 1)
+    // is blockIdx.y - cl * CL_SIZE). Read from %cluster_ctarank, ptxas spilled the d32 build.
     const int rank = blockIdx.y - cl * CL_SIZE;
     const int per_cluster = CL_SIZE * a.chunk;
     const int act = len <= 0 ? 0 : min(nclust, (len + per_cluster - 1) / per_cluster);
@@ -775,8 +821,18 @@ __device__ __forceinline__ void attn_cluster(const AttnArgs& a) {
 
     float* s_acc = reinterpret_cast<float*>(cl_smem4);  // [CL_WARPS][GM][d]
     float* s_ml = s_acc + CL_WARPS * GM * d;            // [CL_WARPS][GM][2]
-    float* b_acc = s_ml + CL_WARPS * GM * 2;            // [GM][d]: the block's state, for the cluster
-    float* b_ml = b_acc + GM * d;                       // [GM][2]
+    // The inbox: what the cluster's blocks send this block for its slice, [CL_SIZE][per] float4
+    // of their states' slice items, then [CL_SIZE][GM] (max, sum) pairs.
+    float4* in_acc = reinterpret_cast<float4*>(s_ml + CL_WARPS * GM * 2);
+    float* in_ml = reinterpret_cast<float*>(in_acc + CL_SIZE * per);
+    __shared__ __align__(8) u64 inbox_bar;
+    // Every block with a slice expects its items and the heads' (max, sum) from every block of
+    // the cluster; the barrier after arming (waited for just before the sends) tells the others
+    // its mbarrier is ready. Before the keys: the wait is long passed when the sends start.
+    if (threadIdx.x == 0 && beg < end)
+        inbox_arm(&inbox_bar, (u32)(CL_SIZE * ((end - beg) * sizeof(float4) + gh * 2 * sizeof(float))));
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    cluster_arrive_relaxed();
     // The first position of this token's sequence in the batch: keys from there on are written
     // by the kernel before (the attention prologue), older ones by earlier passes.
     int first = i;
@@ -786,21 +842,37 @@ __device__ __forceinline__ void attn_cluster(const AttnArgs& a) {
     constexpr int DEPTH = GM <= 4 ? 2 : 1;
     attend_keys<CL_WARPS, L, VPL, GM, true, SPLIT_KEYS / VPL, DEPTH>(
         a, i, kh, h0, gh, ts, k0, k1, s_acc, s_ml, a.positions[first]);
-    for (int idx = threadIdx.x; idx < gh * d; idx += CL_THREADS) {
-        const int h = idx / d;
-        const int e = idx - h * d;
-        float mx, sum;
-        b_acc[idx] = combine_warps<CL_WARPS, GM>(s_acc, s_ml, d, h, e, mx, sum);
-        if (e == 0) {
-            b_ml[2 * h] = mx;
-            b_ml[2 * h + 1] = sum;
+    cluster_wait();
+    // This block's state (its warps merged), sent slice by slice to the blocks that own the
+    // slices: item `it` of the [gh][d] output (a float4) goes to rank it / per, the heads'
+    // (max, sum) to every rank with a slice.
+    const u32 me = (u32)rank;
+    for (int it = threadIdx.x; it < items; it += CL_THREADS) {
+        const int h = it / d4;
+        const int c = it - h * d4;
+        const u32 dst = (u32)(it / per);
+        float mx, sum, n4[4];
+        combine_warps_n<CL_WARPS, GM, 4>(s_acc, s_ml, d, h, 4 * c, n4, mx, sum);
+        const float4 v = make_float4(n4[0], n4[1], n4[2], n4[3]);
+        const int at = (int)me * per + (it - (int)dst * per);
+        st_async4(cluster_addr(reinterpret_cast<const float*>(in_acc + at), dst), v,
+                  cluster_addr(reinterpret_cast<const float*>(&inbox_bar), dst));
+    }
+    for (int t = threadIdx.x; t < gh * CL_SIZE; t += CL_THREADS) {
+        const int h = t / CL_SIZE;
+        const u32 dst = (u32)(t - h * CL_SIZE);
+        if ((int)dst * per < items) {  // that rank has a slice
+            float mx, sum;
+            combine_warps<CL_WARPS, GM>(s_acc, s_ml, d, h, 0, mx, sum);
+            st_async2(cluster_addr(in_ml + (me * GM + h) * 2, dst), mx, sum,
+                      cluster_addr(reinterpret_cast<const float*>(&inbox_bar), dst));
         }
     }
-    cluster_arrive();
-    cluster_wait();
+    if (beg >= end) return;  // block-uniform: nothing to merge, nothing sent to this block
+    __syncthreads();  // s_acc is read above and reused below
+    inbox_wait(&inbox_bar);
 
-    // Weights of the cluster's blocks per head (s_acc is free again: the barrier ordered this
-    // block's reads of it): w [GM][CL_SIZE], then max and sum [GM] each.
+    // Weights of the cluster's blocks per head: w [GM][CL_SIZE], then max and sum [GM] each.
     float* cw = s_acc;
     float* cmax = cw + GM * CL_SIZE;
     float* csum = cmax + GM;
@@ -810,9 +882,8 @@ __device__ __forceinline__ void attn_cluster(const AttnArgs& a) {
         const int h = t / CL_SIZE;
         float m = NEG_INF, l = 0.0f;
         if (h < gh) {
-            const u32 r = cluster_addr(b_ml + 2 * h, src);
-            m = ld_cluster(r);
-            l = ld_cluster(r + 4);
+            m = in_ml[(src * GM + h) * 2];
+            l = in_ml[(src * GM + h) * 2 + 1];
         }
         float mx = m;
 #pragma unroll
@@ -832,7 +903,6 @@ __device__ __forceinline__ void attn_cluster(const AttnArgs& a) {
     __syncthreads();
 
     // Slice items merged over the ranks: CL_SIZE adjacent lanes per item, one rank each.
-    const u32 src_acc = cluster_addr(b_acc, src);
     const bool direct = act == 1;
     for (int base = beg; base < beg + per; base += CL_THREADS / CL_SIZE) {
         const int item = base + t / CL_SIZE;
@@ -842,7 +912,7 @@ __device__ __forceinline__ void attn_cluster(const AttnArgs& a) {
         if (ok) {
             h = item / d4;
             c = item - h * d4;
-            v = scale4(ld_cluster4(src_acc + (u32)(h * d + 4 * c) * 4), cw[h * CL_SIZE + src]);
+            v = scale4(in_acc[src * per + (item - beg)], cw[h * CL_SIZE + src]);
         }
 #pragma unroll
         for (int o = CL_SIZE / 2; o > 0; o >>= 1) {
@@ -860,11 +930,9 @@ __device__ __forceinline__ void attn_cluster(const AttnArgs& a) {
             }
         }
     }
-    // Done reading the cluster's shared memory; the wait below keeps ours until all are done.
-    cluster_arrive();
     if (!direct) {
         // The (max, sum) of every head this slice touches, then count the slice in.
-        if (t < gh && beg < end && t * d4 < end && (t + 1) * d4 > beg) {
+        if (t < gh && t * d4 < end && (t + 1) * d4 > beg) {
             const u64 row = (u64)i * a.num_heads + h0 + t;
             a.part_ml[(row * nclust + cl) * 2] = cmax[t];
             a.part_ml[(row * nclust + cl) * 2 + 1] = csum[t];
@@ -878,14 +946,13 @@ __device__ __forceinline__ void attn_cluster(const AttnArgs& a) {
             if (s_last) *count = 0u;  // ready for the next launch
         }
         __syncthreads();
-        if (s_last && beg < end) {
+        if (s_last) {
             __threadfence();
             // Past the cluster weights (GM * (CL_SIZE + 2) floats): [GM][act], then [GM].
             float* w = csum + GM;
             merge_cluster_partials(a, i, h0, beg, end, act, nclust, w, w + GM * act);
         }
     }
-    cluster_wait();
 }
 
 // Sm_90 only: elsewhere the entry points exist (the host loads every name) but stay empty and are

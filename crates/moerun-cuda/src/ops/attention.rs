@@ -523,9 +523,13 @@ fn pick_tc_variant(want: usize, group: usize, granted: [usize; 3], head_dim: usi
 }
 
 /// Dynamic shared memory of the cluster kernel for `group` (class) query heads of `head_dim`: the
-/// 8 warps' states and the block's own, each `group * (head_dim + 2)` floats.
+/// 8 warps' states, each `group * (head_dim + 2)` floats, then the inbox of the merge: from each
+/// block of the cluster its slice of the `group * head_dim` outputs (float4 items, split evenly
+/// over the cluster) and a (max, sum) pair per head.
 fn cluster_smem(head_dim: usize, group: usize) -> usize {
-    (CLUSTER_THREADS / 32 + 1) * group * (head_dim + 2) * 4
+    let slice_items = (group * head_dim / 4).div_ceil(CLUSTER_SIZE);
+    (CLUSTER_THREADS / 32) * group * (head_dim + 2) * 4
+        + CLUSTER_SIZE * (slice_items * 16 + group * 8)
 }
 
 /// Keys one step of a cluster-kernel block covers: its lane groups (a key each, head_dim / 4
