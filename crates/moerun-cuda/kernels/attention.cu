@@ -689,65 +689,6 @@ ATTN_SPLIT(attn_split_d512_g2, 32, 4, 2)
 #define CL_WARPS 8
 #define CL_THREADS (32 * CL_WARPS)
 
-// Wait (acquire) on the cluster barrier; every thread of every block of the cluster must take
-// part. Its arrive is relaxed (cluster_arrive_relaxed): a release arrive is a GPU-wide MEMBAR in
-// the SASS, ~1-2 µs on batch 1's path (a globaltimer probe, docs/perf/cuda-model.md v15).
-__device__ __forceinline__ void cluster_wait() {
-    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-// Arrive without ordering anything (no fence): for the start-of-kernel barrier that publishes
-// the mbarriers' initialisation (the fence.mbarrier_init before it orders that).
-__device__ __forceinline__ void cluster_arrive_relaxed() {
-    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-}
-// This block's mbarrier `bar` (in shared memory), armed for `bytes` of st.async stores from the
-// cluster: one arrival (this one) and the bytes' completion finish its phase 0. The other
-// blocks may signal it once every thread has passed fence.mbarrier_init and a cluster barrier.
-__device__ __forceinline__ void inbox_arm(u64* bar, u32 bytes) {
-    const u32 b = (u32)__cvta_generic_to_shared(bar);
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(b) : "memory");
-    u64 state;
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 %0, [%1], %2;"
-                 : "=l"(state)
-                 : "r"(b), "r"(bytes)
-                 : "memory");
-}
-// Wait until phase 0 of `bar` completes: every byte inbox_arm expects has landed (acquire at
-// cluster scope: the stores of the other blocks are visible after it).
-__device__ __forceinline__ void inbox_wait(u64* bar) {
-    const u32 b = (u32)__cvta_generic_to_shared(bar);
-    u32 done = 0;
-    while (!done) {
-        asm volatile(
-            "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], 0; "
-            "selp.u32 %0, 1, 0, p; }"
-            : "=r"(done)
-            : "r"(b)
-            : "memory");
-    }
-}
-// Stores into another block's shared memory (shared::cluster addresses, cluster_addr) that
-// signal its mbarrier `bar` (also a shared::cluster address) with their bytes: no fence, no
-// cluster barrier (a release barrier costs a GPU-wide MEMBAR in the SASS).
-__device__ __forceinline__ void st_async4(u32 addr, float4 v, u32 bar) {
-    asm volatile(
-        "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];"
-        ::"r"(addr), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(bar)
-        : "memory");
-}
-__device__ __forceinline__ void st_async2(u32 addr, float x, float y, u32 bar) {
-    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];"
-                 ::"r"(addr), "f"(x), "f"(y), "r"(bar)
-                 : "memory");
-}
-
-// The shared::cluster address of `p` (in this block's shared memory) in block `rank`.
-__device__ __forceinline__ u32 cluster_addr(const float* p, u32 rank) {
-    const u32 local = (u32)__cvta_generic_to_shared(p);
-    u32 r;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(local), "r"(rank));
-    return r;
-}
 // Slice `rank` of the `act` cluster partials of token i's heads h0 .. h0 + gh: items beg .. end
 // (float4 of the [gh][d] output). Run by the last cluster to count this slice; `w` holds
 // [heads of the slice][act] floats, `sums` one per head of the slice.
@@ -831,7 +772,7 @@ __device__ __forceinline__ void attn_cluster(const AttnArgs& a) {
     // its mbarrier is ready. Before the keys: the wait is long passed when the sends start.
     if (threadIdx.x == 0 && beg < end)
         inbox_arm(&inbox_bar, (u32)(CL_SIZE * ((end - beg) * sizeof(float4) + gh * 2 * sizeof(float))));
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    fence_mbarrier_init();
     cluster_arrive_relaxed();
     // The first position of this token's sequence in the batch: keys from there on are written
     // by the kernel before (the attention prologue), older ones by earlier passes.

@@ -200,3 +200,155 @@ __device__ __forceinline__ void pdl_entry_launch_first() {
 #endif
 }
 
+// ---- thread-block clusters (sm_90+; only kernels built for sm_90 call these) ----
+//
+// Blocks of a cluster exchange data by st.async into each other's shared memory, counted by the
+// receiver's mbarrier, rather than by reading each other's shared memory between cluster
+// barriers: `barrier.cluster.arrive.release` (and `fence.acq_rel.cluster`) is a GPU-wide MEMBAR
+// in the SASS, ~1-2 µs on a decode step's path (docs/perf/cuda-model.md v15).
+
+// Wait (acquire) on the cluster barrier; every thread of every block of the cluster must take
+// part. Its arrive is relaxed (cluster_arrive_relaxed), never a release one (above).
+__device__ __forceinline__ void cluster_wait() {
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// Arrive without ordering anything (no fence): for a start-of-kernel barrier that publishes
+// mbarriers' initialisation (fence_mbarrier_init before it orders that).
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+// This block's mbarrier `bar` (in shared memory), armed for `bytes` of st.async stores from the
+// cluster: one arrival (this one) and the bytes' completion finish its phase 0. The other
+// blocks may signal it once every thread has passed fence.mbarrier_init and a cluster barrier.
+__device__ __forceinline__ void inbox_arm(u64* bar, u32 bytes) {
+    const u32 b = (u32)__cvta_generic_to_shared(bar);
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(b) : "memory");
+    u64 state;
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 %0, [%1], %2;"
+                 : "=l"(state)
+                 : "r"(b), "r"(bytes)
+                 : "memory");
+}
+// Wait until phase 0 of `bar` completes: every byte inbox_arm expects has landed (acquire at
+// cluster scope: the stores of the other blocks are visible after it).
+__device__ __forceinline__ void inbox_wait(u64* bar) {
+    const u32 b = (u32)__cvta_generic_to_shared(bar);
+    u32 done = 0;
+    while (!done) {
+        asm volatile(
+            "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], 0; "
+            "selp.u32 %0, 1, 0, p; }"
+            : "=r"(done)
+            : "r"(b)
+            : "memory");
+    }
+}
+// Every thread, before the cluster barrier that publishes this block's mbarriers (inbox_arm).
+__device__ __forceinline__ void fence_mbarrier_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+// Stores into another block's shared memory (shared::cluster addresses, cluster_addr) that
+// signal its mbarrier `bar` (also a shared::cluster address) with their bytes: no fence, no
+// cluster barrier (a release barrier costs a GPU-wide MEMBAR in the SASS).
+__device__ __forceinline__ void st_async4(u32 addr, float4 v, u32 bar) {
+    asm volatile(
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];"
+        ::"r"(addr), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(bar)
+        : "memory");
+}
+__device__ __forceinline__ void st_async1(u32 addr, float x, u32 bar) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];"
+                 ::"r"(addr), "f"(x), "r"(bar)
+                 : "memory");
+}
+__device__ __forceinline__ void st_async2(u32 addr, float x, float y, u32 bar) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];"
+                 ::"r"(addr), "f"(x), "f"(y), "r"(bar)
+                 : "memory");
+}
+
+// The shared::cluster address of `p` (in this block's shared memory) in block `rank`.
+__device__ __forceinline__ u32 cluster_addr(const float* p, u32 rank) {
+    const u32 local = (u32)__cvta_generic_to_shared(p);
+    u32 r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(local), "r"(rank));
+    return r;
+}
+
+// ---- MoE routing by one warp (route_topk in router.cu, gemv_route in gemv.cu) ----
+
+// Warp-wide max / min of a u32: one redux.sync (sm_80+, the least the backend runs on).
+__device__ __forceinline__ u32 warp_max_u32(u32 v) {
+    u32 r;
+    asm volatile("redux.sync.max.u32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v));
+    return r;
+}
+__device__ __forceinline__ u32 warp_min_u32(u32 v) {
+    u32 r;
+    asm volatile("redux.sync.min.u32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v));
+    return r;
+}
+
+// One token's routing by one warp, the steps of moerun-model's `route`: softmax of the f32 router
+// logits (max-subtracted; each lane sums its experts lane, lane + 32, ... in order, then a fixed
+// butterfly), top-k by probability with ties to the lower expert index, then optionally the k
+// weights renormalised to sum to one (summed in rank order). experts <= 32 * ROUTE_PER_LANE.
+// Lane l holds experts l + 32 s in registers; a probability's f32 bits order like
+// the probability (it is >= 0), so each round is a warp max of (bits + 1) keys (taken: 0) and a
+// warp min of the indices holding it. A NaN probability never wins: with only NaNs left the id
+// is out of range (0x7fffffff) and the weight -2, so the token's expert sum becomes NaN downstream.
+template <int ROUTE_PER_LANE>
+__device__ __forceinline__ void warp_route_topk(const float* __restrict__ logits, int experts, int k,
+                                                int renormalise, u32* __restrict__ out_ids,
+                                                float* __restrict__ out_weights) {
+    const int lane = threadIdx.x & 31;
+    float p[ROUTE_PER_LANE];
+    float mx = __int_as_float(0xff800000);  // -inf
+#pragma unroll
+    for (int s = 0; s < ROUTE_PER_LANE; ++s) {
+        const int i = 32 * s + lane;
+        p[s] = i < experts ? logits[i] : 0.0f;
+        if (i < experts) mx = fmaxf(mx, p[s]);
+    }
+    mx = warp_max(mx);
+    float sum = 0.0f;
+#pragma unroll
+    for (int s = 0; s < ROUTE_PER_LANE; ++s) {
+        if (32 * s + lane < experts) {
+            p[s] = expf(p[s] - mx);
+            sum += p[s];
+        }
+    }
+    const float inv = 1.0f / warp_sum(sum);
+    u32 key[ROUTE_PER_LANE];
+#pragma unroll
+    for (int s = 0; s < ROUTE_PER_LANE; ++s) {
+        const float v = p[s] * inv;
+        key[s] = 32 * s + lane < experts && v >= 0.0f ? __float_as_uint(v) + 1u : 0u;
+    }
+    float total = 0.0f;  // every lane: the chosen weights summed in rank order
+    for (int r = 0; r < k; ++r) {
+        u32 bk = 0u, bi = 0xffffffffu;
+#pragma unroll
+        for (int s = 0; s < ROUTE_PER_LANE; ++s) {
+            if (key[s] > bk) {  // ascending index within a lane: strict > keeps the lower one
+                bk = key[s];
+                bi = 32 * s + lane;
+            }
+        }
+        const u32 best = warp_max_u32(bk);
+        const u32 at = warp_min_u32(best != 0u && bk == best ? bi : 0xffffffffu);
+        const float w = best != 0u ? __uint_as_float(best - 1u) : -2.0f;
+        if (lane == 0) {
+            out_ids[r] = best != 0u ? at : 0x7fffffffu;
+            out_weights[r] = w;
+        }
+        total += w;
+#pragma unroll
+        for (int s = 0; s < ROUTE_PER_LANE; ++s)
+            if (32 * s + lane == (int)at) key[s] = 0u;
+    }
+    if (renormalise && lane == 0) {
+        for (int r = 0; r < k; ++r) out_weights[r] = out_weights[r] / total;
+    }
+}

@@ -102,39 +102,45 @@ GEMV_KERNEL(gemv_f32_m8, ChunkF32, 8)
 #define ROWS_WARPS (ROWS_THREADS / 32)
 #define ROWS_PER_BLOCK 4
 
-// acc[m][r] += chunk r of the weights . chunk c of x row m, for R rows at once: each x chunk is
-// read once for all R rows.
+// acc[m][r] += chunk r of the weights . chunk c of x row m, for R rows: each x chunk is read once
+// for up to 4 rows (more rows go in groups of 4, so that at most 4 x 8 widened weights are live;
+// each row's additions are the same whatever R).
 template <typename C, int M, int R>
 __device__ __forceinline__ void fma_rows(const uint4* q, const float* __restrict__ x, int k, int c,
                                          float (&acc)[M][R]) {
-    float f[R][C::N];
+    static_assert(R <= 4 || R % 4 == 0, "rows in groups of 4");
+    constexpr int G = R < 4 ? R : 4;
 #pragma unroll
-    for (int r = 0; r < R; ++r) C::widen(q[r], f[r]);
+    for (int g = 0; g < R; g += G) {
+        float f[G][C::N];
 #pragma unroll
-    for (int m = 0; m < M; ++m) {
-        const float4* xv = reinterpret_cast<const float4*>(x + (u64)m * k + (u64)c * C::N);
+        for (int r = 0; r < G; ++r) C::widen(q[g + r], f[r]);
 #pragma unroll
-        for (int v = 0; v < C::N / 4; ++v) {
-            const float4 xx = xv[v];
+        for (int m = 0; m < M; ++m) {
+            const float4* xv = reinterpret_cast<const float4*>(x + (u64)m * k + (u64)c * C::N);
 #pragma unroll
-            for (int r = 0; r < R; ++r) {
-                acc[m][r] += f[r][4 * v] * xx.x + f[r][4 * v + 1] * xx.y + f[r][4 * v + 2] * xx.z +
-                             f[r][4 * v + 3] * xx.w;
+            for (int v = 0; v < C::N / 4; ++v) {
+                const float4 xx = xv[v];
+#pragma unroll
+                for (int r = 0; r < G; ++r) {
+                    acc[m][g + r] += f[r][4 * v] * xx.x + f[r][4 * v + 1] * xx.y +
+                                     f[r][4 * v + 2] * xx.z + f[r][4 * v + 3] * xx.w;
+                }
             }
         }
     }
 }
 
-template <typename C, int M, int U>
-__device__ __forceinline__ void gemv_block_rows(const void* __restrict__ w_raw,
-                                                const float* __restrict__ x, float* __restrict__ y,
-                                                int n, int k) {
-    constexpr int R = ROWS_PER_BLOCK;
-    __shared__ float partial[ROWS_WARPS][M * R];
+// The block's R rows from row0 (those < n) . x: each warp's sums of every row (and token) into
+// partial[warp] (one lane per total), ending in a block barrier. Each row's sums do not depend on
+// R: gemv_route's 16 rows a block give the bits of gemv_rows_<dt>_m1's 4.
+template <typename C, int M, int U, int R>
+__device__ __forceinline__ void gemv_rows_partials(const void* __restrict__ w_raw,
+                                                   const float* __restrict__ x, int n, int k,
+                                                   int row0, float (&partial)[ROWS_WARPS][M * R]) {
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
-    const int row0 = blockIdx.x * R;
     const int rows_here = min(R, n - row0);  // block-uniform
     const int chunks = k / C::N;
     const uint4* w = reinterpret_cast<const uint4*>(w_raw) + (u64)row0 * chunks;
@@ -200,6 +206,18 @@ __device__ __forceinline__ void gemv_block_rows(const void* __restrict__ w_raw,
         if (scatter_writer<NV>(lane)) partial[warp][scatter_first<NV>(lane)] = sums[0];
     }
     __syncthreads();
+}
+
+template <typename C, int M, int U>
+__device__ __forceinline__ void gemv_block_rows(const void* __restrict__ w_raw,
+                                                const float* __restrict__ x, float* __restrict__ y,
+                                                int n, int k) {
+    constexpr int R = ROWS_PER_BLOCK;
+    __shared__ float partial[ROWS_WARPS][M * R];
+    const int tid = threadIdx.x;
+    const int row0 = blockIdx.x * R;
+    const int rows_here = min(R, n - row0);  // block-uniform
+    gemv_rows_partials<C, M, U, R>(w_raw, x, n, k, row0, partial);
     if (tid < M * R) {
         const int m = tid / R;
         const int r = tid - m * R;
@@ -230,3 +248,70 @@ GEMV_ROWS_KERNEL(gemv_rows_f32_m1, ChunkF32, 1, 2)
 GEMV_ROWS_KERNEL(gemv_rows_f32_m2, ChunkF32, 2, 2)
 GEMV_ROWS_KERNEL(gemv_rows_f32_m4, ChunkF32, 4, 1)
 GEMV_ROWS_KERNEL(gemv_rows_f32_m8, ChunkF32, 8, 1)
+
+// ---- the router GEMV of one token with its top-k, in one cluster (sm_90) ----
+//
+// gemv_route_<dt>_l<L>: grid (ROUTE_CLUSTER), cluster (ROUTE_CLUSTER, 1, 1), block 256; experts
+// <= ROUTE_ROWS * ROUTE_CLUSTER. Block r computes router rows 16 r .. 16 r + 16 exactly as
+// gemv_rows_<dt>_m1 does (the same bits: gemv_rows_partials, weights loaded before the
+// programmatic wait) and sends the logits by st.async into block 0's shared memory, whose
+// mbarrier counts them; block 0's first warp then routes them as route_topk_f32_l<L> does
+// (warp_route_topk: the same ids and weights). One launch and no global round trip between the
+// logits and their ranking, where the GEMV and route_topk took two launches (~1 µs each on a
+// decode step's chain) and the logits went through L2.
+#define ROUTE_ROWS 16
+#define ROUTE_CLUSTER 8
+
+template <typename C, int L>
+__device__ __forceinline__ void gemv_route(const void* __restrict__ w, const float* __restrict__ x,
+                                           int experts, int k, int topk, int renormalise,
+                                           u32* __restrict__ out_ids,
+                                           float* __restrict__ out_weights) {
+    __shared__ float partial[ROWS_WARPS][ROUTE_ROWS];
+    __shared__ __align__(16) float logits[ROUTE_ROWS * ROUTE_CLUSTER];
+    __shared__ __align__(8) u64 inbox;
+    // A grid of one cluster of (ROUTE_CLUSTER, 1, 1): blockIdx.x is the block's cluster rank.
+    const int rank = blockIdx.x;
+    const int row0 = rank * ROUTE_ROWS;
+    if (rank == 0 && threadIdx.x == 0) inbox_arm(&inbox, (u32)(experts * sizeof(float)));
+    fence_mbarrier_init();
+    cluster_arrive_relaxed();
+    gemv_rows_partials<C, 1, 1, ROUTE_ROWS>(w, x, experts, k, row0, partial);
+    cluster_wait();  // block 0's mbarrier is ready
+    const int t = threadIdx.x;
+    if (t < ROUTE_ROWS && row0 + t < experts) {
+        float s = 0.0f;
+#pragma unroll
+        for (int i = 0; i < ROWS_WARPS; ++i) s += partial[i][t];
+        st_async1(cluster_addr(logits + row0 + t, 0), s,
+                  cluster_addr(reinterpret_cast<const float*>(&inbox), 0));
+    }
+    if (rank != 0 || t >= 32) return;
+    inbox_wait(&inbox);
+    warp_route_topk<L>(logits, experts, topk, renormalise, out_ids, out_weights);
+}
+
+#if __CUDA_ARCH__ >= 900
+#define GEMV_ROUTE_KERNEL(NAME, CHUNK, L)                                                        \
+    extern "C" __global__ void __launch_bounds__(ROWS_THREADS) __cluster_dims__(ROUTE_CLUSTER, 1, 1) \
+        NAME(const void* w, const float* x, int experts, int k, int topk, int renormalise,      \
+             u32* out_ids, float* out_weights) {                                                \
+        gemv_route<CHUNK, L>(w, x, experts, k, topk, renormalise, out_ids, out_weights);        \
+    }
+#else
+// Elsewhere the entry points exist (the host loads every name) but stay empty and are never
+// launched (ops/router.rs checks the compute capability).
+#define GEMV_ROUTE_KERNEL(NAME, CHUNK, L)                                                        \
+    extern "C" __global__ void NAME(const void* w, const float* x, int experts, int k, int topk, \
+                                    int renormalise, u32* out_ids, float* out_weights) {}
+#endif
+
+GEMV_ROUTE_KERNEL(gemv_route_bf16_l1, ChunkBf16, 1)
+GEMV_ROUTE_KERNEL(gemv_route_bf16_l2, ChunkBf16, 2)
+GEMV_ROUTE_KERNEL(gemv_route_bf16_l4, ChunkBf16, 4)
+GEMV_ROUTE_KERNEL(gemv_route_f16_l1, ChunkF16, 1)
+GEMV_ROUTE_KERNEL(gemv_route_f16_l2, ChunkF16, 2)
+GEMV_ROUTE_KERNEL(gemv_route_f16_l4, ChunkF16, 4)
+GEMV_ROUTE_KERNEL(gemv_route_f32_l1, ChunkF32, 1)
+GEMV_ROUTE_KERNEL(gemv_route_f32_l2, ChunkF32, 2)
+GEMV_ROUTE_KERNEL(gemv_route_f32_l4, ChunkF32, 4)

@@ -59,6 +59,8 @@ pub(crate) struct Kernels {
     pub f32_to_bf16_split: CudaFunction,
     /// Indexed by log2 of the experts each lane holds (1, 2, 4, 8, 16; see ops::router).
     pub route_topk: [CudaFunction; 5],
+    /// By weight dtype ([`dtype_slot`]), then experts per lane of the routing warp (1, 2, 4).
+    pub gemv_route: [[CudaFunction; 3]; 3],
     /// Indexed by [`dtype_slot`].
     pub embed: [CudaFunction; 3],
     /// `[layout][dtype_slot][i]` for x-row counts `GEMV_ROWS[i]`; layout 0 is warp per row,
@@ -124,6 +126,23 @@ impl Kernels {
             silu_mul: get("activation", "silu_mul_f32")?,
             f32_to_bf16: get("convert", "f32_to_bf16")?,
             f32_to_bf16_split: get("convert", "f32_to_bf16_split")?,
+            gemv_route: [
+                [
+                    get("gemv", "gemv_route_bf16_l1")?,
+                    get("gemv", "gemv_route_bf16_l2")?,
+                    get("gemv", "gemv_route_bf16_l4")?,
+                ],
+                [
+                    get("gemv", "gemv_route_f16_l1")?,
+                    get("gemv", "gemv_route_f16_l2")?,
+                    get("gemv", "gemv_route_f16_l4")?,
+                ],
+                [
+                    get("gemv", "gemv_route_f32_l1")?,
+                    get("gemv", "gemv_route_f32_l2")?,
+                    get("gemv", "gemv_route_f32_l4")?,
+                ],
+            ],
             route_topk: [
                 get("router", "route_topk_f32_l1")?,
                 get("router", "route_topk_f32_l2")?,

@@ -42,6 +42,7 @@ pub const PDL_KERNELS: &[&str] = &[
     "gemv_bf16_m*",
     "gemv_f16_m*",
     "gemv_f32_m*",
+    "gemv_route_*",
     "gemv_rows_*",
     "moe_tiny_down_*",
     "moe_tiny_gate_up_*",

@@ -277,17 +277,7 @@ fn embedding_gathers_rows_exactly_for_every_dtype_and_refuses_bad_ids() {
     let values = uniform(&mut r, vocab * hidden, -1.0, 1.0);
     let ids: Vec<u32> = vec![0, 999, 5, 5, 123, 777, 1];
     for dtype in [DType::BF16, DType::F16, DType::F32] {
-        let bytes: Vec<u8> = match dtype {
-            DType::BF16 => values
-                .iter()
-                .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
-                .collect(),
-            DType::F16 => values
-                .iter()
-                .flat_map(|&v| f16::from_f32(v).to_le_bytes())
-                .collect(),
-            DType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-        };
+        let bytes = stored(dtype, &values);
         let table = MatRef {
             dtype,
             rows: vocab,
@@ -385,6 +375,114 @@ fn router_picks_the_cpu_experts_in_rank_order_with_ties_to_the_lower_index() {
         );
         check(&name, rel_err(&got_w, &widen(&want_w)), 1e-5);
     }
+}
+
+/// A matrix of `values` stored as `dtype` (rows x cols, row-major), as the loaders upload it.
+fn stored(dtype: DType, values: &[f32]) -> Vec<u8> {
+    match dtype {
+        DType::BF16 => values
+            .iter()
+            .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
+            .collect(),
+        DType::F16 => values
+            .iter()
+            .flat_map(|&v| f16::from_f32(v).to_le_bytes())
+            .collect(),
+        DType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+    }
+}
+
+#[test]
+fn gemv_route_gives_the_bits_of_the_gemv_then_route_topk() {
+    let Some(dev) = device() else { return };
+    if !dev.gemv_route_supported(128) {
+        println!("skipped: gemv_route needs sm_90+ (and MOERUN_CUDA_GEMV_ROUTE unset)");
+        return;
+    }
+    let mut r = rng("gemv_route");
+    // Each routing build (1, 2, 4 experts per lane), a cluster with idle and partial blocks
+    // (100, 60, 8, 1 experts), columns below, at and past one chunk per thread (768, 2048,
+    // 2056 bf16 values), every dtype, top-k up to all the experts, and a NaN input.
+    for (experts, hidden, top_k, renormalise, dtype, nan) in [
+        (128usize, 2048usize, 8usize, true, DType::BF16, false),
+        (100, 2048, 8, true, DType::BF16, false),
+        (128, 2056, 128, true, DType::BF16, false),
+        (60, 768, 4, false, DType::F16, false),
+        (64, 1024, 8, false, DType::F32, false),
+        (8, 4096, 2, true, DType::BF16, false),
+        (1, 512, 1, false, DType::BF16, false),
+        (33, 2048, 4, true, DType::BF16, true),
+    ] {
+        let values = uniform(&mut r, experts * hidden, -0.1, 0.1);
+        let bytes = stored(dtype, &values);
+        let w = dev
+            .upload_matrix(MatRef {
+                dtype,
+                rows: experts,
+                cols: hidden,
+                data: &bytes,
+            })
+            .unwrap();
+        let mut x = uniform(&mut r, hidden, -2.0, 2.0);
+        if nan {
+            x[hidden / 2] = f32::NAN;
+        }
+        let xd = dev.upload(&x).unwrap();
+        let shape = RouterShape {
+            experts,
+            top_k,
+            renormalise,
+        };
+        let mut logits = dev.upload(&poison(experts)).unwrap();
+        dev.gemv(&xd, 1, &w, &mut logits).unwrap();
+        let mut want_e = dev.upload(&vec![u32::MAX; top_k]).unwrap();
+        let mut want_w = dev.upload(&poison(top_k)).unwrap();
+        dev.route_topk(&logits, shape, &mut want_e, &mut want_w)
+            .unwrap();
+        let mut got_e = dev.upload(&vec![u32::MAX; top_k]).unwrap();
+        let mut got_w = dev.upload(&poison(top_k)).unwrap();
+        dev.gemv_route(&xd, &w, shape, &mut got_e, &mut got_w)
+            .unwrap();
+        let name = format!("gemv_route {experts}e x {hidden} {dtype} top{top_k} nan={nan}");
+        assert_eq!(
+            dev.download(&got_e).unwrap(),
+            dev.download(&want_e).unwrap(),
+            "{name}: experts"
+        );
+        let bits = |b: &_| -> Vec<u32> {
+            dev.download(b)
+                .unwrap()
+                .iter()
+                .map(|v: &f32| v.to_bits())
+                .collect()
+        };
+        let same = bits(&got_w) == bits(&want_w);
+        check(&name, if same { 0.0 } else { 1.0 }, 0.0);
+    }
+
+    // More experts than a cluster's 128 rows: refused by name, route_topk takes them.
+    let bytes = stored(DType::BF16, &vec![0.0; 129 * 64]);
+    let w = dev
+        .upload_matrix(MatRef {
+            dtype: DType::BF16,
+            rows: 129,
+            cols: 64,
+            data: &bytes,
+        })
+        .unwrap();
+    let xd = dev.upload(&vec![0.0f32; 64]).unwrap();
+    let shape = RouterShape {
+        experts: 129,
+        top_k: 8,
+        renormalise: true,
+    };
+    let mut e = dev.zeros::<u32>(8).unwrap();
+    let mut wt = dev.zeros::<f32>(8).unwrap();
+    let err = dev.gemv_route(&xd, &w, shape, &mut e, &mut wt).unwrap_err();
+    assert!(
+        matches!(err, CudaError::InvalidArgument(ref m) if m.contains("129 experts")),
+        "{err}"
+    );
 }
 
 /// The engine's greedy pick, written out: strictly greater wins, so the lowest index among equal

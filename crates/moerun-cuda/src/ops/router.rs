@@ -5,18 +5,29 @@
 //! Launch: block (32, 4), grid ceil(tokens / 4); one warp per token holding its experts'
 //! probabilities in registers (the build with the fewest per lane that hold them all: 1, 2, 4,
 //! 8 or 16), k rounds of a warp arg-max (two redux.sync each).
+//!
+//! [`CudaDevice::gemv_route`] is the router GEMV of one token and its routing in one launch
+//! (`kernels/gemv.cu`'s `gemv_route`, one thread-block cluster on Hopper): the bits of
+//! [`CudaDevice::gemv`] then [`CudaDevice::route_topk`], one launch and no L2 round trip fewer
+//! on every MoE layer of a batch-1 decode step.
+
+use std::sync::OnceLock;
 
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
 use super::{blocks, to_i32};
+use crate::device::dtype_slot;
 use crate::error::{ensure, DriverContext, Result};
-use crate::CudaDevice;
+use crate::{CudaDevice, DeviceMatrix};
 
 const ROWS_PER_BLOCK: usize = 4;
 
 /// Experts a routing warp can rank: 16 in each lane's registers (the widest build in
 /// router.cu). The largest published MoE (Qwen3-Next) has 512.
 pub const MAX_EXPERTS: usize = 512;
+
+/// Experts [`CudaDevice::gemv_route`] covers: 16 router rows in each of a cluster's 8 blocks.
+pub const GEMV_ROUTE_MAX_EXPERTS: usize = 128;
 
 /// How a family routes: number of experts, how many each token takes, and whether the chosen
 /// weights are renormalised to sum to one (`norm_topk_prob`).
@@ -91,6 +102,105 @@ impl CudaDevice {
         // SAFETY: logits hold tokens * experts f32 (experts <= MAX_EXPERTS, what a warp holds),
         // both outputs tokens * top_k; the argument list matches the kernel's.
         unsafe { b.launch(cfg) }.ctx("route_topk_f32_l<L>")?;
+        Ok(())
+    }
+
+    /// Whether [`CudaDevice::gemv_route`] takes a router of `experts` rows here: on Hopper
+    /// (thread-block clusters) and for at most [`GEMV_ROUTE_MAX_EXPERTS`]; never with
+    /// `MOERUN_CUDA_GEMV_ROUTE=0` (a measuring knob: the GEMV and route_topk instead).
+    pub fn gemv_route_supported(&self, experts: usize) -> bool {
+        static OFF: OnceLock<bool> = OnceLock::new();
+        let off = *OFF
+            .get_or_init(|| std::env::var_os("MOERUN_CUDA_GEMV_ROUTE").is_some_and(|v| v == "0"));
+        !off && self.info().compute_capability.0 >= 9
+            && (1..=GEMV_ROUTE_MAX_EXPERTS).contains(&experts)
+    }
+
+    /// The router logits of one token, `x` (`w.cols()` f32) · `w`ᵀ (`w`: `[experts, hidden]`),
+    /// routed as [`CudaDevice::route_topk`] routes them, in one launch: `out_experts` and
+    /// `out_weights` (`top_k` each) get exactly what [`CudaDevice::gemv`] then `route_topk` give.
+    /// Refused where [`CudaDevice::gemv_route_supported`] is false.
+    pub fn gemv_route(
+        &self,
+        x: &impl DevicePtr<f32>,
+        w: &DeviceMatrix,
+        shape: RouterShape,
+        out_experts: &mut impl DevicePtrMut<u32>,
+        out_weights: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        let RouterShape {
+            experts,
+            top_k,
+            renormalise,
+        } = shape;
+        ensure(self.gemv_route_supported(experts), || {
+            format!(
+                "gemv_route: {experts} experts on compute capability {:?}; it needs sm_90+ and \
+                 at most {GEMV_ROUTE_MAX_EXPERTS} (route_topk takes the others)",
+                self.info().compute_capability
+            )
+        })?;
+        ensure(w.rows() == experts, || {
+            format!(
+                "gemv_route: the router has {} rows, not {experts}",
+                w.rows()
+            )
+        })?;
+        let k = w.cols();
+        let per_chunk = 16 / w.dtype().size();
+        ensure(x.len() == k && k.is_multiple_of(per_chunk), || {
+            format!(
+                "gemv_route: x holds {} values for a router of {k} columns (a multiple of \
+                 {per_chunk} for {} weights)",
+                x.len(),
+                w.dtype()
+            )
+        })?;
+        ensure((1..=experts).contains(&top_k), || {
+            format!("gemv_route: top_k {top_k} must be in 1..={experts}")
+        })?;
+        ensure(
+            out_experts.len() == top_k && out_weights.len() == top_k,
+            || format!("gemv_route: outputs must hold {top_k}"),
+        )?;
+        let xp = self.ptr(x, "gemv_route x")?;
+        let wp = w.device_ptr(self, "gemv_route w")?;
+        ensure(xp.is_multiple_of(16) && wp.is_multiple_of(16), || {
+            "gemv_route: x and w must start 16-byte aligned".to_string()
+        })?;
+        let e = self.ptr_mut(out_experts, "gemv_route experts")?;
+        let o = self.ptr_mut(out_weights, "gemv_route weights")?;
+        let (experts_i, k_i, top_i) = (
+            to_i32(experts, "experts")?,
+            to_i32(k, "k")?,
+            to_i32(top_k, "top_k")?,
+        );
+        let renorm_i = renormalise as i32;
+        // One cluster of 8 blocks (the kernel's __cluster_dims__).
+        let cfg = LaunchConfig {
+            grid_dim: (8, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        if crate::skip::skipped("gemv_route") {
+            return Ok(());
+        }
+        // 2^slot experts per lane of the routing warp, the fewest that hold them all.
+        let slot = experts.div_ceil(32).next_power_of_two().trailing_zeros() as usize;
+        let mut b = self
+            .stream
+            .launch_builder(&self.kernels.gemv_route[dtype_slot(w.dtype())][slot]);
+        b.arg(&wp)
+            .arg(&xp)
+            .arg(&experts_i)
+            .arg(&k_i)
+            .arg(&top_i)
+            .arg(&renorm_i);
+        b.arg(&e).arg(&o);
+        // SAFETY: w holds experts (<= 128, the cluster's 8 x 16 rows) x k elements of its dtype, k
+        // a multiple of the 16-byte chunk; x holds k f32; both outputs top_k; the argument list
+        // matches the kernel's.
+        unsafe { b.launch(cfg) }.ctx("gemv_route_<dt>_l<L>")?;
         Ok(())
     }
 }

@@ -493,8 +493,7 @@ impl Backend for CudaPass<'_> {
             let hidden = w.router.shape[1];
             let rows = x.len() / hidden;
             let k = cfg.top_k;
-            let logits = self.product(x, &w.router)?;
-            // route_topk writes every choice: no memset (a launch per layer in a decode step).
+            // The routing writes every choice: no memset (a launch per layer in a decode step).
             let mut ids = self.scratch.activation::<u32>(&self.m.dev, rows * k)?;
             let mut weights = self.alloc(rows * k)?;
             let shape = RouterShape {
@@ -502,8 +501,15 @@ impl Backend for CudaPass<'_> {
                 top_k: k,
                 renormalise: cfg.norm_topk_prob,
             };
-            dev.route_topk(&logits, shape, &mut ids, &mut weights)
-                .map_err(dev_err)?;
+            let router = self.m.mat(&w.router)?;
+            if rows == 1 && dev.gemv_route_supported(router.rows()) {
+                // One token: the router GEMV and its top-k in one launch (the same bits).
+                dev.gemv_route(x, router, shape, &mut ids, &mut weights)
+            } else {
+                let logits = self.product_with(x, router)?;
+                dev.route_topk(&logits, shape, &mut ids, &mut weights)
+            }
+            .map_err(dev_err)?;
             let experts = self.m.experts.get(&tensor_key(&w.router)).ok_or_else(|| {
                 Error::Device("internal: a MoE layer's experts were not uploaded".into())
             })?;
