@@ -770,8 +770,11 @@ __device__ __forceinline__ void attn_cluster(const AttnArgs& a) {
     // Every block with a slice expects its items and the heads' (max, sum) from every block of
     // the cluster; the barrier after arming (waited for just before the sends) tells the others
     // its mbarrier is ready. Before the keys: the wait is long passed when the sends start.
-    if (threadIdx.x == 0 && beg < end)
-        inbox_arm(&inbox_bar, (u32)(CL_SIZE * ((end - beg) * sizeof(float4) + gh * 2 * sizeof(float))));
+    if (threadIdx.x == 0 && beg < end) {
+        mbar_init(smem_u32(&inbox_bar), 1);
+        mbar_expect_tx(smem_u32(&inbox_bar),
+                       (u32)(CL_SIZE * ((end - beg) * sizeof(float4) + gh * 2 * sizeof(float))));
+    }
     fence_mbarrier_init();
     cluster_arrive_relaxed();
     // The first position of this token's sequence in the batch: keys from there on are written
@@ -811,7 +814,7 @@ __device__ __forceinline__ void attn_cluster(const AttnArgs& a) {
     }
     if (beg >= end) return;  // block-uniform: nothing to merge, nothing sent to this block
     __syncthreads();  // s_acc is read above and reused below
-    inbox_wait(&inbox_bar);
+    mbar_wait_cluster(smem_u32(&inbox_bar), 0);
 
     // Weights of the cluster's blocks per head: w [GM][CL_SIZE], then max and sum [GM] each.
     float* cw = s_acc;

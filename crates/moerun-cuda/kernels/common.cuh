@@ -217,33 +217,37 @@ __device__ __forceinline__ void cluster_wait() {
 __device__ __forceinline__ void cluster_arrive_relaxed() {
     asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
 }
-// This block's mbarrier `bar` (in shared memory), armed for `bytes` of st.async stores from the
-// cluster: one arrival (this one) and the bytes' completion finish its phase 0. The other
-// blocks may signal it once every thread has passed fence.mbarrier_init and a cluster barrier.
-__device__ __forceinline__ void inbox_arm(u64* bar, u32 bytes) {
-    const u32 b = (u32)__cvta_generic_to_shared(bar);
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(b) : "memory");
-    u64 state;
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 %0, [%1], %2;"
-                 : "=l"(state)
-                 : "r"(b), "r"(bytes)
+// The shared-memory address of a generic pointer into this block's shared memory.
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    return (u32)__cvta_generic_to_shared(p);
+}
+
+// mbarriers (transaction barriers; hopper.cuh has the rest of their primitives, for its files).
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+// Arrive once and expect `bytes` more of asynchronous stores (st.async, TMA) in this phase.
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
                  : "memory");
 }
-// Wait until phase 0 of `bar` completes: every byte inbox_arm expects has landed (acquire at
-// cluster scope: the stores of the other blocks are visible after it).
-__device__ __forceinline__ void inbox_wait(u64* bar) {
-    const u32 b = (u32)__cvta_generic_to_shared(bar);
-    u32 done = 0;
-    while (!done) {
-        asm volatile(
-            "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], 0; "
-            "selp.u32 %0, 1, 0, p; }"
-            : "=r"(done)
-            : "r"(b)
-            : "memory");
-    }
+
+// Wait for the phase of parity `parity` to complete, acquiring at cluster scope (what other
+// CTAs of the cluster stored or arrived with is visible after it).
+__device__ __forceinline__ void mbar_wait_cluster(u32 bar, u32 parity) {
+    asm volatile(
+        "{\n.reg .pred P1;\n"
+        "WG_CWAIT:\n"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 P1, [%0], %1;\n"
+        "@P1 bra WG_CDONE;\n"
+        "bra WG_CWAIT;\n"
+        "WG_CDONE:\n}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
 }
-// Every thread, before the cluster barrier that publishes this block's mbarriers (inbox_arm).
+
+// Every thread, before the cluster barrier that publishes this block's mbarriers (mbar_init).
 __device__ __forceinline__ void fence_mbarrier_init() {
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
@@ -269,7 +273,7 @@ __device__ __forceinline__ void st_async2(u32 addr, float x, float y, u32 bar) {
 
 // The shared::cluster address of `p` (in this block's shared memory) in block `rank`.
 __device__ __forceinline__ u32 cluster_addr(const float* p, u32 rank) {
-    const u32 local = (u32)__cvta_generic_to_shared(p);
+    const u32 local = smem_u32(p);
     u32 r;
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(local), "r"(rank));
     return r;

@@ -273,7 +273,10 @@ __device__ __forceinline__ void gemv_route(const void* __restrict__ w, const flo
     // A grid of one cluster of (ROUTE_CLUSTER, 1, 1): blockIdx.x is the block's cluster rank.
     const int rank = blockIdx.x;
     const int row0 = rank * ROUTE_ROWS;
-    if (rank == 0 && threadIdx.x == 0) inbox_arm(&inbox, (u32)(experts * sizeof(float)));
+    if (rank == 0 && threadIdx.x == 0) {
+        mbar_init(smem_u32(&inbox), 1);
+        mbar_expect_tx(smem_u32(&inbox), (u32)(experts * sizeof(float)));
+    }
     fence_mbarrier_init();
     cluster_arrive_relaxed();
     gemv_rows_partials<C, 1, 1, ROUTE_ROWS>(w, x, experts, k, row0, partial);
@@ -287,7 +290,7 @@ __device__ __forceinline__ void gemv_route(const void* __restrict__ w, const flo
                   cluster_addr(reinterpret_cast<const float*>(&inbox), 0));
     }
     if (rank != 0 || t >= 32) return;
-    inbox_wait(&inbox);
+    mbar_wait_cluster(smem_u32(&inbox), 0);
     warp_route_topk<L>(logits, experts, topk, renormalise, out_ids, out_weights);
 }
 

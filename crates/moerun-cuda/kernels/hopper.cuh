@@ -1,17 +1,10 @@
 // Hopper (sm_90a) primitives shared by the kernel files of compile::SM90A_FILES, prepended after
-// common.cuh to those files only: mbarriers, cp.async into shared memory, wgmma descriptors and
-// the wgmma instructions the kernels use. Everything is inside __CUDA_ARCH_FEAT_SM90_ALL, so the
+// common.cuh to those files only: mbarriers (beyond common.cuh's init, expect_tx and cluster
+// wait), cp.async into shared memory, wgmma descriptors and the wgmma instructions the kernels
+// use. Everything is inside __CUDA_ARCH_FEAT_SM90_ALL, so the
 // same text compiles (to nothing) for any other target.
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-    return (u32)__cvta_generic_to_shared(p);
-}
-
-__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
 
 // Wait for the phase of parity `parity` of the barrier to complete.
 __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
@@ -105,11 +98,6 @@ __device__ __forceinline__ void wg_mma(float (&d)[128], u64 da, u64 db, int scal
 
 // ---- TMA completion and clusters of CTAs ----
 
-__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
-                 : "memory");
-}
-
 // Arrive on the barrier at the same shared offset in CTA `rank` of the cluster.
 __device__ __forceinline__ void mbar_arrive_cluster(u32 bar, u32 rank) {
     asm volatile(
@@ -117,19 +105,6 @@ __device__ __forceinline__ void mbar_arrive_cluster(u32 bar, u32 rank) {
         "mapa.shared::cluster.u32 ra, %0, %1;\n"
         "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra];\n}\n" ::"r"(bar),
         "r"(rank)
-        : "memory");
-}
-
-// As mbar_wait, acquiring at cluster scope (the arrivals come from both CTAs of the pair).
-__device__ __forceinline__ void mbar_wait_cluster(u32 bar, u32 parity) {
-    asm volatile(
-        "{\n.reg .pred P1;\n"
-        "WG_CWAIT:\n"
-        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 P1, [%0], %1;\n"
-        "@P1 bra WG_CDONE;\n"
-        "bra WG_CWAIT;\n"
-        "WG_CDONE:\n}\n" ::"r"(bar),
-        "r"(parity)
         : "memory");
 }
 
