@@ -13,8 +13,8 @@
 
 mod common;
 
-use common::{check, device, poison, rel_err, rng, uniform};
-use half::{bf16, f16};
+use common::{check, device, poison, rel_err, rng, stored, uniform};
+use half::bf16;
 use moerun_core::{DType, MatRef};
 use moerun_cuda::{CudaError, GemmOut, GemvLayout};
 
@@ -22,17 +22,7 @@ const LAYOUTS: [GemvLayout; 2] = [GemvLayout::WarpPerRow, GemvLayout::BlockPerRo
 
 /// Stored bytes of `values` in `dtype`, and the values as the device will see them (widened).
 fn store(values: &[f32], dtype: DType) -> (Vec<u8>, Vec<f32>) {
-    let bytes: Vec<u8> = match dtype {
-        DType::BF16 => values
-            .iter()
-            .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
-            .collect(),
-        DType::F16 => values
-            .iter()
-            .flat_map(|&v| f16::from_f32(v).to_le_bytes())
-            .collect(),
-        DType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-    };
+    let bytes = stored(values, dtype);
     let mut widened = vec![0.0; values.len()];
     moerun_core::tensor::widen_into(dtype, &bytes, &mut widened);
     (bytes, widened)

@@ -16,7 +16,7 @@
 
 mod common;
 
-use common::{check, device, poison, rel_err, rng, uniform};
+use common::{check, device, poison, rel_err, rng, stored, uniform};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use half::{bf16, f16};
 use moerun_core::{DType, MatRef};
@@ -46,9 +46,9 @@ impl HostExperts {
         let mats = (0..experts)
             .map(|_| {
                 [
-                    store(&uniform(r, inter * hidden, -a, a), dtype),
-                    store(&uniform(r, inter * hidden, -a, a), dtype),
-                    store(&uniform(r, hidden * inter, -b, b), dtype),
+                    stored(&uniform(r, inter * hidden, -a, a), dtype),
+                    stored(&uniform(r, inter * hidden, -a, a), dtype),
+                    stored(&uniform(r, hidden * inter, -b, b), dtype),
                 ]
             })
             .collect();
@@ -101,20 +101,6 @@ fn mat(dtype: DType, data: &[u8], rows: usize, cols: usize) -> MatRef<'_> {
         rows,
         cols,
         data,
-    }
-}
-
-fn store(values: &[f32], dtype: DType) -> Vec<u8> {
-    match dtype {
-        DType::BF16 => values
-            .iter()
-            .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
-            .collect(),
-        DType::F16 => values
-            .iter()
-            .flat_map(|&v| f16::from_f32(v).to_le_bytes())
-            .collect(),
-        DType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
     }
 }
 
@@ -945,7 +931,7 @@ fn wgmma_prefill_matches_on_the_hd128_long_fixture_shape() {
     let std = 0.02f32 * 3f32.sqrt(); // uniform(-a, a) has std a / sqrt(3)
     let mats = (0..e)
         .map(|_| {
-            [i * h, i * h, h * i].map(|len| store(&uniform(&mut r, len, -std, std), DType::BF16))
+            [i * h, i * h, h * i].map(|len| stored(&uniform(&mut r, len, -std, std), DType::BF16))
         })
         .collect();
     let w = HostExperts {

@@ -8,8 +8,7 @@
 
 mod common;
 
-use common::{check, device, poison, rel_err, rng, uniform};
-use half::{bf16, f16};
+use common::{check, device, poison, rel_err, rng, stored, uniform};
 use moerun_core::{DType, MatRef};
 use moerun_cpu::ops::{
     gelu_tanh_mul_in_place, rms_norm_rows, rope_rotate_half, silu_mul_in_place, softmax_in_place,
@@ -277,7 +276,7 @@ fn embedding_gathers_rows_exactly_for_every_dtype_and_refuses_bad_ids() {
     let values = uniform(&mut r, vocab * hidden, -1.0, 1.0);
     let ids: Vec<u32> = vec![0, 999, 5, 5, 123, 777, 1];
     for dtype in [DType::BF16, DType::F16, DType::F32] {
-        let bytes = stored(dtype, &values);
+        let bytes = stored(&values, dtype);
         let table = MatRef {
             dtype,
             rows: vocab,
@@ -377,21 +376,6 @@ fn router_picks_the_cpu_experts_in_rank_order_with_ties_to_the_lower_index() {
     }
 }
 
-/// A matrix of `values` stored as `dtype` (rows x cols, row-major), as the loaders upload it.
-fn stored(dtype: DType, values: &[f32]) -> Vec<u8> {
-    match dtype {
-        DType::BF16 => values
-            .iter()
-            .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
-            .collect(),
-        DType::F16 => values
-            .iter()
-            .flat_map(|&v| f16::from_f32(v).to_le_bytes())
-            .collect(),
-        DType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-    }
-}
-
 #[test]
 fn gemv_route_gives_the_bits_of_the_gemv_then_route_topk() {
     let Some(dev) = device() else { return };
@@ -414,7 +398,7 @@ fn gemv_route_gives_the_bits_of_the_gemv_then_route_topk() {
         (33, 2048, 4, true, DType::BF16, true),
     ] {
         let values = uniform(&mut r, experts * hidden, -0.1, 0.1);
-        let bytes = stored(dtype, &values);
+        let bytes = stored(&values, dtype);
         let w = dev
             .upload_matrix(MatRef {
                 dtype,
@@ -461,7 +445,7 @@ fn gemv_route_gives_the_bits_of_the_gemv_then_route_topk() {
     }
 
     // More experts than a cluster's 128 rows: refused by name, route_topk takes them.
-    let bytes = stored(DType::BF16, &vec![0.0; 129 * 64]);
+    let bytes = stored(&[0.0; 129 * 64], DType::BF16);
     let w = dev
         .upload_matrix(MatRef {
             dtype: DType::BF16,

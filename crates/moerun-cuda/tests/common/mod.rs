@@ -6,6 +6,8 @@
 
 use std::sync::{OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
+use half::{bf16, f16};
+use moerun_core::DType;
 use moerun_cuda::CudaDevice;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -94,4 +96,19 @@ pub fn check(op: &str, err: f64, tol: f64) {
     let verdict = if err <= tol { "PASS" } else { "FAIL" };
     println!("RESULT|{op}|{err:.3e}|{tol:.0e}|{verdict}");
     assert!(err <= tol, "{op}: relative error {err:e} over {tol:e}");
+}
+
+/// `values` stored as `dtype` (little-endian, as the loaders upload weights).
+pub fn stored(values: &[f32], dtype: DType) -> Vec<u8> {
+    match dtype {
+        DType::BF16 => values
+            .iter()
+            .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
+            .collect(),
+        DType::F16 => values
+            .iter()
+            .flat_map(|&v| f16::from_f32(v).to_le_bytes())
+            .collect(),
+        DType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+    }
 }
