@@ -38,6 +38,24 @@ pub struct RouterShape {
     pub renormalise: bool,
 }
 
+impl RouterShape {
+    /// Refuses a `top_k` outside 1..=experts, naming the op.
+    fn check_top_k(&self, op: &str) -> Result<()> {
+        let (experts, top_k) = (self.experts, self.top_k);
+        ensure((1..=experts).contains(&top_k), || {
+            format!("{op}: top_k {top_k} must be in 1..={experts}")
+        })
+    }
+
+    /// The routing warp's build: 2^slot experts per lane, the fewest that hold them all.
+    fn lane_slot(&self) -> usize {
+        self.experts
+            .div_ceil(32)
+            .next_power_of_two()
+            .trailing_zeros() as usize
+    }
+}
+
 impl CudaDevice {
     /// Route every token row of `logits` (`[tokens, experts]`): `out_experts` and `out_weights`
     /// (`[tokens, top_k]`) receive the chosen experts and their weights in rank order.
@@ -56,9 +74,7 @@ impl CudaDevice {
         ensure((1..=MAX_EXPERTS).contains(&experts), || {
             format!("route_topk: {experts} experts, supported 1..={MAX_EXPERTS}")
         })?;
-        ensure((1..=experts).contains(&top_k), || {
-            format!("route_topk: top_k {top_k} must be in 1..={experts}")
-        })?;
+        shape.check_top_k("route_topk")?;
         ensure(logits.len().is_multiple_of(experts), || {
             format!(
                 "route_topk: {} logits are not rows of {experts}",
@@ -90,9 +106,9 @@ impl CudaDevice {
         if crate::skip::skipped("route_topk") {
             return Ok(());
         }
-        // The build holding 2^slot experts per lane, the fewest that hold them all.
-        let slot = experts.div_ceil(32).next_power_of_two().trailing_zeros() as usize;
-        let mut b = self.stream.launch_builder(&self.kernels.route_topk[slot]);
+        let mut b = self
+            .stream
+            .launch_builder(&self.kernels.route_topk[shape.lane_slot()]);
         b.arg(&l)
             .arg(&rows_i)
             .arg(&experts_i)
@@ -156,9 +172,7 @@ impl CudaDevice {
                 w.dtype()
             )
         })?;
-        ensure((1..=experts).contains(&top_k), || {
-            format!("gemv_route: top_k {top_k} must be in 1..={experts}")
-        })?;
+        shape.check_top_k("gemv_route")?;
         ensure(
             out_experts.len() == top_k && out_weights.len() == top_k,
             || format!("gemv_route: outputs must hold {top_k}"),
@@ -185,11 +199,9 @@ impl CudaDevice {
         if crate::skip::skipped("gemv_route") {
             return Ok(());
         }
-        // 2^slot experts per lane of the routing warp, the fewest that hold them all.
-        let slot = experts.div_ceil(32).next_power_of_two().trailing_zeros() as usize;
         let mut b = self
             .stream
-            .launch_builder(&self.kernels.gemv_route[dtype_slot(w.dtype())][slot]);
+            .launch_builder(&self.kernels.gemv_route[dtype_slot(w.dtype())][shape.lane_slot()]);
         b.arg(&wp)
             .arg(&xp)
             .arg(&experts_i)
