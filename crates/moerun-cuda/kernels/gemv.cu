@@ -15,6 +15,8 @@
 // Summation order of an output: per thread over its chunks in order, then fixed trees (the block
 // layout's warp reduce-scatter adds in warp_sum's tree). It depends on k and the layout, never
 // on M: rows of a batch equal the same rows run alone, bit for bit.
+// gemv_route_<dt>_l<L> (the end of this file) is the block layout's one-token GEMV of a MoE
+// router (16 rows a block, the same sums) with the routing of route_topk in the same launch.
 
 #define GEMV_WARPS 8
 #define GEMV_UNROLL 4

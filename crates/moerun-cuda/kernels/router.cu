@@ -6,6 +6,7 @@
 // experts, since each of the k rounds walks all L registers twice (a batch-1 decode step waits
 // for this chain once per layer: 16 per lane for Qwen3's 128 experts was 4x the walk needed).
 // Every L gives the same results: the extra registers hold no expert.
+// One token's router GEMV and its routing also run as one launch: gemv.cu's gemv_route.
 
 #define ROUTE_TOPK_KERNEL(NAME, L)                                                               \
     extern "C" __global__ void NAME(const float* __restrict__ logits, int rows, int experts,      \
