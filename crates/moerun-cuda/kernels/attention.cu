@@ -350,6 +350,7 @@ __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, in
         if constexpr (DEPTH == 2)
             fetch_keys<W, L, VPL, U>(a, ts, kh, k0 + STEP, old_end, grp, sub, d4, kr2, vr2, ok2);
         pdl_entry();
+        probe_mark(1);
         if (fresh < k1 && fresh < k0 + STEP)  // block-uniform
             fetch_keys<W, L, VPL, U>(a, ts, kh, k0, k1, grp, sub, d4, kr, vr, ok);
         if constexpr (DEPTH == 2)
@@ -720,6 +721,9 @@ template <int L, int VPL, int GM>
 __device__ __forceinline__ void attn_cluster(const AttnArgs& a) {
     extern __shared__ float4 cl_smem4[];
     __shared__ int s_last;
+    // Marks (MOERUN_PROBE builds, common.cuh): 1 the programmatic wait passed, 2 the keys done,
+    // 3 the cluster barrier passed, 4 the slices sent, 5 the inbox full, 6 the slice merged.
+    probe_begin();
     const int i = a.token0 + blockIdx.x;
     const int kh = blockIdx.z / a.head_chunks;
     const int hc = blockIdx.z - kh * a.head_chunks;
@@ -786,7 +790,9 @@ __device__ __forceinline__ void attn_cluster(const AttnArgs& a) {
     constexpr int DEPTH = GM <= 4 ? 2 : 1;
     attend_keys<CL_WARPS, L, VPL, GM, true, SPLIT_KEYS / VPL, DEPTH>(
         a, i, kh, h0, gh, ts, k0, k1, s_acc, s_ml, a.positions[first]);
+    probe_mark(2);
     cluster_wait();
+    probe_mark(3);
     // This block's state (its warps merged), sent slice by slice to the blocks that own the
     // slices: item `it` of the [gh][d] output (a float4) goes to rank it / per, the heads'
     // (max, sum) to every rank with a slice.
@@ -812,9 +818,14 @@ __device__ __forceinline__ void attn_cluster(const AttnArgs& a) {
                       cluster_addr(reinterpret_cast<const float*>(&inbox_bar), dst));
         }
     }
-    if (beg >= end) return;  // block-uniform: nothing to merge, nothing sent to this block
+    probe_mark(4);
+    if (beg >= end) {  // block-uniform: nothing to merge, nothing sent to this block
+        probe_end("attn_cluster");
+        return;
+    }
     __syncthreads();  // s_acc is read above and reused below
     mbar_wait_cluster(smem_u32(&inbox_bar), 0);
+    probe_mark(5);
 
     // Weights of the cluster's blocks per head: w [GM][CL_SIZE], then max and sum [GM] each.
     float* cw = s_acc;
@@ -874,6 +885,7 @@ __device__ __forceinline__ void attn_cluster(const AttnArgs& a) {
             }
         }
     }
+    probe_mark(6);
     if (!direct) {
         // The (max, sum) of every head this slice touches, then count the slice in.
         if (t < gh && t * d4 < end && (t + 1) * d4 > beg) {
@@ -897,6 +909,7 @@ __device__ __forceinline__ void attn_cluster(const AttnArgs& a) {
             merge_cluster_partials(a, i, h0, beg, end, act, nclust, w, w + GM * act);
         }
     }
+    probe_end("attn_cluster");
 }
 
 // Sm_90 only: elsewhere the entry points exist (the host loads every name) but stay empty and are

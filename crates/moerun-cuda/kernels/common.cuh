@@ -356,3 +356,65 @@ __device__ __forceinline__ void warp_route_topk(const float* __restrict__ logits
         for (int r = 0; r < k; ++r) out_weights[r] = out_weights[r] / total;
     }
 }
+
+// ---- phase probes (built only with MOERUN_CUDA_DEFINES="-DMOERUN_PROBE"; compile.rs) ----
+//
+// Where a latency-bound kernel's time goes, block by block: probe_begin() at the kernel's entry
+// (before any early return) takes the block's ticket and stamps %globaltimer and clock64;
+// probe_mark(i) (i in 1..PROBE_MARKS) stamps clock64 where thread 0 passes a phase's end;
+// probe_end(name) prints one line per block of the launches MOERUN_PROBE_FROM ..
+// + MOERUN_PROBE_LAUNCHES of that kernel (tickets count blocks in launch order, one counter per
+// kernel file, so probe one kernel per file): the block, its SM, its start and end times (ns)
+// and each mark's cycles since its start (-1: not reached). scripts/probes/phases.py
+// summarises them. Without MOERUN_PROBE all three are empty.
+#define PROBE_MARKS 8
+#ifdef MOERUN_PROBE
+#ifndef MOERUN_PROBE_FROM
+#define MOERUN_PROBE_FROM 2000
+#endif
+#ifndef MOERUN_PROBE_LAUNCHES
+#define MOERUN_PROBE_LAUNCHES 3
+#endif
+__device__ unsigned int probe_tickets;
+__shared__ long long probe_clock[PROBE_MARKS];
+__shared__ unsigned long long probe_t0;
+__shared__ unsigned int probe_ticket;
+__device__ __forceinline__ bool probe_thread0() {
+    return threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0;
+}
+__device__ __forceinline__ unsigned long long probe_now() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+__device__ __forceinline__ void probe_begin() {
+    if (!probe_thread0()) return;
+    probe_t0 = probe_now();
+    probe_clock[0] = clock64();
+    for (int i = 1; i < PROBE_MARKS; ++i) probe_clock[i] = -1;
+    probe_ticket = atomicAdd(&probe_tickets, 1u);
+}
+__device__ __forceinline__ void probe_mark(int i) {
+    if (probe_thread0()) probe_clock[i] = clock64();
+}
+__device__ __forceinline__ void probe_end(const char* name) {
+    if (!probe_thread0()) return;
+    const unsigned long long t1 = probe_now();
+    const unsigned int blocks = gridDim.x * gridDim.y * gridDim.z;
+    const unsigned int launch = probe_ticket / blocks;
+    if (launch < MOERUN_PROBE_FROM || launch >= MOERUN_PROBE_FROM + MOERUN_PROBE_LAUNCHES) return;
+    unsigned int sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    long long m[PROBE_MARKS];
+    for (int i = 1; i < PROBE_MARKS; ++i)
+        m[i] = probe_clock[i] < 0 ? -1 : probe_clock[i] - probe_clock[0];
+    printf("PROBE %s launch %u block %u %u %u sm %u t0 %llu t1 %llu marks %lld %lld %lld %lld %lld "
+           "%lld %lld\n",
+           name, launch, blockIdx.x, blockIdx.y, blockIdx.z, sm, probe_t0, t1, m[1], m[2], m[3],
+           m[4], m[5], m[6], m[7]);
+}
+#else
+__device__ __forceinline__ void probe_begin() {}
+__device__ __forceinline__ void probe_mark(int) {}
+__device__ __forceinline__ void probe_end(const char*) {}
+#endif

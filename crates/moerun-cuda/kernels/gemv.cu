@@ -159,6 +159,7 @@ __device__ __forceinline__ void gemv_rows_partials(const void* __restrict__ w_ra
                           ? load_stream_early(w + (u64)r * chunks + c + ROWS_THREADS * u)
                           : make_uint4(0u, 0u, 0u, 0u);
     pdl_entry();
+    probe_mark(1);
     float acc[M][R];
 #pragma unroll
     for (int m = 0; m < M; ++m)
@@ -272,6 +273,9 @@ __device__ __forceinline__ void gemv_route(const void* __restrict__ w, const flo
     __shared__ float partial[ROWS_WARPS][ROUTE_ROWS];
     __shared__ __align__(16) float logits[ROUTE_ROWS * ROUTE_CLUSTER];
     __shared__ __align__(8) u64 inbox;
+    // Marks (MOERUN_PROBE builds, common.cuh): 1 the programmatic wait passed, 2 the rows
+    // summed, 3 the cluster barrier passed, 4 the logits sent, 5 block 0's inbox full.
+    probe_begin();
     // A grid of one cluster of (ROUTE_CLUSTER, 1, 1): blockIdx.x is the block's cluster rank.
     const int rank = blockIdx.x;
     const int row0 = rank * ROUTE_ROWS;
@@ -282,7 +286,9 @@ __device__ __forceinline__ void gemv_route(const void* __restrict__ w, const flo
     fence_mbarrier_init();
     cluster_arrive_relaxed();
     gemv_rows_partials<C, 1, 1, ROUTE_ROWS>(w, x, experts, k, row0, partial);
+    probe_mark(2);
     cluster_wait();  // block 0's mbarrier is ready
+    probe_mark(3);
     const int t = threadIdx.x;
     if (t < ROUTE_ROWS && row0 + t < experts) {
         float s = 0.0f;
@@ -291,9 +297,16 @@ __device__ __forceinline__ void gemv_route(const void* __restrict__ w, const flo
         st_async1(cluster_addr(logits + row0 + t, 0), s,
                   cluster_addr(reinterpret_cast<const float*>(&inbox), 0));
     }
-    if (rank != 0 || t >= 32) return;
+    probe_mark(4);
+    if (rank != 0) {
+        probe_end("gemv_route");
+        return;
+    }
+    if (t >= 32) return;
     mbar_wait_cluster(smem_u32(&inbox), 0);
+    probe_mark(5);
     warp_route_topk<L>(logits, experts, topk, renormalise, out_ids, out_weights);
+    probe_end("gemv_route");
 }
 
 #if __CUDA_ARCH__ >= 900

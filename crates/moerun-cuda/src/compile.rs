@@ -213,13 +213,51 @@ pub struct CacheReport {
     pub compiled: usize,
 }
 
-/// The options every kernel is compiled with. No include path: the kernels need no headers.
-fn options(arch: &str, verbose: bool) -> Vec<String> {
+/// The options every kernel is compiled with, `defines` (`-DNAME[=VALUE]`) last. No include path:
+/// the kernels need no headers.
+fn options(arch: &str, verbose: bool, defines: &[String]) -> Vec<String> {
     let mut o = vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()];
     if verbose {
         o.push("--ptxas-options=-v".into());
     }
+    o.extend(defines.iter().cloned());
     o
+}
+
+/// `MOERUN_CUDA_DEFINES`: preprocessor defines for every kernel file, `-DNAME[=VALUE]` separated
+/// by spaces, read once. For measuring builds without rebuilding the binary: `-DMOERUN_PROBE`
+/// turns on the phase probes (common.cuh; scripts/probes/phases.py reads what they print). They
+/// are part of the cache key, so such cubins never stand in for the plain ones. Anything that
+/// is not a define is refused by name when the kernels are compiled.
+pub fn env_defines() -> Result<&'static [String]> {
+    static DEFINES: std::sync::OnceLock<std::result::Result<Vec<String>, String>> =
+        std::sync::OnceLock::new();
+    DEFINES
+        .get_or_init(|| {
+            let raw = std::env::var("MOERUN_CUDA_DEFINES").unwrap_or_default();
+            parse_defines(&raw)
+        })
+        .as_deref()
+        .map_err(|bad| CudaError::InvalidArgument(bad.clone()))
+}
+
+/// The defines of a `MOERUN_CUDA_DEFINES` value, or the message naming its first non-define.
+fn parse_defines(raw: &str) -> std::result::Result<Vec<String>, String> {
+    raw.split_whitespace()
+        .map(|d| {
+            let name = d.strip_prefix("-D").unwrap_or("");
+            let ident = name.split('=').next().unwrap_or("");
+            let ok = ident.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_')
+                && ident.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+            if ok {
+                Ok(d.to_string())
+            } else {
+                Err(format!(
+                    "MOERUN_CUDA_DEFINES: `{d}` is not a define (-DNAME or -DNAME=VALUE)"
+                ))
+            }
+        })
+        .collect()
 }
 
 /// NVRTC's version as (major, minor).
@@ -236,6 +274,16 @@ pub fn nvrtc_version() -> Result<(i32, i32)> {
 /// library, no GPU: tests use it to check every kernel compiles. `verbose` adds ptxas' register
 /// and spill report to the log.
 pub fn compile(file: &KernelFile, arch: &str, verbose: bool) -> Result<Compiled> {
+    compile_with(file, arch, verbose, env_defines()?)
+}
+
+/// [`compile`] with explicit `defines` (`-DNAME[=VALUE]`) instead of `MOERUN_CUDA_DEFINES`'.
+pub fn compile_with(
+    file: &KernelFile,
+    arch: &str,
+    verbose: bool,
+    defines: &[String],
+) -> Result<Compiled> {
     let arch = &target_arch(file, arch);
     let full = full_source(file);
     let fail = |source, log: String| CudaError::Compile {
@@ -248,7 +296,7 @@ pub fn compile(file: &KernelFile, arch: &str, verbose: bool) -> Result<Compiled>
     let name = CString::new(format!("{}.cu", file.name))
         .map_err(|_| CudaError::InvalidArgument("NUL in kernel name".into()))?;
     let prog = nvrtc::create_program(&src, Some(&name)).map_err(|e| fail(e, String::new()))?;
-    let opts = options(arch, verbose);
+    let opts = options(arch, verbose, defines);
     // SAFETY: `prog` was just created and is destroyed exactly once below; `src` and `name`
     // outlive it.
     let compiled = unsafe { nvrtc::compile_program(prog, &opts) };
@@ -326,10 +374,15 @@ pub fn cache_dir() -> Option<PathBuf> {
 }
 
 /// The cache file name of `file` for `arch`: the hash covers everything that shapes the cubin.
-pub fn cache_file_name(file: &KernelFile, arch: &str, nvrtc: (i32, i32)) -> String {
+pub fn cache_file_name(
+    file: &KernelFile,
+    arch: &str,
+    nvrtc: (i32, i32),
+    defines: &[String],
+) -> String {
     let arch = &target_arch(file, arch);
     let mut h = Fnv64::new();
-    let options = options(arch, false).join(" ");
+    let options = options(arch, false, defines).join(" ");
     let parts = preludes(file).into_iter();
     for part in parts.chain([file.source, arch.as_str(), options.as_str()]) {
         h.write(part.as_bytes());
@@ -344,7 +397,12 @@ pub fn cache_file_name(file: &KernelFile, arch: &str, nvrtc: (i32, i32)) -> Stri
 /// (written to a temporary name, then renamed, so concurrent processes never read half a file).
 pub(crate) fn cubin(file: &KernelFile, arch: &str, report: &mut CacheReport) -> Result<Vec<u8>> {
     let path = match &report.dir {
-        Some(dir) => Some(dir.join(cache_file_name(file, arch, nvrtc_version()?))),
+        Some(dir) => Some(dir.join(cache_file_name(
+            file,
+            arch,
+            nvrtc_version()?,
+            env_defines()?,
+        ))),
         None => None,
     };
     if let Some(bytes) = path.as_deref().and_then(|p| std::fs::read(p).ok()) {
@@ -396,7 +454,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn cache_key_changes_with_arch_source_and_nvrtc_version() {
+    fn cache_key_changes_with_arch_source_defines_and_nvrtc_version() {
         let f = KERNEL_FILES[0];
         let g = KernelFile {
             name: f.name,
@@ -407,13 +465,34 @@ mod tests {
             defines: "#define X 1\n",
             ..f
         };
-        let a = cache_file_name(&f, "sm_90", (13, 0));
-        assert_ne!(a, cache_file_name(&f, "sm_80", (13, 0)));
-        assert_ne!(a, cache_file_name(&g, "sm_90", (13, 0)));
-        assert_ne!(a, cache_file_name(&h, "sm_90", (13, 0)));
-        assert_ne!(a, cache_file_name(&f, "sm_90", (13, 1)));
-        assert_eq!(a, cache_file_name(&f, "sm_90", (13, 0)), "stable");
+        let key = |file: &KernelFile, arch: &str, nvrtc: (i32, i32)| {
+            cache_file_name(file, arch, nvrtc, &[])
+        };
+        let a = key(&f, "sm_90", (13, 0));
+        assert_ne!(a, key(&f, "sm_80", (13, 0)));
+        assert_ne!(a, key(&g, "sm_90", (13, 0)));
+        assert_ne!(a, key(&h, "sm_90", (13, 0)));
+        assert_ne!(a, key(&f, "sm_90", (13, 1)));
+        let probe = ["-DMOERUN_PROBE".to_string()];
+        assert_ne!(a, cache_file_name(&f, "sm_90", (13, 0), &probe));
+        assert_eq!(a, key(&f, "sm_90", (13, 0)), "stable");
         assert!(a.starts_with("norm-sm_90-") && a.ends_with(".cubin"));
+    }
+
+    #[test]
+    fn defines_are_taken_and_anything_else_is_refused_by_name() {
+        assert_eq!(parse_defines(""), Ok(vec![]));
+        assert_eq!(
+            parse_defines(" -DMOERUN_PROBE  -DMOERUN_PROBE_FROM=6000 "),
+            Ok(vec![
+                "-DMOERUN_PROBE".to_string(),
+                "-DMOERUN_PROBE_FROM=6000".to_string()
+            ])
+        );
+        for bad in ["MOERUN_PROBE", "-D", "-D9X", "--use_fast_math", "-DA-B"] {
+            let err = parse_defines(&format!("-DOK {bad}")).unwrap_err();
+            assert!(err.contains(&format!("`{bad}`")), "{bad}: {err}");
+        }
     }
 
     #[test]
@@ -423,6 +502,6 @@ mod tests {
         assert_eq!(target_arch(wgmma, "compute_90"), "compute_90a");
         assert_eq!(target_arch(wgmma, "sm_100"), "sm_100");
         assert_eq!(target_arch(&KERNEL_FILES[0], "sm_90"), "sm_90");
-        assert!(cache_file_name(wgmma, "sm_90", (13, 0)).starts_with("moe_wgmma-sm_90a-"));
+        assert!(cache_file_name(wgmma, "sm_90", (13, 0), &[]).starts_with("moe_wgmma-sm_90a-"));
     }
 }

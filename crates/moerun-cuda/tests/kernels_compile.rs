@@ -2,7 +2,7 @@
 //! only the NVRTC library, no GPU: it runs wherever `libnvrtc.so.13` can be loaded and skips
 //! elsewhere.
 
-use moerun_cuda::compile::{compile, compile_ptx, KERNEL_FILES, SM90A_FILES};
+use moerun_cuda::compile::{compile, compile_ptx, compile_with, KERNEL_FILES, SM90A_FILES};
 use moerun_cuda::graph::{
     is_launch_first_kernel, is_pdl_kernel, pdl_entry_names, LAUNCH_FIRST_KERNELS, PDL_KERNELS,
 };
@@ -29,6 +29,30 @@ fn every_kernel_file_compiles_for_sm90_without_spills() {
                 "{}: {line}",
                 file.name
             );
+        }
+    }
+}
+
+/// The measuring builds (`MOERUN_CUDA_DEFINES="-DMOERUN_PROBE"`: the phase probes of
+/// common.cuh, with the marks in the cluster attention and gemv_route kernels) still compile,
+/// for Hopper and for an older architecture.
+#[test]
+fn the_probe_builds_compile() {
+    if !nvrtc_available() {
+        println!("skipped: CUDA is unavailable: libnvrtc.so.13 not found");
+        return;
+    }
+    let probe = [
+        "-DMOERUN_PROBE".to_string(),
+        "-DMOERUN_PROBE_FROM=10".to_string(),
+    ];
+    for file in KERNEL_FILES
+        .iter()
+        .filter(|f| ["attention", "attention_kvbf16", "gemv"].contains(&f.name))
+    {
+        for arch in ["sm_90", "sm_80"] {
+            let c = compile_with(file, arch, false, &probe).unwrap_or_else(|e| panic!("{e}"));
+            assert!(!c.cubin.is_empty(), "{} for {arch}: empty cubin", file.name);
         }
     }
 }
