@@ -805,8 +805,8 @@ __device__ __forceinline__ void attn_cluster(const AttnArgs& a) {
         combine_warps_n<CL_WARPS, GM, 4>(s_acc, s_ml, d, h, 4 * c, n4, mx, sum);
         const float4 v = make_float4(n4[0], n4[1], n4[2], n4[3]);
         const int at = (int)me * per + (it - (int)dst * per);
-        st_async4(cluster_addr(reinterpret_cast<const float*>(in_acc + at), dst), v,
-                  cluster_addr(reinterpret_cast<const float*>(&inbox_bar), dst));
+        st_async4(cluster_addr(in_acc + at, dst), v,
+                  cluster_addr(&inbox_bar, dst));
     }
     for (int t = threadIdx.x; t < gh * CL_SIZE; t += CL_THREADS) {
         const int h = t / CL_SIZE;
@@ -815,7 +815,7 @@ __device__ __forceinline__ void attn_cluster(const AttnArgs& a) {
             float mx, sum;
             combine_warps<CL_WARPS, GM>(s_acc, s_ml, d, h, 0, mx, sum);
             st_async2(cluster_addr(in_ml + (me * GM + h) * 2, dst), mx, sum,
-                      cluster_addr(reinterpret_cast<const float*>(&inbox_bar), dst));
+                      cluster_addr(&inbox_bar, dst));
         }
     }
     probe_mark(4);

@@ -272,7 +272,7 @@ __device__ __forceinline__ void st_async2(u32 addr, float x, float y, u32 bar) {
 }
 
 // The shared::cluster address of `p` (in this block's shared memory) in block `rank`.
-__device__ __forceinline__ u32 cluster_addr(const float* p, u32 rank) {
+__device__ __forceinline__ u32 cluster_addr(const void* p, u32 rank) {
     const u32 local = smem_u32(p);
     u32 r;
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(local), "r"(rank));

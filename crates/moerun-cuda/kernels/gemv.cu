@@ -295,7 +295,7 @@ __device__ __forceinline__ void gemv_route(const void* __restrict__ w, const flo
 #pragma unroll
         for (int i = 0; i < ROWS_WARPS; ++i) s += partial[i][t];
         st_async1(cluster_addr(logits + row0 + t, 0), s,
-                  cluster_addr(reinterpret_cast<const float*>(&inbox), 0));
+                  cluster_addr(&inbox, 0));
     }
     probe_mark(4);
     if (rank != 0) {
