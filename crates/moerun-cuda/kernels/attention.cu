@@ -311,6 +311,135 @@ __device__ __forceinline__ void merge_splits(const AttnArgs& a, int i, int h0, i
     }
 }
 
+// ---- the attention prologue folded into decode attention (attn_cluster_d<D>_g<G>_pro) ----
+//
+// At batch 1 the prologue kernel (fused.cu qkv_split_norm_rope) was a launch and a programmatic
+// wait of its own between the q/k/v GEMV and attention, ~3 µs a layer for ~40 KB of work. The
+// _pro builds of the cluster kernel take the GEMV's raw rows instead. Before the wait each block
+// puts the token's rotation (cos, sin) in shared memory; after it, warps 0 .. gh - 1 make the
+// block's query heads (RMSNorm by q_norm, rotate-half RoPE) in shared memory, and in the blocks
+// whose keys hold the token's own position warps GM and GM + 1 make that key (k_norm, RoPE) and
+// value, store them in the pool slot and keep them (as stored) in shared memory, from where the
+// block's own rows of that key are set (no read back from the pool). The arithmetic is
+// qkv_split_norm_rope's, lane by lane, with the same rounding helpers (common.cuh rope_cos_sin,
+// rope_pair): the same q, the same pool values, the same output bits. Both head chunks of a kv
+// head hold that position and both store it, the same bits; a block that reads it from the pool
+// (a later step of a long block) does so after its own store and a block barrier. Every token of
+// the batch must be its own sequence's only token (a decode step; the host checks): no block
+// needs a key another token's blocks make.
+struct PrologueArgs {
+    // [n][(num_heads + 2 * kv_heads) * head_dim]: each token's q heads, then k heads, then v
+    // heads, as the stacked projection writes them.
+    const float* qkv;
+    const float* q_norm;  // head_dim weights, or null: no norm
+    const float* k_norm;
+    const float* inv_freq;  // [half]
+    float attention_factor;
+    float eps;
+    int half;
+};
+
+// The fold's shared memory (DMAX: the build's widest head): the query heads, the own key and
+// value as f32 (staging) and as stored in the pool, the rotation.
+template <int GM, int DMAX>
+struct FoldSmem {
+    float q[GM][DMAX];
+    float kv[2][DMAX];
+    kv_t kv_stored[2][DMAX];
+    float cos_sin[2][DMAX / 2];
+};
+
+// Before the wait: token i's cos and sin per rotary pair into fs.cos_sin (every thread must
+// call it: it ends in a block barrier).
+template <int GM, int DMAX>
+__device__ __forceinline__ void fold_rotation(const AttnArgs& a, const PrologueArgs& p, int i,
+                                              FoldSmem<GM, DMAX>& fs) {
+    const int pos = a.positions[i];
+    for (int t = threadIdx.x; t < p.half; t += blockDim.x)
+        rope_cos_sin(p.inv_freq[t], pos, p.attention_factor, fs.cos_sin[0][t], fs.cos_sin[1][t]);
+    __syncthreads();
+}
+
+// One head of the prologue by one warp into hd (head_dim floats of shared memory): RMSNorm by
+// `norm` (none when null), then, if `rotate`, rotate-half RoPE by cos_sin; the arithmetic of
+// qkv_split_norm_rope, lane by lane.
+template <int DMAX>
+__device__ __forceinline__ void prologue_head(const float* src, const float* norm, bool rotate,
+                                              const PrologueArgs& p, int d,
+                                              const float (&cos_sin)[2][DMAX / 2], float* hd) {
+    const int lane = threadIdx.x & 31;
+    float ss = stage_head(src, hd, d, lane);
+    if (norm) {
+        ss = warp_sum(ss);
+        const float inv = 1.0f / sqrtf(ss / (float)d + p.eps);
+        for (int i = lane; i < d; i += 32) hd[i] = norm[i] * (hd[i] * inv);
+    }
+    __syncwarp();
+    if (rotate) {
+        for (int i = lane; i < p.half; i += 32) {
+            float x = hd[i];
+            float y = hd[i + p.half];
+            rope_pair(x, y, cos_sin[0][i], cos_sin[1][i]);
+            hd[i] = x;
+            hd[i + p.half] = y;
+        }
+        __syncwarp();
+    }
+}
+
+// The fold's work after the programmatic wait, for token i (at `pos`) in a block of query heads
+// h0 .. h0 + gh of kv head kh: the q heads into fs.q; when this block holds `pos` (`own`), the
+// key and value into the pool slot `slot` (when in range) and fs.kv_stored. Ends in a block
+// barrier. W warps, at least GM + 2.
+template <int W, int GM, int DMAX>
+__device__ __forceinline__ void fold_prologue(const AttnArgs& a, const PrologueArgs& p, int i,
+                                              int kh, int h0, int gh, bool own, long long slot,
+                                              FoldSmem<GM, DMAX>& fs) {
+    static_assert(W >= GM + 2, "a warp for each query head, the key and the value");
+    const int warp = threadIdx.x >> 5;
+    const int d = a.head_dim;
+    const float* row = p.qkv + (u64)i * (a.num_heads + 2 * a.kv_heads) * d;
+    if (warp < gh) {
+        prologue_head<DMAX>(row + (u64)(h0 + warp) * d, p.q_norm, true, p, d, fs.cos_sin,
+                            fs.q[warp]);
+    } else if (own && warp >= GM && warp < GM + 2) {
+        const int is_k = warp == GM;
+        float* hd = fs.kv[1 - is_k];
+        const int head = a.num_heads + (is_k ? kh : a.kv_heads + kh);
+        prologue_head<DMAX>(row + (u64)head * d, is_k ? p.k_norm : nullptr, is_k, p, d,
+                            fs.cos_sin, hd);
+        kv_t* dst = const_cast<kv_t*>(is_k ? a.pool_k : a.pool_v) + slot;
+        for (int e = threadIdx.x & 31; e < d; e += 32) {
+            const kv_t x = to_kv(hd[e]);
+            fs.kv_stored[1 - is_k][e] = x;
+            if (slot >= 0) dst[e] = x;
+        }
+    }
+    __syncthreads();
+}
+
+// The own key's rows where this lane's group holds them in a prefetch buffer of the step from
+// key jb (U keys per group): rows from fs.kv_stored, marked real.
+template <int W, int L, int VPL, int U, int GM, int DMAX>
+__device__ __forceinline__ void set_own_key(int jb, int pos, int grp, int sub, int d4,
+                                            const FoldSmem<GM, DMAX>& fs, kv4_t (&kr)[U][VPL],
+                                            kv4_t (&vr)[U][VPL], bool (&ok)[U]) {
+    constexpr int GROUPS = 32 * W / L;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        if (jb + grp + GROUPS * u != pos) continue;
+        ok[u] = true;
+#pragma unroll
+        for (int v = 0; v < VPL; ++v) {
+            const int c = sub + L * v;
+            if (c < d4) {
+                kr[u][v] = *reinterpret_cast<const kv4_t*>(&fs.kv_stored[0][4 * c]);
+                vr[u][v] = *reinterpret_cast<const kv4_t*>(&fs.kv_stored[1][4 * c]);
+            }
+        }
+    }
+}
+
 // One block's pass over keys k0 .. k1 - 1 of token i for query heads h0 .. h0 + gh (of kv head
 // kh): W warps of L-lane groups, each group one key at a time (U per step, the next step's rows
 // loading meanwhile), then the groups of each warp merged by shuffles. Leaves each warp's state
@@ -322,11 +451,14 @@ __device__ __forceinline__ void merge_splits(const AttnArgs& a, int i, int h0, i
 // after. DEPTH 2 holds two steps of rows (two buffers in turn, each refilled with the step two
 // ahead once used), so a block of two steps has all its rows loaded when it starts computing,
 // and the loads of a longer block run a step further ahead.
+// PRO (the cluster kernel's _pro builds, EARLY only): the folded prologue from `pro`, in `fold`
+// (q is read from there, not a.q); `fresh` is then the token's own position.
 template <int W, int L, int VPL, int GM, bool EARLY = false, int U = SPLIT_KEYS / VPL,
-          int DEPTH = 1>
+          int DEPTH = 1, bool PRO = false>
 __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, int h0, int gh, int ts,
                                             int k0, int k1, float* s_acc, float* s_ml,
-                                            int fresh = 0) {
+                                            int fresh = 0, const PrologueArgs* pro = nullptr,
+                                            FoldSmem<GM, 4 * L * VPL>* fold = nullptr) {
     constexpr int GROUPS = 32 * W / L;
     using S = Scatter<L, GM>;
     constexpr int OWN = S::OWN;
@@ -338,6 +470,8 @@ __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, in
     const int grp = threadIdx.x / L;
 
     static_assert(DEPTH == 1 || (DEPTH == 2 && EARLY), "two steps ahead: the cluster kernel's");
+    static_assert(!PRO || EARLY, "the folded prologue runs after the programmatic wait");
+    constexpr int DMAX = 4 * L * VPL;
     constexpr int STEP = GROUPS * U;
     kv4_t kr[U][VPL], vr[U][VPL];
     bool ok[U];
@@ -349,13 +483,39 @@ __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, in
         fetch_keys<W, L, VPL, U>(a, ts, kh, k0, old_end, grp, sub, d4, kr, vr, ok);
         if constexpr (DEPTH == 2)
             fetch_keys<W, L, VPL, U>(a, ts, kh, k0 + STEP, old_end, grp, sub, d4, kr2, vr2, ok2);
-        pdl_entry();
-        probe_mark(1);
-        if (fresh < k1 && fresh < k0 + STEP)  // block-uniform
-            fetch_keys<W, L, VPL, U>(a, ts, kh, k0, k1, grp, sub, d4, kr, vr, ok);
-        if constexpr (DEPTH == 2)
-            if (fresh < k1 && fresh < k0 + 2 * STEP)
-                fetch_keys<W, L, VPL, U>(a, ts, kh, k0 + STEP, k1, grp, sub, d4, kr2, vr2, ok2);
+        if constexpr (PRO) {
+            fold_rotation<GM, DMAX>(a, *pro, i, *fold);
+            pdl_wait();
+            probe_mark(1);
+            // The own key (fresh == its position: the token is its sequence's only one) is the
+            // only fresh one: set in the prefetched rows that hold it, not read back.
+            const bool own = fresh >= k0 && fresh < k1;
+            const long long slot = own ? kv_offset(a, ts, fresh, kh) : -1;
+            fold_prologue<W, GM, DMAX>(a, *pro, i, kh, h0, gh, own, slot, *fold);
+            probe_mark(7);
+            // The o_proj GEMV launches (and streams its weights) from here, not from the wait:
+            // launched at the wait, its stream overlapped this kernel's own key fetches, and the
+            // keys' loop took ~3,900 cycles more (MOERUN_PROBE marks 8-9, Qwen3-30B-A3B shapes at
+            // batch 1); from the loop's end, the GEMV had too little time to load. Decode 409.8 /
+            // 413.6-415.8 / 405.0-405.3 tok/s (wait / here / loop end; H200, docs/perf/cuda-model.md
+            // v16).
+            pdl_launch_dependents();
+            if (slot >= 0) {  // block-uniform
+                set_own_key<W, L, VPL, U>(k0, fresh, grp, sub, d4, *fold, kr, vr, ok);
+                if constexpr (DEPTH == 2)
+                    set_own_key<W, L, VPL, U>(k0 + STEP, fresh, grp, sub, d4, *fold, kr2, vr2,
+                                              ok2);
+            }
+        } else {
+            pdl_entry();
+            probe_mark(1);
+            if (fresh < k1 && fresh < k0 + STEP)  // block-uniform
+                fetch_keys<W, L, VPL, U>(a, ts, kh, k0, k1, grp, sub, d4, kr, vr, ok);
+            if constexpr (DEPTH == 2)
+                if (fresh < k1 && fresh < k0 + 2 * STEP)
+                    fetch_keys<W, L, VPL, U>(a, ts, kh, k0 + STEP, k1, grp, sub, d4, kr2, vr2,
+                                             ok2);
+        }
     }
     float4 qr[GM][VPL];
 #pragma unroll
@@ -364,10 +524,12 @@ __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, in
         for (int v = 0; v < VPL; ++v) {
             const int c = sub + L * v;
             qr[h][v] = (h < gh && c < d4)
-                           ? scale4(ld4(a.q + ((u64)i * a.num_heads + h0 + h) * d + 4 * c),
+                           ? scale4(PRO ? ld4(&fold->q[h][4 * c])
+                                        : ld4(a.q + ((u64)i * a.num_heads + h0 + h) * d + 4 * c),
                                     a.scale_log2)
                            : zero4();
         }
+    probe_mark(8);
     // Running max and sum of the heads this lane owns; the accumulator of every head.
     float mo[OWN], lo_sum[OWN];
 #pragma unroll
@@ -462,6 +624,7 @@ __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, in
         }
     }
 
+    probe_mark(9);
     // Every lane gets every head's (max, sum); then the groups of each warp merge (lanes L, 2L,
     // ... apart hold the same columns).
     float m[GM], l[GM];
@@ -493,6 +656,7 @@ __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, in
         }
     }
 
+    probe_mark(10);
     // Then the warps, through shared memory: acc [warp][GM][d], then (max, sum) [warp][GM][2].
     if (lane < L) {
 #pragma unroll
@@ -685,6 +849,9 @@ ATTN_SPLIT(attn_split_d512_g2, 32, 4, 2)
 // atomic in `arrivals`, per (token, kv head x head chunk, rank), reset by that block) merges
 // slice r of their partials. Dynamic shared memory: CL_WARPS * G * (head_dim + 2) floats, then
 // the inbox (ops/attention.rs cluster_smem).
+// attn_cluster_d<D>_g4_pro (D <= 128): the same kernel with the attention prologue folded in
+// (see "the attention prologue folded into decode attention" above); a second parameter,
+// PrologueArgs, and static shared memory for the fold.
 
 #define CL_SIZE 8
 #define CL_WARPS 8
@@ -717,12 +884,21 @@ __device__ __forceinline__ void merge_cluster_partials(const AttnArgs& a, int i,
     }
 }
 
-template <int L, int VPL, int GM>
-__device__ __forceinline__ void attn_cluster(const AttnArgs& a) {
+// PRO: the folded prologue (attend_keys), from `pro` (unused otherwise).
+template <int L, int VPL, int GM, bool PRO = false>
+__device__ __forceinline__ void attn_cluster(const AttnArgs& a, const PrologueArgs* pro = nullptr) {
     extern __shared__ float4 cl_smem4[];
+    // The folded prologue's shared memory (PRO builds only).
+    FoldSmem<GM, 4 * L * VPL>* fold = nullptr;
+    if constexpr (PRO) {
+        __shared__ __align__(16) FoldSmem<GM, 4 * L * VPL> s_fold;
+        fold = &s_fold;
+    }
     __shared__ int s_last;
     // Marks (MOERUN_PROBE builds, common.cuh): 1 the programmatic wait passed, 2 the keys done,
-    // 3 the cluster barrier passed, 4 the slices sent, 5 the inbox full, 6 the slice merged.
+    // 3 the cluster barrier passed, 4 the slices sent, 5 the inbox full, 6 the slice merged;
+    // PRO builds: 7 the folded prologue done; attend_keys: 8 q loaded, 9 the keys' loop done,
+    // 10 the warp's groups merged.
     probe_begin();
     const int i = a.token0 + blockIdx.x;
     const int kh = blockIdx.z / a.head_chunks;
@@ -788,8 +964,8 @@ __device__ __forceinline__ void attn_cluster(const AttnArgs& a) {
     // Two steps of rows where the registers allow (4 query heads at most: the 8-head builds
     // already hold 170-250); batch 1 takes 4-head chunks (decode_head_cap).
     constexpr int DEPTH = GM <= 4 ? 2 : 1;
-    attend_keys<CL_WARPS, L, VPL, GM, true, SPLIT_KEYS / VPL, DEPTH>(
-        a, i, kh, h0, gh, ts, k0, k1, s_acc, s_ml, a.positions[first]);
+    attend_keys<CL_WARPS, L, VPL, GM, true, SPLIT_KEYS / VPL, DEPTH, PRO>(
+        a, i, kh, h0, gh, ts, k0, k1, s_acc, s_ml, a.positions[first], pro, fold);
     probe_mark(2);
     cluster_wait();
     probe_mark(3);
@@ -928,10 +1104,19 @@ __device__ __forceinline__ void attn_cluster(const AttnArgs& a) {
         NAME(const AttnArgs a) {                                                                 \
         attn_cluster<L, VPL, GM>(a);                                                             \
     }
+// The folded-prologue builds (the 4-head ones of ATTN_CLUSTER_2: batch 1's).
+#define ATTN_CLUSTER_PRO(NAME, L, VPL, GM)                                                       \
+    extern "C" __global__ void __launch_bounds__(CL_THREADS, 2) __cluster_dims__(1, CL_SIZE, 1) \
+        NAME(const AttnArgs a, const PrologueArgs p) {                                           \
+        attn_cluster<L, VPL, GM, true>(a, &p);                                                   \
+    }
 #else
 #define ATTN_CLUSTER(NAME, L, VPL, GM)                                                           \
     extern "C" __global__ void __launch_bounds__(CL_THREADS) NAME(const AttnArgs a) {}
 #define ATTN_CLUSTER_2(NAME, L, VPL, GM) ATTN_CLUSTER(NAME, L, VPL, GM)
+#define ATTN_CLUSTER_PRO(NAME, L, VPL, GM)                                                       \
+    extern "C" __global__ void __launch_bounds__(CL_THREADS)                                     \
+        NAME(const AttnArgs a, const PrologueArgs p) {}
 #endif
 
 ATTN_CLUSTER(attn_cluster_d16_g1, 4, 1, 1)
@@ -956,6 +1141,10 @@ ATTN_CLUSTER(attn_cluster_d256_g4, 32, 2, 4)
 ATTN_CLUSTER(attn_cluster_d256_g8, 32, 2, 8)
 ATTN_CLUSTER(attn_cluster_d512_g1, 32, 4, 1)
 ATTN_CLUSTER(attn_cluster_d512_g2, 32, 4, 2)
+ATTN_CLUSTER_PRO(attn_cluster_d16_g4_pro, 4, 1, 4)
+ATTN_CLUSTER_PRO(attn_cluster_d32_g4_pro, 8, 1, 4)
+ATTN_CLUSTER_PRO(attn_cluster_d64_g4_pro, 16, 1, 4)
+ATTN_CLUSTER_PRO(attn_cluster_d128_g4_pro, 32, 1, 4)
 
 // ---- tiled prefill, exact f32 on CUDA cores ----
 

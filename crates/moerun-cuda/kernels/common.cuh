@@ -87,6 +87,41 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// One warp copies a head's d values from src into hd (shared memory), lane l taking l, l + 32,
+// ...; returns the lane's sum of their squares (warp_sum gives the head's): the first step of
+// the attention prologue's per-head RMSNorm (fused.cu, and its fold in attention.cu).
+__device__ __forceinline__ float stage_head(const float* src, float* hd, int d, int lane) {
+    float ss = 0.0f;
+    for (int i = lane; i < d; i += 32) {
+        const float x = src[i];
+        hd[i] = x;
+        ss += x * x;
+    }
+    return ss;
+}
+
+// ---- rotary embedding (rotate half), shared by every kernel that rotates ----
+
+// cos and sin of angle inv_freq * pos in f32 (as transformers computes it), each scaled by the
+// attention factor.
+__device__ __forceinline__ void rope_cos_sin(float inv_freq, int pos, float factor, float& c,
+                                             float& s) {
+    sincosf(inv_freq * (float)pos, &s, &c);
+    c *= factor;
+    s *= factor;
+}
+
+// The rotated pair (x, y) -> (x c - y s, y c + x s), each as the second product rounded, then
+// one fused multiply-add. Spelled out so that every kernel rounds alike: left to contraction,
+// ptxas fused one product or the other depending on the kernel, and the attention prologue
+// folded into attention differed from the prologue kernel by an ulp in ~1/8 of the rotated keys.
+__device__ __forceinline__ void rope_pair(float& x, float& y, float c, float s) {
+    const float rx = __fmaf_rn(x, c, -__fmul_rn(y, s));
+    const float ry = __fmaf_rn(y, c, __fmul_rn(x, s));
+    x = rx;
+    y = ry;
+}
+
 // Widening of stored weights, one element at a time.
 struct WidenBf16 { __device__ static float at(const u16* p, u64 i) { return bf16_to_f32(p[i]); } };
 struct WidenF16 { __device__ static float at(const u16* p, u64 i) { return f16_to_f32(p[i]); } };
@@ -180,6 +215,18 @@ __device__ __forceinline__ float load_cg(const float* p) {
 __device__ __forceinline__ void pdl_entry() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// pdl_entry's two halves, for a kernel that lets its successor launch later than its wait.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
@@ -367,7 +414,7 @@ __device__ __forceinline__ void warp_route_topk(const float* __restrict__ logits
 // kernel file, so probe one kernel per file): the block, its SM, its start and end times (ns)
 // and each mark's cycles since its start (-1: not reached). scripts/probes/phases.py
 // summarises them. Without MOERUN_PROBE all three are empty.
-#define PROBE_MARKS 8
+#define PROBE_MARKS 11
 #ifdef MOERUN_PROBE
 #ifndef MOERUN_PROBE_FROM
 #define MOERUN_PROBE_FROM 2000
@@ -409,9 +456,9 @@ __device__ __forceinline__ void probe_end(const char* name) {
     for (int i = 1; i < PROBE_MARKS; ++i)
         m[i] = probe_clock[i] < 0 ? -1 : probe_clock[i] - probe_clock[0];
     printf("PROBE %s launch %u block %u %u %u sm %u t0 %llu t1 %llu marks %lld %lld %lld %lld %lld "
-           "%lld %lld\n",
+           "%lld %lld %lld %lld %lld\n",
            name, launch, blockIdx.x, blockIdx.y, blockIdx.z, sm, probe_t0, t1, m[1], m[2], m[3],
-           m[4], m[5], m[6], m[7]);
+           m[4], m[5], m[6], m[7], m[8], m[9], m[10]);
 }
 #else
 __device__ __forceinline__ void probe_begin() {}

@@ -193,9 +193,7 @@ __device__ __forceinline__ void qkv_split_norm_rope(
     };
     // cos and sin of rotary pair i, scaled by the attention factor.
     auto rotation = [&](int i, int pos, float& c, float& sn) {
-        sincosf(inv_freq[i] * (float)pos, &sn, &c);
-        c *= attention_factor;
-        sn *= attention_factor;
+        rope_cos_sin(inv_freq[i], pos, attention_factor, c, sn);
     };
     float nw[EARLY ? DIMS_PER_LANE : 1];
     float rc[EARLY ? ROPE_PER_LANE : 1], rs[EARLY ? ROPE_PER_LANE : 1];
@@ -228,12 +226,7 @@ __device__ __forceinline__ void qkv_split_norm_rope(
         float* g = gate + ((u64)t * heads_q + h) * head_dim;
         for (int i = lane; i < head_dim; i += 32) g[i] = src[head_dim + i];
     }
-    float ss = 0.0f;
-    for (int i = lane; i < head_dim; i += 32) {
-        const float a = src[i];
-        hd[i] = a;
-        ss += a * a;
-    }
+    float ss = stage_head(src, hd, head_dim, lane);
     if (norm) {
         ss = warp_sum(ss);
         const float inv = 1.0f / sqrtf(ss / (float)head_dim + eps);
@@ -266,10 +259,11 @@ __device__ __forceinline__ void qkv_split_norm_rope(
                 } else {
                     rotation(i, pos, c, sn);
                 }
-                const float a = hd[i];
-                const float b = hd[i + half];
-                hd[i] = a * c - b * sn;
-                hd[i + half] = b * c + a * sn;
+                float a = hd[i];
+                float b = hd[i + half];
+                rope_pair(a, b, c, sn);
+                hd[i] = a;
+                hd[i + half] = b;
             }
         }
         __syncwarp();

@@ -31,10 +31,11 @@ pub use cudarc::driver::{
 pub use device::{CudaDevice, DeviceInfo, DeviceMatrix};
 pub use error::{CudaError, Result};
 pub use graph::DeviceGraph;
+pub use ops::FUSED_MAX_HEAD_DIM;
 pub use ops::{
     AttentionPrefill, AttentionScratch, AttentionShape, BatchKvBf16, DeviceKvPool, KvBuffers,
     KvBuffersMut, KvDtype, TokenPlacement,
 };
 pub use ops::{DecodePass, DeviceExperts, ExpertActivation, MoePath, MoeScratch, WgmmaTile};
 pub use ops::{DeltaSeqs, DeltaShape};
-pub use ops::{DeviceRope, GemmOut, GemvLayout, QkvShape, RouterShape, FUSED_MAX_HEAD_DIM};
+pub use ops::{DeviceRope, FoldedPrologue, GemmOut, GemvLayout, QkvShape, RouterShape};

@@ -77,7 +77,6 @@ pub(crate) fn attention_block<B: Backend>(
     xn: &B::Act,
 ) -> Result<B::Act> {
     let d = cfg.head_dim;
-    let AttentionInputs { q, k, v, gate } = b.attention_inputs(l, cfg, w, xn)?;
     let spec = AttentionSpec {
         num_heads: cfg.num_heads,
         num_kv_heads: cfg.num_kv_heads,
@@ -85,11 +84,26 @@ pub(crate) fn attention_block<B: Backend>(
         scale: (d as f64).powf(-0.5) as f32,
         sliding_window,
     };
-    let mut out = b.attention(l, &q, &k, &v, &spec)?;
+    let out = b.self_attention(l, cfg, w, &spec, xn)?;
+    b.linear(&out, &w.o_proj)
+}
+
+/// Self-attention up to o_proj as the plain composition of ops: the prologue, attention (which
+/// writes the batch's K/V), the output gate where the family has one.
+pub fn self_attention<B: Backend>(
+    b: &mut B,
+    l: usize,
+    cfg: &ModelConfig,
+    w: &AttentionWeights,
+    spec: &AttentionSpec,
+    xn: &B::Act,
+) -> Result<B::Act> {
+    let AttentionInputs { q, k, v, gate } = b.attention_inputs(l, cfg, w, xn)?;
+    let mut out = b.attention(l, &q, &k, &v, spec)?;
     if let Some(gate) = gate {
         b.sigmoid_gate(&mut out, &gate)?;
     }
-    b.linear(&out, &w.o_proj)
+    Ok(out)
 }
 
 /// The attention prologue as the plain composition of ops: q/k/v projections (with biases where

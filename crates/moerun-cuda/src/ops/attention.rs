@@ -67,6 +67,7 @@ use cudarc::driver::{
     CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 
+use super::attention_fold::PrologueArgs;
 use super::attention_wgmma::{FaMap, WgmmaAttention};
 use super::to_i32;
 use crate::error::{ensure, CudaError, DriverContext, Result};
@@ -452,6 +453,9 @@ pub(crate) struct AttentionKernels {
     cluster: [[CudaFunction; 4]; 6],
     /// Whether each cluster kernel got the dynamic shared memory of its widest head.
     cluster_smem_ok: [[bool; 4]; 6],
+    /// The folded-prologue builds of the cluster kernel (`PRO_GROUP` query heads a block), by
+    /// dim class (`PRO_DIMS` only), with whether their shared memory was granted.
+    cluster_pro: [Option<(CudaFunction, bool)>; 6],
     /// Clusters of each cluster kernel the device runs at once (queried on first use).
     cluster_slots: [[OnceLock<usize>; 4]; 6],
     /// head_dim <= 64, 128, 256.
@@ -469,6 +473,11 @@ pub(crate) struct AttentionKernels {
 }
 
 const DIM_CLASSES: [usize; 6] = [16, 32, 64, 128, 256, 512];
+/// The head dims (classes) and query heads per block of the cluster kernel's folded-prologue
+/// builds (`attn_cluster_d<D>_g4_pro`): batch 1's blocks of the GQA models we target (and of
+/// the small fixtures that check them against transformers).
+const PRO_DIMS: [usize; 4] = [16, 32, 64, 128];
+const PRO_GROUP: usize = 4;
 const GROUP_CLASSES: [usize; 4] = [1, 2, 4, 8];
 const TILE_F32_DIMS: [usize; 3] = [64, 128, 256];
 const TILE_BF16_DIMS: [usize; 2] = [64, 128];
@@ -596,6 +605,13 @@ impl AttentionKernels {
                 allow_smem(&cluster[dc][gc], want) >= want
             })
         });
+        let mut cluster_pro: [Option<(CudaFunction, bool)>; 6] = Default::default();
+        for d in PRO_DIMS {
+            let func = f(&format!("attn_cluster_d{d}_g{PRO_GROUP}_pro"))?;
+            let want = cluster_smem(d, PRO_GROUP);
+            let ok = allow_smem(&func, want) >= want;
+            cluster_pro[class_of(&DIM_CLASSES, d)] = Some((func, ok));
+        }
         let tile_f32 = [
             f("attn_tile_f32_c1")?,
             f("attn_tile_f32_c2")?,
@@ -644,6 +660,7 @@ impl AttentionKernels {
             ],
             cluster,
             cluster_smem_ok,
+            cluster_pro,
             cluster_slots: Default::default(),
             tile_f32,
             tile_f32_smem: f32_smem,
@@ -702,12 +719,15 @@ unsafe impl DeviceRepr for AttnArgs {}
 
 /// Which prefill tiles a call runs and where their keys come from.
 #[derive(Clone, Copy)]
-struct KeySource<'a> {
-    prefill: AttentionPrefill,
+pub(super) struct KeySource<'a> {
+    pub(super) prefill: AttentionPrefill,
     /// The batch's own K/V in bf16 (tensor-core tiles only).
-    copy: Option<&'a BatchKvBf16>,
+    pub(super) copy: Option<&'a BatchKvBf16>,
     /// Where the output also goes rounded to bf16 (0: nowhere): n rows, every one written.
-    out_bf16: u64,
+    pub(super) out_bf16: u64,
+    /// The attention prologue folded in (`q` is then the stacked projection): the cluster
+    /// kernel's _pro build (ops/attention_fold.rs).
+    pub(super) fold: Option<PrologueArgs>,
 }
 
 /// How the decode kernel splits each token's keys.
@@ -742,6 +762,21 @@ struct ClusterPlan {
     clusters: usize,
     /// The fewest keys a block takes (a token's keys spread over fewer clusters when short).
     min_keys: usize,
+}
+
+/// How the split and cluster decode kernels take a batch's tokens (those no prefill tile owns).
+struct DecodeLayout {
+    dim_class: usize,
+    /// Query heads per block, as an index of `GROUP_CLASSES`.
+    group_class: usize,
+    /// Blocks of query heads per kv head.
+    head_chunks: usize,
+    /// (token, kv head x head chunk) groups.
+    work: usize,
+    /// The split kernel's plan (used when `cluster` is none).
+    split: SplitPlan,
+    /// The cluster kernel's plan, when it runs.
+    cluster: Option<ClusterPlan>,
 }
 
 /// `work` = (token, kv head x head chunk) groups; `context` = the most keys a token sees;
@@ -847,6 +882,95 @@ impl CudaDevice {
                 .map_or(0, |c| c as usize)
         });
         (slots > 0).then_some(slots)
+    }
+
+    /// How the decode kernels take `n` tokens of `shape` seeing at most `max_context` keys (the
+    /// window bounds it) with `scratch`'s partials.
+    fn decode_layout(
+        &self,
+        dtype: KvDtype,
+        n: usize,
+        shape: &AttentionShape,
+        max_context: usize,
+        scratch: &AttentionScratch,
+    ) -> DecodeLayout {
+        let (num_heads, d) = (shape.num_heads, shape.head_dim);
+        let group = num_heads / shape.num_kv_heads;
+        let mut group_class = class_of(&GROUP_CLASSES, group);
+        if d > MAX_TILED_HEAD_DIM {
+            group_class = group_class.min(class_of(&GROUP_CLASSES, MAX_GROUP_D512));
+        }
+        let context = shape
+            .sliding_window
+            .map_or(max_context, |w| w.min(max_context));
+        if let Some(cap) = decode_head_cap(n, context) {
+            group_class = group_class.min(class_of(&GROUP_CLASSES, cap));
+        }
+        let head_chunks = group.div_ceil(GROUP_CLASSES[group_class]);
+        let per_split = n * num_heads;
+        let capacity =
+            (scratch.acc.len() / (per_split * d)).min(scratch.ml.len() / (per_split * 2));
+        let sms = self.info().multiprocessors as usize;
+        let work = n * shape.num_kv_heads * head_chunks;
+        let dim_class = class_of(&DIM_CLASSES, d);
+        let cluster = self
+            .cluster_slots(dtype, dim_class, group_class, work)
+            .and_then(|slots| {
+                // More than one cluster per group needs an arrival count per group and rank.
+                let capacity = if work * CLUSTER_SIZE <= scratch.arrivals.len() {
+                    capacity
+                } else {
+                    1
+                };
+                let step = cluster_keys_per_step(DIM_CLASSES[dim_class]);
+                cluster_plan(work, context, slots, capacity, step)
+            });
+        DecodeLayout {
+            dim_class,
+            group_class,
+            head_chunks,
+            work,
+            split: split_plan(work, context, sms, capacity),
+            cluster,
+        }
+    }
+
+    /// The folded-prologue build of the cluster kernel for this layout, if it has one and the
+    /// batch runs it: the cluster kernel takes every token (`cluster`, no prefill tiles) and
+    /// its shared memory was granted.
+    fn fold_kernel(
+        &self,
+        dtype: KvDtype,
+        dim_class: usize,
+        group_class: usize,
+        cluster: bool,
+        tiled: bool,
+    ) -> Option<&CudaFunction> {
+        let k = &self.kernels.attention[dtype.slot()];
+        match &k.cluster_pro[dim_class] {
+            Some((f, true)) if cluster && !tiled && GROUP_CLASSES[group_class] == PRO_GROUP => {
+                Some(f)
+            }
+            _ => None,
+        }
+    }
+
+    /// Whether the cluster kernel's folded-prologue build would run `n` tokens of `shape` over a
+    /// pool of `dtype` (the plan of [`CudaDevice::paged_attention`], whose prefill tiles are the
+    /// exact ones).
+    pub(super) fn fold_layout(
+        &self,
+        dtype: KvDtype,
+        n: usize,
+        shape: &AttentionShape,
+        max_context: usize,
+        scratch: &AttentionScratch,
+    ) -> bool {
+        let l = self.decode_layout(dtype, n, shape, max_context, scratch);
+        let tiled = shape.head_dim <= MAX_TILED_HEAD_DIM && n >= TILE_M;
+        let cluster = l.cluster.is_some();
+        self.fold_kernel(dtype, l.dim_class, l.group_class, cluster, tiled)
+            .is_some()
     }
 
     /// A zeroed f32 pool of `blocks` blocks of `block_size` positions, `kv_heads * head_dim`
@@ -1121,6 +1245,7 @@ impl CudaDevice {
             prefill,
             copy: None,
             out_bf16: 0,
+            fold: None,
         };
         self.attend(source, q, pool, at, shape, out, scratch)
     }
@@ -1145,6 +1270,7 @@ impl CudaDevice {
             prefill: AttentionPrefill::TensorCoreBf16,
             copy: Some(copy),
             out_bf16: 0,
+            fold: None,
         };
         self.attend(source, q, pool, at, shape, out, scratch)
     }
@@ -1176,12 +1302,13 @@ impl CudaDevice {
             prefill: AttentionPrefill::TensorCoreBf16,
             copy: Some(copy),
             out_bf16: self.ptr_mut(out_bf16, "paged_attention bf16 out")?,
+            fold: None,
         };
         self.attend(source, q, pool, at, shape, out, scratch)
     }
 
     #[allow(clippy::too_many_arguments)] // the public entries' arguments, passed through
-    fn attend(
+    pub(super) fn attend(
         &self,
         source: KeySource,
         q: &impl DevicePtr<f32>,
@@ -1195,6 +1322,7 @@ impl CudaDevice {
             prefill,
             copy,
             out_bf16,
+            fold,
         } = source;
         let AttentionShape {
             num_heads,
@@ -1226,13 +1354,22 @@ impl CudaDevice {
                 at.table_start.len()
             )
         })?;
-        ensure(q.len() == n * num_heads * d && out.len() == q.len(), || {
-            format!(
-                "paged_attention: q holds {}, out {}, expected {n} x {num_heads} x {d}",
-                q.len(),
-                out.len()
-            )
-        })?;
+        // Folded, `q` is the stacked projection: each token's q, k and v heads.
+        let q_heads = match fold {
+            Some(_) => num_heads + 2 * num_kv_heads,
+            None => num_heads,
+        };
+        ensure(
+            q.len() == n * q_heads * d && out.len() == n * num_heads * d,
+            || {
+                format!(
+                    "paged_attention: q holds {}, out {}, expected {n} x {q_heads} x {d} and {n} x \
+                     {num_heads} x {d}",
+                    q.len(),
+                    out.len()
+                )
+            },
+        )?;
         if prefill == AttentionPrefill::TensorCoreBf16 && d != 64 && d != 128 {
             return Err(CudaError::Unsupported(format!(
                 "tensor-core attention for head_dim {d} (64 and 128 are built)"
@@ -1288,21 +1425,14 @@ impl CudaDevice {
             return Ok(());
         }
 
-        let mut group_class = class_of(&GROUP_CLASSES, group);
-        if d > MAX_TILED_HEAD_DIM {
-            group_class = group_class.min(class_of(&GROUP_CLASSES, MAX_GROUP_D512));
-        }
-        let context = sliding_window.map_or(at.max_context, |w| w.min(at.max_context));
-        if let Some(cap) = decode_head_cap(n, context) {
-            group_class = group_class.min(class_of(&GROUP_CLASSES, cap));
-        }
-        let head_chunks = group.div_ceil(GROUP_CLASSES[group_class]);
-        let per_split = n * num_heads;
-        let capacity =
-            (scratch.acc.len() / (per_split * d)).min(scratch.ml.len() / (per_split * 2));
-        let sms = self.info().multiprocessors as usize;
-        let work = n * num_kv_heads * head_chunks;
-        let plan = split_plan(work, context, sms, capacity);
+        let DecodeLayout {
+            dim_class,
+            group_class,
+            head_chunks,
+            work,
+            split: plan,
+            cluster,
+        } = self.decode_layout(pool.dtype(), n, shape, at.max_context, scratch);
         let tiled = d <= MAX_TILED_HEAD_DIM && n >= tile_m;
         // The split (and cluster) kernels' blocks start here: the tokens before it are tiled.
         let token0 = if tiled {
@@ -1310,20 +1440,27 @@ impl CudaDevice {
         } else {
             0
         };
-        let dim_class = class_of(&DIM_CLASSES, d);
         let g = GROUP_CLASSES[group_class];
-        let cluster = self
-            .cluster_slots(pool.dtype(), dim_class, group_class, work)
-            .and_then(|slots| {
-                // More than one cluster per group needs an arrival count per group and rank.
-                let capacity = if work * CLUSTER_SIZE <= scratch.arrivals.len() {
-                    capacity
-                } else {
-                    1
-                };
-                let step = cluster_keys_per_step(DIM_CLASSES[dim_class]);
-                cluster_plan(work, context, slots, capacity, step)
-            });
+        let fold_func = match &fold {
+            None => None,
+            Some(_) => Some(
+                self.fold_kernel(
+                    pool.dtype(),
+                    dim_class,
+                    group_class,
+                    cluster.is_some(),
+                    tiled,
+                )
+                .ok_or_else(|| {
+                    CudaError::Unsupported(format!(
+                        "the attention prologue folded into decode attention for {n} tokens \
+                             of {num_heads} heads ({num_kv_heads} kv heads) of {d} over {} keys \
+                             (CudaDevice::attention_prologue_folds says which batches fold)",
+                        at.max_context
+                    ))
+                })?,
+            ),
+        };
         let (nsplit, chunk) = match cluster {
             Some(c) => (c.clusters * CLUSTER_SIZE, c.min_keys),
             None => (plan.splits, plan.chunk),
@@ -1450,15 +1587,21 @@ impl CudaDevice {
             };
             let mut b = self
                 .stream
-                .launch_builder(&kernels.cluster[dim_class][group_class]);
+                .launch_builder(fold_func.unwrap_or(&kernels.cluster[dim_class][group_class]));
             b.arg(&args);
+            if let Some(p) = &fold {
+                b.arg(p);
+            }
             if !crate::skip::skipped("attention") && n > token0 {
                 // SAFETY: as for the split kernel below; the grid's y extent is a whole number of
                 // clusters (the kernel's compile-time cluster shape, 1 x 8 x 1); with more than one
                 // cluster per group the partials of n x num_heads x clusters rows fit the scratch
                 // (cluster_plan is bounded by `capacity`) and the work x 8 arrival counts exist
                 // (checked when planning); the dynamic shared memory is what this head_dim needs,
-                // within the limit set at load (`cluster_smem_ok`).
+                // within the limit set at load (`cluster_smem_ok`). A folded prologue's build
+                // also takes its PrologueArgs: q holds n rows of the stacked projection
+                // (checked above), the norms head_dim values or null, inv_freq `half` (checked by
+                // the fold's entry), and the kernel writes only pool slots it bounds as it reads.
                 unsafe { b.launch(cfg) }.ctx("attention cluster decode")?;
             }
             debug_assert!(c.clusters == 1 || work * CLUSTER_SIZE <= scratch.arrivals.len());

@@ -7,6 +7,7 @@
 
 mod activation;
 mod attention;
+mod attention_fold;
 mod attention_wgmma;
 mod elementwise;
 mod embedding;
@@ -26,6 +27,7 @@ pub use attention::{
     AttentionPrefill, AttentionScratch, AttentionShape, BatchKvBf16, DeviceKvPool, KvBuffers,
     KvBuffersMut, KvDtype, TokenPlacement,
 };
+pub use attention_fold::FoldedPrologue;
 pub(crate) use elementwise::ElementwiseKernels;
 pub(crate) use fused::FusedKernels;
 pub use fused::{QkvShape, FUSED_MAX_HEAD_DIM};

@@ -77,6 +77,23 @@ pub trait Backend {
     {
         crate::forward::attention_inputs(self, cfg, w, xn)
     }
+    /// Layer `layer`'s self-attention over its normed input, up to o_proj: the prologue, the
+    /// batch's K/V into the layer's KV, attention, Qwen3.5's output gate
+    /// ([`crate::forward::self_attention`], the reference). A backend may fold the prologue into
+    /// attention (the CUDA one does at batch 1).
+    fn self_attention(
+        &mut self,
+        layer: usize,
+        cfg: &ModelConfig,
+        w: &AttentionWeights,
+        spec: &AttentionSpec,
+        xn: &Self::Act,
+    ) -> Result<Self::Act>
+    where
+        Self: Sized,
+    {
+        crate::forward::self_attention(self, layer, cfg, w, spec, xn)
+    }
     /// `x · Wᵀ (+ b)`.
     fn linear(&mut self, x: &Self::Act, l: &Linear) -> Result<Self::Act>;
     /// `x · Wᵀ` for a bare matrix (the LM head, which may be the tied embedding).

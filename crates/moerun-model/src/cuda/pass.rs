@@ -11,7 +11,7 @@
 use moerun_core::{DType, Error, Result, Tensor};
 use moerun_cuda::{
     AttentionShape, BatchKvBf16, CudaDevice, CudaSlice, DeviceBuffer, DeviceKvPool, DeviceMatrix,
-    GemmOut, QkvShape, RouterShape, TokenPlacement,
+    FoldedPrologue, GemmOut, QkvShape, RouterShape, TokenPlacement,
 };
 
 use super::{dev_err, profile, tensor_key, CudaModel, DeviceKv, PassScratch};
@@ -125,6 +125,17 @@ fn batch_copy<'s>(
     }
     let copy = m.dev.batch_kv_in(slot, rows, kv_heads, head_dim);
     copy.map(Some).map_err(dev_err)
+}
+
+/// The device attention's shape of the generic block's spec.
+fn attention_shape(spec: &AttentionSpec) -> AttentionShape {
+    AttentionShape {
+        num_heads: spec.num_heads,
+        num_kv_heads: spec.num_kv_heads,
+        head_dim: spec.head_dim,
+        scale: spec.scale,
+        sliding_window: spec.sliding_window,
+    }
 }
 
 /// Where the pass finds the batch's token ids.
@@ -335,6 +346,68 @@ impl Backend for CudaPass<'_> {
         })
     }
 
+    fn self_attention(
+        &mut self,
+        layer: usize,
+        cfg: &ModelConfig,
+        w: &AttentionWeights,
+        spec: &AttentionSpec,
+        xn: &DeviceBuffer<f32>,
+    ) -> Result<DeviceBuffer<f32>> {
+        let m = self.m;
+        let stacked = match m.qkv.get(&tensor_key(&w.q_proj.weight)) {
+            Some(s) if !cfg.attention_output_gate => s,
+            _ => return crate::forward::self_attention(self, layer, cfg, w, spec, xn),
+        };
+        let shape = attention_shape(spec);
+        let at = placement(self.at, spec.sliding_window.is_some());
+        let folds = match self.pools[layer].as_ref() {
+            Some(pool) => {
+                m.dev
+                    .attention_prologue_folds(&at, &shape, pool, &self.scratch.attention)
+            }
+            None => false,
+        };
+        if !folds {
+            return crate::forward::self_attention(self, layer, cfg, w, spec, xn);
+        }
+        // A decode step that the cluster kernel's folded build takes: the q/k/v GEMV, then one
+        // launch for the prologue (norms, RoPE, this token's K/V into the pool) and attention.
+        let qkv = profile::timed(&m.dev, "qkv_prologue", || {
+            let mut qkv = self.product_with(xn, &stacked.weight)?;
+            if let Some(b) = &stacked.bias {
+                m.dev.add_bias(&mut qkv, b).map_err(dev_err)?;
+            }
+            Ok(qkv)
+        })?;
+        profile::timed(&m.dev, "attention", || {
+            let rows = xn.len() / cfg.hidden_size;
+            let mut out = self.alloc(rows * spec.num_heads * spec.head_dim)?;
+            let norm = |n: &Option<Vec<f32>>| n.as_deref().map(|n| m.vec(n)).transpose();
+            let prologue = FoldedPrologue {
+                q_norm: norm(&w.q_norm)?,
+                k_norm: norm(&w.k_norm)?,
+                rope: &m.rope,
+                eps: cfg.rms_norm_eps,
+            };
+            let pool = self.pools[layer]
+                .as_mut()
+                .ok_or_else(|| Error::Device(format!("layer {layer} has no KV pool")))?;
+            m.dev
+                .paged_attention_folded(
+                    &qkv,
+                    prologue,
+                    pool,
+                    &at,
+                    &shape,
+                    &mut out,
+                    &mut self.scratch.attention,
+                )
+                .map_err(dev_err)?;
+            Ok(out)
+        })
+    }
+
     fn add_assign(&mut self, x: &mut DeviceBuffer<f32>, y: &DeviceBuffer<f32>) -> Result<()> {
         let m = self.m;
         profile::timed(&m.dev, "add_assign", || {
@@ -436,13 +509,7 @@ impl Backend for CudaPass<'_> {
                     .map_err(dev_err)?,
                 false => None,
             };
-            let shape = AttentionShape {
-                num_heads: spec.num_heads,
-                num_kv_heads: spec.num_kv_heads,
-                head_dim: spec.head_dim,
-                scale: spec.scale,
-                sliding_window: spec.sliding_window,
-            };
+            let shape = attention_shape(spec);
             let scratch = &mut self.scratch.attention;
             match (copy, out_bf16) {
                 (Some(c), Some(mut ob)) => {
