@@ -452,7 +452,7 @@ __device__ __forceinline__ void set_own_key(int jb, int pos, int grp, int sub, i
 // ahead once used), so a block of two steps has all its rows loaded when it starts computing,
 // and the loads of a longer block run a step further ahead.
 // PRO (the cluster kernel's _pro builds, EARLY only): the folded prologue from `pro`, in `fold`
-// (q is read from there, not a.q); `fresh` is then the token's own position.
+// (q is read from there, not a.q); the token's own key is then the only fresh one.
 template <int W, int L, int VPL, int GM, bool EARLY = false, int U = SPLIT_KEYS / VPL,
           int DEPTH = 1, bool PRO = false>
 __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, int h0, int gh, int ts,
@@ -487,10 +487,13 @@ __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, in
             fold_rotation<GM, DMAX>(a, *pro, i, *fold);
             pdl_wait();
             probe_mark(1);
-            // The own key (fresh == its position: the token is its sequence's only one) is the
-            // only fresh one: set in the prefetched rows that hold it, not read back.
-            const bool own = fresh >= k0 && fresh < k1;
-            const long long slot = own ? kv_offset(a, ts, fresh, kh) : -1;
+            // The token's own key, the only fresh one (the token is its sequence's only one, so
+            // fresh == pos): set in the prefetched rows that hold it, not read back. (Were the
+            // host's promise broken, keys fresh .. pos - 1 would stay masked: wrong, but only
+            // this token's own slot is ever written.)
+            const int pos = a.positions[i];
+            const bool own = pos >= k0 && pos < k1;
+            const long long slot = own ? kv_offset(a, ts, pos, kh) : -1;
             fold_prologue<W, GM, DMAX>(a, *pro, i, kh, h0, gh, own, slot, *fold);
             probe_mark(7);
             // The o_proj GEMV launches (and streams its weights) from here, not from the wait:
@@ -501,10 +504,9 @@ __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, in
             // v16).
             pdl_launch_dependents();
             if (slot >= 0) {  // block-uniform
-                set_own_key<W, L, VPL, U>(k0, fresh, grp, sub, d4, *fold, kr, vr, ok);
+                set_own_key<W, L, VPL, U>(k0, pos, grp, sub, d4, *fold, kr, vr, ok);
                 if constexpr (DEPTH == 2)
-                    set_own_key<W, L, VPL, U>(k0 + STEP, fresh, grp, sub, d4, *fold, kr2, vr2,
-                                              ok2);
+                    set_own_key<W, L, VPL, U>(k0 + STEP, pos, grp, sub, d4, *fold, kr2, vr2, ok2);
             }
         } else {
             pdl_entry();

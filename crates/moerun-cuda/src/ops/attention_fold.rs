@@ -3,9 +3,9 @@
 //! the q/k/v GEMV and attention (~3 µs a layer for ~40 KB of work). The cluster decode kernel's
 //! `_pro` builds (kernels/attention.cu, "the attention prologue folded into decode attention")
 //! take the GEMV's raw rows instead: each block makes its query heads (RMSNorm, RoPE) in shared
-//! memory after its wait, and the blocks holding the token's own position make its key and value
-//! and store them in the pool before they read it, with the prologue kernel's arithmetic (the
-//! same bits: the same q, the same pool values, the same output).
+//! memory after its wait, and the blocks holding the token's own position make its key and value,
+//! store them in the pool and set them into the rows they attend over, with the prologue kernel's
+//! arithmetic (the same bits: the same q, the same pool values, the same output).
 //!
 //! Folds only where that build runs the whole batch: every token its own sequence's only token
 //! (a decode step: no block needs a key another token's blocks make), the cluster kernel planned
