@@ -855,7 +855,11 @@ ATTN_SPLIT(attn_split_d512_g2, 32, 4, 2)
 // (see "the attention prologue folded into decode attention" above); a second parameter,
 // PrologueArgs, and static shared memory for the fold.
 
+// Blocks per cluster: 8, the portable maximum, or 16 (non-portable on Hopper), which
+// MOERUN_CUDA_CLUSTER_SIZE=16 defines here and tells the host (ops/attention.rs cluster_size).
+#ifndef CL_SIZE
 #define CL_SIZE 8
+#endif
 #define CL_WARPS 8
 #define CL_THREADS (32 * CL_WARPS)
 

@@ -225,7 +225,7 @@ fn options(arch: &str, verbose: bool, defines: &[String]) -> Vec<String> {
 }
 
 /// `MOERUN_CUDA_DEFINES`: preprocessor defines for every kernel file, `-DNAME[=VALUE]` separated
-/// by spaces, read once. For measuring builds without rebuilding the binary: `-DMOERUN_PROBE`
+/// by spaces, read once (and `CL_SIZE` when `MOERUN_CUDA_CLUSTER_SIZE` asks for 16). For measuring builds without rebuilding the binary: `-DMOERUN_PROBE`
 /// turns on the phase probes (common.cuh; scripts/probes/phases.py reads what they print). They
 /// are part of the cache key, so such cubins never stand in for the plain ones. Anything that
 /// is not a define is refused by name when the kernels are compiled.
@@ -235,13 +235,45 @@ pub fn env_defines() -> Result<&'static [String]> {
     DEFINES
         .get_or_init(|| {
             let raw = std::env::var("MOERUN_CUDA_DEFINES").unwrap_or_default();
-            parse_defines(&raw)
+            let mut defines = parse_defines(&raw)?;
+            if cluster_size_knob()? != 8 {
+                defines.push(format!("-DCL_SIZE={}", cluster_size_knob()?));
+            }
+            Ok(defines)
         })
         .as_deref()
         .map_err(|bad| CudaError::InvalidArgument(bad.clone()))
 }
 
+/// `MOERUN_CUDA_CLUSTER_SIZE`, read once: blocks per thread-block cluster of the cluster decode
+/// attention kernel, 8 (the default, the portable maximum) or 16 (non-portable on Hopper: fewer
+/// keys per block). A measuring knob; [`env_defines`] passes it to the kernels as `CL_SIZE`, the
+/// host plans with it (ops/attention.rs), and any other value is refused by name when the kernels
+/// are compiled.
+pub(crate) fn cluster_size_knob() -> std::result::Result<usize, String> {
+    static SIZE: std::sync::OnceLock<std::result::Result<usize, String>> =
+        std::sync::OnceLock::new();
+    SIZE.get_or_init(|| {
+        let raw = std::env::var("MOERUN_CUDA_CLUSTER_SIZE").unwrap_or_default();
+        parse_cluster_size(&raw)
+    })
+    .clone()
+}
+
+/// The cluster size a `MOERUN_CUDA_CLUSTER_SIZE` value asks for (empty: 8).
+fn parse_cluster_size(raw: &str) -> std::result::Result<usize, String> {
+    match raw.trim() {
+        "" | "8" => Ok(8),
+        "16" => Ok(16),
+        other => Err(format!(
+            "MOERUN_CUDA_CLUSTER_SIZE: `{other}` is not a cluster size (8 or 16)"
+        )),
+    }
+}
+
 /// The defines of a `MOERUN_CUDA_DEFINES` value, or the message naming its first non-define.
+/// `CL_SIZE` is refused too: the host must plan with the kernels' cluster size, so it comes from
+/// `MOERUN_CUDA_CLUSTER_SIZE` alone.
 fn parse_defines(raw: &str) -> std::result::Result<Vec<String>, String> {
     raw.split_whitespace()
         .map(|d| {
@@ -249,7 +281,13 @@ fn parse_defines(raw: &str) -> std::result::Result<Vec<String>, String> {
             let ident = name.split('=').next().unwrap_or("");
             let ok = ident.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_')
                 && ident.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
-            if ok {
+            if ok && ident == "CL_SIZE" {
+                Err(
+                    "MOERUN_CUDA_DEFINES: set the cluster size by MOERUN_CUDA_CLUSTER_SIZE, not \
+                     -DCL_SIZE"
+                        .to_string(),
+                )
+            } else if ok {
                 Ok(d.to_string())
             } else {
                 Err(format!(
@@ -491,6 +529,19 @@ mod tests {
         );
         for bad in ["MOERUN_PROBE", "-D", "-D9X", "--use_fast_math", "-DA-B"] {
             let err = parse_defines(&format!("-DOK {bad}")).unwrap_err();
+            assert!(err.contains(&format!("`{bad}`")), "{bad}: {err}");
+        }
+        let err = parse_defines("-DCL_SIZE=16").unwrap_err();
+        assert!(err.contains("MOERUN_CUDA_CLUSTER_SIZE"), "{err}");
+    }
+
+    #[test]
+    fn the_cluster_size_is_8_or_16_and_anything_else_is_refused_by_name() {
+        assert_eq!(parse_cluster_size(""), Ok(8));
+        assert_eq!(parse_cluster_size("8"), Ok(8));
+        assert_eq!(parse_cluster_size(" 16 "), Ok(16));
+        for bad in ["4", "32", "sixteen", "-1"] {
+            let err = parse_cluster_size(bad).unwrap_err();
             assert!(err.contains(&format!("`{bad}`")), "{bad}: {err}");
         }
     }

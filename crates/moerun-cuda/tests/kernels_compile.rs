@@ -57,6 +57,24 @@ fn the_probe_builds_compile() {
     }
 }
 
+/// The attention files also compile with the 16-block clusters `MOERUN_CUDA_CLUSTER_SIZE=16` asks
+/// for (`-DCL_SIZE=16`).
+#[test]
+fn the_16_block_cluster_builds_compile() {
+    if !nvrtc_available() {
+        println!("skipped: CUDA is unavailable: libnvrtc.so.13 not found");
+        return;
+    }
+    let wide = ["-DCL_SIZE=16".to_string()];
+    for file in KERNEL_FILES
+        .iter()
+        .filter(|f| ["attention", "attention_kvbf16"].contains(&f.name))
+    {
+        let c = compile_with(file, "sm_90", false, &wide).unwrap_or_else(|e| panic!("{e}"));
+        assert!(!c.cubin.is_empty(), "{}: empty cubin", file.name);
+    }
+}
+
 /// The files built for `sm_90a` on Hopper (`compile::SM90A_FILES`) still compile for other
 /// architectures, to entry points that are never launched (their bodies are guarded).
 #[test]

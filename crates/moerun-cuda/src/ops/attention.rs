@@ -49,8 +49,9 @@
 //! - on Hopper (compute capability 9+), a small decode batch (its (token, kv head x head chunk)
 //!   groups fit the device's active clusters at once) instead runs the *cluster* kernel: grid
 //!   (n, 8 x clusters, kv_heads * head_chunks) in thread-block clusters of 8 blocks of 256
-//!   threads. The 8 blocks of a cluster split a token's keys evenly and merge through
-//!   distributed shared memory after a cluster barrier, each block writing an eighth of the
+//!   threads (16 blocks with `MOERUN_CUDA_CLUSTER_SIZE=16`, Hopper's non-portable size). The
+//!   blocks of a cluster split a token's keys evenly and merge through distributed shared
+//!   memory (st.async into each slice owner's inbox), each block writing its slice of the
 //!   output: no partials, fence or atomic when one cluster covers the context (the latency of a
 //!   batch-1 decode step). Longer contexts take up to 16 clusters per group, merged as the split
 //!   kernel merges its splits (`cluster_plan`); contexts needing more than 8 steps of keys per
@@ -150,9 +151,13 @@ pub const MAX_HEAD_DIM: usize = 512;
 const MAX_TILED_HEAD_DIM: usize = 256;
 /// Query heads per block of the split-K kernel for head_dim 512 (register budget).
 const MAX_GROUP_D512: usize = 2;
-/// Blocks per thread-block cluster of the cluster decode kernel (`CL_SIZE`; 8 is the portable
-/// maximum).
-const CLUSTER_SIZE: usize = 8;
+/// Blocks per thread-block cluster of the cluster decode kernel (`CL_SIZE`): 8, the portable
+/// maximum, unless `MOERUN_CUDA_CLUSTER_SIZE=16` asks for Hopper's non-portable 16 (the kernels
+/// were then built with it: compile.rs). A refused value never gets this far (the kernels do not
+/// compile).
+fn cluster_size() -> usize {
+    crate::compile::cluster_size_knob().unwrap_or(8)
+}
 /// Threads per block of the cluster decode kernel (`CL_THREADS`: 8 warps).
 const CLUSTER_THREADS: usize = 256;
 /// Most clusters per (token, kv head x head chunk): bounds the final merge (and the kernel's
@@ -536,9 +541,9 @@ fn pick_tc_variant(want: usize, group: usize, granted: [usize; 3], head_dim: usi
 /// block of the cluster its slice of the `group * head_dim` outputs (float4 items, split evenly
 /// over the cluster) and a (max, sum) pair per head.
 fn cluster_smem(head_dim: usize, group: usize) -> usize {
-    let slice_items = (group * head_dim / 4).div_ceil(CLUSTER_SIZE);
+    let slice_items = (group * head_dim / 4).div_ceil(cluster_size());
     (CLUSTER_THREADS / 32) * group * (head_dim + 2) * 4
-        + CLUSTER_SIZE * (slice_items * 16 + group * 8)
+        + cluster_size() * (slice_items * 16 + group * 8)
 }
 
 /// Keys one step of a cluster-kernel block covers: its lane groups (a key each, head_dim / 4
@@ -548,6 +553,16 @@ fn cluster_keys_per_step(dim_class: usize) -> usize {
     let lanes = (dim_class / 4).min(32);
     let vpl = (dim_class / 128).max(1);
     CLUSTER_THREADS / lanes * (4 / vpl)
+}
+
+/// Opt a cluster kernel in to clusters past the portable 8 blocks when `cluster_size` asks for
+/// them. A device that refuses (not Hopper) leaves the occupancy query no room for such a
+/// cluster, so the split kernel runs instead.
+fn allow_cluster_size(func: &CudaFunction) {
+    if cluster_size() > 8 {
+        let attr = CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED;
+        let _ = func.set_attribute(attr, 1);
+    }
 }
 
 /// Opt `func` in to `want` bytes of dynamic shared memory; returns what it may use (48 KiB, the
@@ -599,6 +614,7 @@ impl AttentionKernels {
             cluster_row(256)?,
             cluster_row(512)?,
         ];
+        cluster.iter().flatten().for_each(allow_cluster_size);
         let cluster_smem_ok = std::array::from_fn(|dc| {
             std::array::from_fn(|gc| {
                 let want = cluster_smem(DIM_CLASSES[dc], GROUP_CLASSES[gc]);
@@ -608,6 +624,7 @@ impl AttentionKernels {
         let mut cluster_pro: [Option<(CudaFunction, bool)>; 6] = Default::default();
         for d in PRO_DIMS {
             let func = f(&format!("attn_cluster_d{d}_g{PRO_GROUP}_pro"))?;
+            allow_cluster_size(&func);
             let want = cluster_smem(d, PRO_GROUP);
             let ok = allow_smem(&func, want) >= want;
             cluster_pro[class_of(&DIM_CLASSES, d)] = Some((func, ok));
@@ -801,11 +818,11 @@ fn cluster_plan(
     // (MOERUN_CUDA_CLUSTER_MIN_STEPS overrides it, to measure the trade.)
     let min_keys = cluster_min_steps() * step;
     let clusters = (slots / work)
-        .min(context.max(1).div_ceil(CLUSTER_SIZE * min_keys))
+        .min(context.max(1).div_ceil(cluster_size() * min_keys))
         .min(MAX_CLUSTERS)
         .min(capacity)
         .max(1);
-    if context.div_ceil(clusters * CLUSTER_SIZE) > MAX_CLUSTER_STEPS * step {
+    if context.div_ceil(clusters * cluster_size()) > MAX_CLUSTER_STEPS * step {
         return None;
     }
     Some(ClusterPlan { clusters, min_keys })
@@ -865,13 +882,13 @@ impl CudaDevice {
         let k = &self.kernels.attention[dtype.slot()];
         if self.info().compute_capability.0 < 9
             || !k.cluster_smem_ok[dim_class][group_class]
-            || work * CLUSTER_SIZE > self.info().multiprocessors as usize
+            || work * cluster_size() > self.info().multiprocessors as usize
         {
             return None;
         }
         let slots = *k.cluster_slots[dim_class][group_class].get_or_init(|| {
             let cfg = LaunchConfig {
-                grid_dim: (1, CLUSTER_SIZE as u32, 1),
+                grid_dim: (1, cluster_size() as u32, 1),
                 block_dim: (CLUSTER_THREADS as u32, 1, 1),
                 shared_mem_bytes: cluster_smem(DIM_CLASSES[dim_class], GROUP_CLASSES[group_class])
                     as u32,
@@ -917,7 +934,7 @@ impl CudaDevice {
             .cluster_slots(dtype, dim_class, group_class, work)
             .and_then(|slots| {
                 // More than one cluster per group needs an arrival count per group and rank.
-                let capacity = if work * CLUSTER_SIZE <= scratch.arrivals.len() {
+                let capacity = if work * cluster_size() <= scratch.arrivals.len() {
                     capacity
                 } else {
                     1
@@ -1462,7 +1479,7 @@ impl CudaDevice {
             ),
         };
         let (nsplit, chunk) = match cluster {
-            Some(c) => (c.clusters * CLUSTER_SIZE, c.min_keys),
+            Some(c) => (c.clusters * cluster_size(), c.min_keys),
             None => (plan.splits, plan.chunk),
         };
 
@@ -1604,7 +1621,7 @@ impl CudaDevice {
                 // the fold's entry), and the kernel writes only pool slots it bounds as it reads.
                 unsafe { b.launch(cfg) }.ctx("attention cluster decode")?;
             }
-            debug_assert!(c.clusters == 1 || work * CLUSTER_SIZE <= scratch.arrivals.len());
+            debug_assert!(c.clusters == 1 || work * cluster_size() <= scratch.arrivals.len());
             return self.rest_to_bf16(&args, out_bf16, num_heads * d);
         }
         let groups = work;
