@@ -80,18 +80,6 @@ __device__ __forceinline__ float4 shfl_xor4(float4 v, int o) {
 // The reference point of an online-softmax step: the running max, or 0 while nothing is visible.
 __device__ __forceinline__ float softmax_ref(float mx) { return mx == NEG_INF ? 0.0f : mx; }
 
-// 16-byte asynchronous copy global -> shared; `src_bytes` 0 writes zeros (and reads nothing).
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
-    const u32 d = (u32)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src),
-                 "r"(src_bytes)
-                 : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
 
 // Four pool values (src; `ok` false: zeros, nothing read) into f32 shared memory at dst, for a
 // tile read as f32: an f32 pool by cp.async (the caller commits and waits), a bf16 pool widened

@@ -100,6 +100,20 @@ __device__ __forceinline__ float stage_head(const float* src, float* hd, int d, 
     return ss;
 }
 
+// 16-byte asynchronous copy global -> shared; `src_bytes` 0 writes zeros (and reads nothing).
+// (hopper.cuh's overload takes a shared-window address and a bool.)
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+    const u32 d = (u32)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src),
+                 "r"(src_bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
 // ---- rotary embedding (rotate half), shared by every kernel that rotates ----
 
 // cos and sin of angle inv_freq * pos in f32 (as transformers computes it), each scaled by the

@@ -80,17 +80,17 @@ __device__ __forceinline__ void rms_norm_row(float* x, const float* __restrict__
             if (i < width) {
                 v[u] += yr[i];
                 xr[i] = v[u];
-                ss += v[u] * v[u];
+                ss = __fmaf_rn(v[u], v[u], ss);
             }
         } else {
             v[u] = i < width ? xr[i] : 0.0f;
-            if (i < width) ss += v[u] * v[u];
+            if (i < width) ss = __fmaf_rn(v[u], v[u], ss);
         }
     }
     for (int i = threadIdx.x + ADD_NORM_EARLY * blockDim.x; i < width; i += blockDim.x) {
         const float a = ADD ? xr[i] + yr[i] : xr[i];
         if constexpr (ADD) xr[i] = a;
-        ss += a * a;
+        ss = __fmaf_rn(a, a, ss);
     }
     ss = block_sum(ss);
     const float inv = 1.0f / sqrtf(ss / (float)width + eps);

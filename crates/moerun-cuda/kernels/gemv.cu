@@ -136,10 +136,27 @@ __device__ __forceinline__ void fma_rows(const uint4* q, const float* __restrict
 // The block's R rows from row0 (those < n) . x: each warp's sums of every row (and token) into
 // partial[warp] (one lane per total), ending in a block barrier. Each row's sums do not depend on
 // R: gemv_route's 16 rows a block give the bits of gemv_rows_<dt>_m1's 4.
-template <typename C, int M, int U, int R>
+// Nothing to do after the wait (gemv_rows_partials' default `prep`).
+struct NoPrep {
+    __device__ __forceinline__ void operator()() const {}
+};
+// Whether two types are one (no standard headers under NVRTC).
+template <typename A, typename B>
+struct same_type {
+    static constexpr bool value = false;
+};
+template <typename A>
+struct same_type<A, A> {
+    static constexpr bool value = true;
+};
+
+// `prep` runs right after the programmatic wait, before x is read (every thread calls it):
+// gemv_route_norm makes x there.
+template <typename C, int M, int U, int R, typename Prep = NoPrep>
 __device__ __forceinline__ void gemv_rows_partials(const void* __restrict__ w_raw,
                                                    const float* __restrict__ x, int n, int k,
-                                                   int row0, float (&partial)[ROWS_WARPS][M * R]) {
+                                                   int row0, float (&partial)[ROWS_WARPS][M * R],
+                                                   const Prep& prep = Prep()) {
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
@@ -160,6 +177,7 @@ __device__ __forceinline__ void gemv_rows_partials(const void* __restrict__ w_ra
                           : make_uint4(0u, 0u, 0u, 0u);
     pdl_entry();
     probe_mark(1);
+    prep();
     float acc[M][R];
 #pragma unroll
     for (int m = 0; m < M; ++m)
@@ -265,11 +283,15 @@ GEMV_ROWS_KERNEL(gemv_rows_f32_m8, ChunkF32, 8, 1)
 #define ROUTE_ROWS 16
 #define ROUTE_CLUSTER 8
 
-template <typename C, int L>
+// `prep`: gemv_rows_partials'. `finish` runs in every thread of block 0 once every block's logits
+// are in (so every block is past its prep), before its first warp routes them.
+template <typename C, int L, typename Prep = NoPrep, typename Finish = NoPrep>
 __device__ __forceinline__ void gemv_route(const void* __restrict__ w, const float* __restrict__ x,
                                            int experts, int k, int topk, int renormalise,
                                            u32* __restrict__ out_ids,
-                                           float* __restrict__ out_weights) {
+                                           float* __restrict__ out_weights,
+                                           const Prep& prep = Prep(),
+                                           const Finish& finish = Finish()) {
     __shared__ float partial[ROWS_WARPS][ROUTE_ROWS];
     __shared__ __align__(16) float logits[ROUTE_ROWS * ROUTE_CLUSTER];
     __shared__ __align__(8) u64 inbox;
@@ -285,7 +307,7 @@ __device__ __forceinline__ void gemv_route(const void* __restrict__ w, const flo
     }
     fence_mbarrier_init();
     cluster_arrive_relaxed();
-    gemv_rows_partials<C, 1, 1, ROUTE_ROWS>(w, x, experts, k, row0, partial);
+    gemv_rows_partials<C, 1, 1, ROUTE_ROWS>(w, x, experts, k, row0, partial, prep);
     probe_mark(2);
     cluster_wait();  // block 0's mbarrier is ready
     probe_mark(3);
@@ -302,8 +324,14 @@ __device__ __forceinline__ void gemv_route(const void* __restrict__ w, const flo
         probe_end("gemv_route");
         return;
     }
-    if (t >= 32) return;
-    mbar_wait_cluster(smem_u32(&inbox), 0);
+    if constexpr (same_type<Finish, NoPrep>::value) {
+        if (t >= 32) return;
+        mbar_wait_cluster(smem_u32(&inbox), 0);
+    } else {
+        mbar_wait_cluster(smem_u32(&inbox), 0);
+        finish();
+        if (t >= 32) return;
+    }
     probe_mark(5);
     warp_route_topk<L>(logits, experts, topk, renormalise, out_ids, out_weights);
     probe_end("gemv_route");
@@ -324,6 +352,77 @@ __device__ __forceinline__ void gemv_route(const void* __restrict__ w, const flo
                                     int renormalise, u32* out_ids, float* out_weights) {}
 #endif
 
+// ---- the add+RMSNorm before a MoE layer folded into its router (sm_90) ----
+//
+// gemv_route_norm_<dt>_l<L>: gemv_route of the row add_rms_norm_f32 makes first (x += y; out =
+// nw * x / rms(x)), in the same launch. Each block makes that row itself in shared memory (the
+// residual and the norm weights loaded before the programmatic wait, as add_rms_norm loads them:
+// no kernel right before this one writes the residual; y after the wait) and takes its router
+// rows' products from there; block 0 also writes the sum back to x (the residual) and the normed
+// row to `out` (the experts' input). The bits of add_rms_norm_f32 then gemv_route: the sum of
+// squares is add_rms_norm's, whose 1,024 threads each sum elements t, t + 1,024, ... in order
+// (fused multiply-adds), then warp sums, then the sum of the 32 warps' sums; here 256 threads
+// play those 1,024 as t = r + 256 j, and the lanes of a real warp are then exactly the lanes of
+// virtual warp (warp + 8 j). Width <= NORM_ROUTE_MAX_WIDTH (ops/router.rs checks).
+#define NORM_ROUTE_MAX_WIDTH 4096
+
+template <typename C, int L>
+__device__ __forceinline__ void gemv_route_norm(const void* __restrict__ w, float* x,
+                                                const float* __restrict__ y,
+                                                const float* __restrict__ nw, float eps,
+                                                float* out, int experts, int k, int topk,
+                                                int renormalise, u32* __restrict__ out_ids,
+                                                float* __restrict__ out_weights) {
+    __shared__ __align__(16) float xs[NORM_ROUTE_MAX_WIDTH];
+    __shared__ __align__(16) float ws[NORM_ROUTE_MAX_WIDTH];
+    __shared__ float warp_sums[32];
+    const int r = threadIdx.x;
+    // Before the wait: the residual and the norm weights, all in flight at once (k a multiple of
+    // 4, both 16-byte aligned: ops/router.rs).
+    for (int c = r; 4 * c < k; c += ROWS_THREADS) {
+        cp_async16(xs + 4 * c, x + 4 * c, 16);
+        cp_async16(ws + 4 * c, nw + 4 * c, 16);
+    }
+    cp_async_commit();
+    // After the wait: x + y (into xs), its sum of squares in add_rms_norm's tree, the normed row
+    // (into xs, the sum kept in ws). Thread r's elements are r + 256 m throughout.
+    auto add_norm = [&]() {
+        cp_async_wait<0>();
+        __syncthreads();
+        const int lane = r & 31, warp = r >> 5;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            float ss = 0.0f;
+            for (int i = r + ROWS_THREADS * j; i < k; i += 1024) {
+                const float v = xs[i] + y[i];
+                xs[i] = v;
+                ss = __fmaf_rn(v, v, ss);
+            }
+            ss = warp_sum(ss);
+            if (lane == 0) warp_sums[warp + 8 * j] = ss;
+        }
+        __syncthreads();
+        const float total = warp_sum(warp_sums[lane]);
+        const float inv = 1.0f / sqrtf(total / (float)k + eps);
+        for (int i = r; i < k; i += ROWS_THREADS) {
+            const float v = xs[i];
+            xs[i] = ws[i] * (v * inv);
+            ws[i] = v;
+        }
+        __syncthreads();
+    };
+    // Block 0 writes the residual and the normed row only once every block has its logits in,
+    // so past its own reads of the residual (the other blocks read it before their wait).
+    auto write_back = [&]() {
+        for (int i = r; i < k; i += ROWS_THREADS) {
+            x[i] = ws[i];
+            out[i] = xs[i];
+        }
+    };
+    gemv_route<C, L>(w, xs, experts, k, topk, renormalise, out_ids, out_weights, add_norm,
+                     write_back);
+}
+
 GEMV_ROUTE_KERNEL(gemv_route_bf16_l1, ChunkBf16, 1)
 GEMV_ROUTE_KERNEL(gemv_route_bf16_l2, ChunkBf16, 2)
 GEMV_ROUTE_KERNEL(gemv_route_bf16_l4, ChunkBf16, 4)
@@ -333,3 +432,28 @@ GEMV_ROUTE_KERNEL(gemv_route_f16_l4, ChunkF16, 4)
 GEMV_ROUTE_KERNEL(gemv_route_f32_l1, ChunkF32, 1)
 GEMV_ROUTE_KERNEL(gemv_route_f32_l2, ChunkF32, 2)
 GEMV_ROUTE_KERNEL(gemv_route_f32_l4, ChunkF32, 4)
+
+#if __CUDA_ARCH__ >= 900
+#define GEMV_ROUTE_NORM_KERNEL(NAME, CHUNK, L)                                                   \
+    extern "C" __global__ void __launch_bounds__(ROWS_THREADS) __cluster_dims__(ROUTE_CLUSTER, 1, 1) \
+        NAME(const void* w, float* x, const float* y, const float* nw, float eps, float* out,   \
+             int experts, int k, int topk, int renormalise, u32* out_ids, float* out_weights) {  \
+        gemv_route_norm<CHUNK, L>(w, x, y, nw, eps, out, experts, k, topk, renormalise,         \
+                                  out_ids, out_weights);                                         \
+    }
+#else
+#define GEMV_ROUTE_NORM_KERNEL(NAME, CHUNK, L)                                                   \
+    extern "C" __global__ void NAME(const void* w, float* x, const float* y, const float* nw,   \
+                                    float eps, float* out, int experts, int k, int topk,         \
+                                    int renormalise, u32* out_ids, float* out_weights) {}
+#endif
+
+GEMV_ROUTE_NORM_KERNEL(gemv_route_norm_bf16_l1, ChunkBf16, 1)
+GEMV_ROUTE_NORM_KERNEL(gemv_route_norm_bf16_l2, ChunkBf16, 2)
+GEMV_ROUTE_NORM_KERNEL(gemv_route_norm_bf16_l4, ChunkBf16, 4)
+GEMV_ROUTE_NORM_KERNEL(gemv_route_norm_f16_l1, ChunkF16, 1)
+GEMV_ROUTE_NORM_KERNEL(gemv_route_norm_f16_l2, ChunkF16, 2)
+GEMV_ROUTE_NORM_KERNEL(gemv_route_norm_f16_l4, ChunkF16, 4)
+GEMV_ROUTE_NORM_KERNEL(gemv_route_norm_f32_l1, ChunkF32, 1)
+GEMV_ROUTE_NORM_KERNEL(gemv_route_norm_f32_l2, ChunkF32, 2)
+GEMV_ROUTE_NORM_KERNEL(gemv_route_norm_f32_l4, ChunkF32, 4)

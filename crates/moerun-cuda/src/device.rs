@@ -61,6 +61,8 @@ pub(crate) struct Kernels {
     pub route_topk: [CudaFunction; 5],
     /// By weight dtype ([`dtype_slot`]), then experts per lane of the routing warp (1, 2, 4).
     pub gemv_route: [[CudaFunction; 3]; 3],
+    /// `gemv_route_norm_<dt>_l<L>`, indexed as `gemv_route`.
+    pub gemv_route_norm: [[CudaFunction; 3]; 3],
     /// Indexed by [`dtype_slot`].
     pub embed: [CudaFunction; 3],
     /// `[layout][dtype_slot][i]` for x-row counts `GEMV_ROWS[i]`; layout 0 is warp per row,
@@ -120,29 +122,25 @@ impl Kernels {
                 gemv(prefix, "f32")?,
             ])
         };
+        // A routing table `<prefix>_<dt>_l<L>`: [dtype][lane slot (1, 2, 4 experts a lane)].
+        let route_table = |prefix: &str| -> Result<[[CudaFunction; 3]; 3]> {
+            let row = |dt: &str| -> Result<[CudaFunction; 3]> {
+                Ok([
+                    get("gemv", &format!("{prefix}_{dt}_l1"))?,
+                    get("gemv", &format!("{prefix}_{dt}_l2"))?,
+                    get("gemv", &format!("{prefix}_{dt}_l4"))?,
+                ])
+            };
+            Ok([row("bf16")?, row("f16")?, row("f32")?])
+        };
         Ok(Kernels {
             rms_norm: get("norm", "rms_norm_f32")?,
             rope: get("rope", "rope_rotate_half_f32")?,
             silu_mul: get("activation", "silu_mul_f32")?,
             f32_to_bf16: get("convert", "f32_to_bf16")?,
             f32_to_bf16_split: get("convert", "f32_to_bf16_split")?,
-            gemv_route: [
-                [
-                    get("gemv", "gemv_route_bf16_l1")?,
-                    get("gemv", "gemv_route_bf16_l2")?,
-                    get("gemv", "gemv_route_bf16_l4")?,
-                ],
-                [
-                    get("gemv", "gemv_route_f16_l1")?,
-                    get("gemv", "gemv_route_f16_l2")?,
-                    get("gemv", "gemv_route_f16_l4")?,
-                ],
-                [
-                    get("gemv", "gemv_route_f32_l1")?,
-                    get("gemv", "gemv_route_f32_l2")?,
-                    get("gemv", "gemv_route_f32_l4")?,
-                ],
-            ],
+            gemv_route: route_table("gemv_route")?,
+            gemv_route_norm: route_table("gemv_route_norm")?,
             route_topk: [
                 get("router", "route_topk_f32_l1")?,
                 get("router", "route_topk_f32_l2")?,

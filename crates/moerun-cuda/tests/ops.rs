@@ -469,6 +469,126 @@ fn gemv_route_gives_the_bits_of_the_gemv_then_route_topk() {
     );
 }
 
+/// The add+RMSNorm before a MoE layer folded into its router: the residual, the normed row and
+/// the routing bit for bit those of add_rms_norm then gemv_route, for rows below, at and past
+/// the 1,024 elements add_rms_norm's threads take one each, up to the 4,096 the fold holds, every
+/// dtype; rows past that refused by name.
+#[test]
+fn gemv_route_norm_gives_the_bits_of_add_rms_norm_then_gemv_route() {
+    let Some(dev) = device() else { return };
+    if !dev.gemv_route_norm_supported(128, 2048) {
+        println!("skipped: gemv_route_norm needs sm_90+ (and MOERUN_CUDA_GEMV_ROUTE unset)");
+        return;
+    }
+    let mut r = rng("gemv_route_norm");
+    for (experts, hidden, top_k, dtype) in [
+        (128usize, 2048usize, 8usize, DType::BF16),
+        (100, 4096, 8, DType::BF16),
+        (128, 2056, 128, DType::BF16),
+        (60, 1000, 4, DType::F16),
+        (64, 1024, 8, DType::F32),
+        (8, 512, 2, DType::BF16),
+        (33, 3000, 4, DType::BF16),
+    ] {
+        let bytes = stored(&uniform(&mut r, experts * hidden, -0.1, 0.1), dtype);
+        let w = dev
+            .upload_matrix(MatRef {
+                dtype,
+                rows: experts,
+                cols: hidden,
+                data: &bytes,
+            })
+            .unwrap();
+        let x = uniform(&mut r, hidden, -2.0, 2.0);
+        let y = dev.upload(&uniform(&mut r, hidden, -2.0, 2.0)).unwrap();
+        let norm = dev.upload(&uniform(&mut r, hidden, 0.5, 1.5)).unwrap();
+        let shape = RouterShape {
+            experts,
+            top_k,
+            renormalise: true,
+        };
+        let eps = 1e-6;
+        // The reference: add_rms_norm, then gemv_route of its output.
+        let mut want_x = dev.upload(&x).unwrap();
+        let mut want_xn = dev.upload(&poison(hidden)).unwrap();
+        dev.add_rms_norm(&mut want_x, &y, &norm, eps, &mut want_xn)
+            .unwrap();
+        let mut want_e = dev.upload(&vec![u32::MAX; top_k]).unwrap();
+        let mut want_w = dev.upload(&poison(top_k)).unwrap();
+        dev.gemv_route(&want_xn, &w, shape, &mut want_e, &mut want_w)
+            .unwrap();
+        let mut got_x = dev.upload(&x).unwrap();
+        let mut got_xn = dev.upload(&poison(hidden)).unwrap();
+        let mut got_e = dev.upload(&vec![u32::MAX; top_k]).unwrap();
+        let mut got_w = dev.upload(&poison(top_k)).unwrap();
+        dev.gemv_route_norm(
+            (&mut got_x, &y, &norm, eps),
+            &mut got_xn,
+            &w,
+            shape,
+            &mut got_e,
+            &mut got_w,
+        )
+        .unwrap();
+        let name = format!("gemv_route_norm {experts}e x {hidden} {dtype} top{top_k}");
+        assert_eq!(
+            dev.download(&got_e).unwrap(),
+            dev.download(&want_e).unwrap(),
+            "{name}: experts"
+        );
+        let bits = |b: &_| -> Vec<u32> {
+            dev.download(b)
+                .unwrap()
+                .iter()
+                .map(|v: &f32| v.to_bits())
+                .collect()
+        };
+        let differing = |g: Vec<u32>, w: Vec<u32>| g.iter().zip(&w).filter(|(a, b)| a != b).count();
+        let differ = differing(bits(&got_x), bits(&want_x))
+            + differing(bits(&got_xn), bits(&want_xn))
+            + differing(bits(&got_w), bits(&want_w));
+        check(
+            &format!("{name} (residual, row, weights differing)"),
+            differ as f64,
+            0.0,
+        );
+    }
+    // Rows wider than the fold holds: refused by name (add_rms_norm and gemv_route take them).
+    assert!(!dev.gemv_route_norm_supported(128, 4104));
+    let bytes = stored(&vec![0.0; 8 * 4104], DType::BF16);
+    let w = dev
+        .upload_matrix(MatRef {
+            dtype: DType::BF16,
+            rows: 8,
+            cols: 4104,
+            data: &bytes,
+        })
+        .unwrap();
+    let row = || dev.zeros::<f32>(4104).unwrap();
+    let (mut x, y, norm, mut xn) = (row(), row(), row(), row());
+    let shape = RouterShape {
+        experts: 8,
+        top_k: 2,
+        renormalise: true,
+    };
+    let mut e = dev.zeros::<u32>(2).unwrap();
+    let mut wt = dev.zeros::<f32>(2).unwrap();
+    let err = dev
+        .gemv_route_norm(
+            (&mut x, &y, &norm, 1e-6),
+            &mut xn,
+            &w,
+            shape,
+            &mut e,
+            &mut wt,
+        )
+        .unwrap_err();
+    assert!(
+        matches!(err, CudaError::InvalidArgument(ref m) if m.contains("4104")),
+        "{err}"
+    );
+}
+
 /// The engine's greedy pick, written out: strictly greater wins, so the lowest index among equal
 /// values, NaN never, and 0 when nothing is above -inf.
 fn argmax_cpu(row: &[f32]) -> u32 {

@@ -45,12 +45,15 @@ pub fn decoder_logits<B: Backend>(
             }
             MixerWeights::GatedDeltaNet(gw) => b.gated_deltanet(l, gw, &xn)?,
         };
-        let post = b.add_rms_norm(&mut x, &mixed, &layer.post_attention_layernorm, eps)?;
+        let post_norm = &layer.post_attention_layernorm;
         let ffn_out = match &layer.ffn {
-            FfnWeights::Dense(mlp) => b.mlp(&post, mlp)?,
+            FfnWeights::Dense(mlp) => {
+                let post = b.add_rms_norm(&mut x, &mixed, post_norm, eps)?;
+                b.mlp(&post, mlp)?
+            }
             FfnWeights::Moe(moe) => {
                 let moe_cfg = cfg.moe.as_ref().expect("MoE weights imply a MoE config");
-                b.moe(&post, moe_cfg, moe)?
+                b.add_norm_moe(&mut x, &mixed, (post_norm, eps), moe_cfg, moe)?
             }
         };
         // The residual add, then the next layer's input norm (the final norm comes after the

@@ -9,11 +9,13 @@
 //! [`CudaDevice::gemv_route`] is the router GEMV of one token and its routing in one launch
 //! (`kernels/gemv.cu`'s `gemv_route`, one thread-block cluster on Hopper): the bits of
 //! [`CudaDevice::gemv`] then [`CudaDevice::route_topk`], one launch and no L2 round trip fewer
-//! on every MoE layer of a batch-1 decode step.
+//! on every MoE layer of a batch-1 decode step. [`CudaDevice::gemv_route_norm`] also makes that
+//! token's row first: the add+RMSNorm before the MoE layer (add_rms_norm's bits), one more
+//! launch and L2 round trip fewer.
 
 use std::sync::OnceLock;
 
-use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
 use super::{blocks, to_i32};
 use crate::device::dtype_slot;
@@ -28,6 +30,40 @@ pub const MAX_EXPERTS: usize = 512;
 
 /// Experts [`CudaDevice::gemv_route`] covers: 16 router rows in each of a cluster's 8 blocks.
 pub const GEMV_ROUTE_MAX_EXPERTS: usize = 128;
+
+/// Widest row [`CudaDevice::gemv_route_norm`] norms (`NORM_ROUTE_MAX_WIDTH` in kernels/gemv.cu:
+/// each block holds the row and its norm weights in shared memory).
+pub const NORM_ROUTE_MAX_WIDTH: usize = 4096;
+
+/// The gemv_route kernels' launch: one cluster of 8 blocks of 256 (their `__cluster_dims__`).
+const ROUTE_CLUSTER_LAUNCH: LaunchConfig = LaunchConfig {
+    grid_dim: (8, 1, 1),
+    block_dim: (256, 1, 1),
+    shared_mem_bytes: 0,
+};
+
+/// The arguments after the router's and the row's that every gemv_route kernel takes.
+struct RouteArgs {
+    w: u64,
+    experts: i32,
+    k: i32,
+    top_k: i32,
+    renormalise: i32,
+    out_experts: u64,
+    out_weights: u64,
+}
+
+impl RouteArgs {
+    /// Push the arguments after the row's: experts, k, top-k, renormalise, the two outputs.
+    fn push<'a>(&'a self, b: &mut cudarc::driver::LaunchArgs<'a>) {
+        b.arg(&self.experts)
+            .arg(&self.k)
+            .arg(&self.top_k)
+            .arg(&self.renormalise)
+            .arg(&self.out_experts)
+            .arg(&self.out_weights);
+    }
+}
 
 /// How a family routes: number of experts, how many each token takes, and whether the chosen
 /// weights are renormalised to sum to one (`norm_topk_prob`).
@@ -144,6 +180,120 @@ impl CudaDevice {
         out_experts: &mut impl DevicePtrMut<u32>,
         out_weights: &mut impl DevicePtrMut<f32>,
     ) -> Result<()> {
+        let a = self.route_args("gemv_route", x.len(), w, shape, out_experts, out_weights)?;
+        let xp = self.ptr(x, "gemv_route x")?;
+        ensure(xp.is_multiple_of(16), || {
+            "gemv_route: x must start 16-byte aligned".to_string()
+        })?;
+        if crate::skip::skipped("gemv_route") {
+            return Ok(());
+        }
+        let func = &self.kernels.gemv_route[dtype_slot(w.dtype())][shape.lane_slot()];
+        let mut b = self.stream.launch_builder(func);
+        b.arg(&a.w).arg(&xp);
+        a.push(&mut b);
+        // SAFETY: w holds experts (<= 128, the cluster's 8 x 16 rows) x k elements of its dtype, k
+        // a multiple of the 16-byte chunk; x holds k f32; both outputs top_k (route_args checked
+        // them); the argument list matches the kernel's.
+        unsafe { b.launch(ROUTE_CLUSTER_LAUNCH) }.ctx("gemv_route_<dt>_l<L>")?;
+        Ok(())
+    }
+
+    /// Whether [`CudaDevice::gemv_route_norm`] takes a router of `experts` rows over rows of
+    /// `width` here: where [`CudaDevice::gemv_route_supported`], for rows of at most
+    /// [`NORM_ROUTE_MAX_WIDTH`].
+    pub fn gemv_route_norm_supported(&self, experts: usize, width: usize) -> bool {
+        self.gemv_route_supported(experts) && (1..=NORM_ROUTE_MAX_WIDTH).contains(&width)
+    }
+
+    /// Whether a forward pass should fold its add+norm into the routing where
+    /// [`CudaDevice::gemv_route_norm_supported`]: only with `MOERUN_CUDA_NORM_ROUTE=1`, until the
+    /// fold has been measured on the device (docs/perf/cuda-model.md v16).
+    pub fn norm_route_wanted(&self) -> bool {
+        static ON: OnceLock<bool> = OnceLock::new();
+        *ON.get_or_init(|| std::env::var_os("MOERUN_CUDA_NORM_ROUTE").is_some_and(|v| v == "1"))
+    }
+
+    /// [`CudaDevice::add_rms_norm`] of one row (`x += y`, `out` = `norm` · x / rms(x)) and
+    /// [`CudaDevice::gemv_route`] of `out`, in one launch: `x`, `out` and the routing get exactly
+    /// what those two give. Refused where [`CudaDevice::gemv_route_norm_supported`] is false.
+    #[allow(clippy::too_many_arguments)] // add_rms_norm's arguments, then gemv_route's
+    pub fn gemv_route_norm(
+        &self,
+        (x, y, norm, eps): (
+            &mut impl DevicePtrMut<f32>,
+            &impl DevicePtr<f32>,
+            &CudaSlice<f32>,
+            f32,
+        ),
+        out: &mut impl DevicePtrMut<f32>,
+        w: &DeviceMatrix,
+        shape: RouterShape,
+        out_experts: &mut impl DevicePtrMut<u32>,
+        out_weights: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        let width = w.cols();
+        ensure(self.gemv_route_norm_supported(shape.experts, width), || {
+            format!(
+                "gemv_route_norm: {} experts over rows of {width} on compute capability \
+                     {:?}; it needs sm_90+, at most {GEMV_ROUTE_MAX_EXPERTS} experts and rows \
+                     of at most {NORM_ROUTE_MAX_WIDTH}",
+                shape.experts,
+                self.info().compute_capability
+            )
+        })?;
+        ensure(
+            y.len() == width && norm.len() == width && out.len() == width && eps.is_finite(),
+            || {
+                format!(
+                    "gemv_route_norm: y {}, norm {}, out {} for rows of {width} (eps {eps})",
+                    y.len(),
+                    norm.len(),
+                    out.len()
+                )
+            },
+        )?;
+        let a = self.route_args(
+            "gemv_route_norm",
+            x.len(),
+            w,
+            shape,
+            out_experts,
+            out_weights,
+        )?;
+        let xp = self.ptr_mut(x, "gemv_route_norm x")?;
+        let yp = self.ptr(y, "gemv_route_norm y")?;
+        let np = self.ptr(norm, "gemv_route_norm norm")?;
+        let op = self.ptr_mut(out, "gemv_route_norm out")?;
+        ensure(xp.is_multiple_of(16) && np.is_multiple_of(16), || {
+            "gemv_route_norm: x and norm must start 16-byte aligned".to_string()
+        })?;
+        if crate::skip::skipped("gemv_route") {
+            return Ok(());
+        }
+        let func = &self.kernels.gemv_route_norm[dtype_slot(w.dtype())][shape.lane_slot()];
+        let mut b = self.stream.launch_builder(func);
+        b.arg(&a.w).arg(&xp).arg(&yp).arg(&np).arg(&eps).arg(&op);
+        a.push(&mut b);
+        // SAFETY: as gemv_route's; x, y, norm and out hold `width` (<= NORM_ROUTE_MAX_WIDTH, the
+        // kernel's shared rows; a multiple of 4, route_args' chunk check) f32 each, x and norm
+        // 16-byte aligned for its cp.async (checked); the argument list matches the kernel's.
+        unsafe { b.launch(ROUTE_CLUSTER_LAUNCH) }.ctx("gemv_route_norm_<dt>_l<L>")?;
+        Ok(())
+    }
+
+    /// The checks and scalar arguments the gemv_route kernels share (`op` names the caller in
+    /// its refusals): x of `x_len` values for the router `w`, `shape`'s experts and top-k, and
+    /// outputs of top-k.
+    fn route_args(
+        &self,
+        op: &str,
+        x_len: usize,
+        w: &DeviceMatrix,
+        shape: RouterShape,
+        out_experts: &mut impl DevicePtrMut<u32>,
+        out_weights: &mut impl DevicePtrMut<f32>,
+    ) -> Result<RouteArgs> {
         let RouterShape {
             experts,
             top_k,
@@ -151,68 +301,40 @@ impl CudaDevice {
         } = shape;
         ensure(self.gemv_route_supported(experts), || {
             format!(
-                "gemv_route: {experts} experts on compute capability {:?}; it needs sm_90+ and \
-                 at most {GEMV_ROUTE_MAX_EXPERTS} (route_topk takes the others)",
+                "{op}: {experts} experts on compute capability {:?}; it needs sm_90+ and at \
+                 most {GEMV_ROUTE_MAX_EXPERTS} (route_topk takes the others)",
                 self.info().compute_capability
             )
         })?;
         ensure(w.rows() == experts, || {
-            format!(
-                "gemv_route: the router has {} rows, not {experts}",
-                w.rows()
-            )
+            format!("{op}: the router has {} rows, not {experts}", w.rows())
         })?;
         let k = w.cols();
         let per_chunk = 16 / w.dtype().size();
-        ensure(x.len() == k && k.is_multiple_of(per_chunk), || {
+        ensure(x_len == k && k.is_multiple_of(per_chunk), || {
             format!(
-                "gemv_route: x holds {} values for a router of {k} columns (a multiple of \
+                "{op}: x holds {x_len} values for a router of {k} columns (a multiple of \
                  {per_chunk} for {} weights)",
-                x.len(),
                 w.dtype()
             )
         })?;
-        shape.check_top_k("gemv_route")?;
+        shape.check_top_k(op)?;
         ensure(
             out_experts.len() == top_k && out_weights.len() == top_k,
-            || format!("gemv_route: outputs must hold {top_k}"),
+            || format!("{op}: outputs must hold {top_k}"),
         )?;
-        let xp = self.ptr(x, "gemv_route x")?;
         let wp = w.device_ptr(self, "gemv_route w")?;
-        ensure(xp.is_multiple_of(16) && wp.is_multiple_of(16), || {
-            "gemv_route: x and w must start 16-byte aligned".to_string()
+        ensure(wp.is_multiple_of(16), || {
+            format!("{op}: w must start 16-byte aligned")
         })?;
-        let e = self.ptr_mut(out_experts, "gemv_route experts")?;
-        let o = self.ptr_mut(out_weights, "gemv_route weights")?;
-        let (experts_i, k_i, top_i) = (
-            to_i32(experts, "experts")?,
-            to_i32(k, "k")?,
-            to_i32(top_k, "top_k")?,
-        );
-        let renorm_i = renormalise as i32;
-        // One cluster of 8 blocks (the kernel's __cluster_dims__).
-        let cfg = LaunchConfig {
-            grid_dim: (8, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        if crate::skip::skipped("gemv_route") {
-            return Ok(());
-        }
-        let mut b = self
-            .stream
-            .launch_builder(&self.kernels.gemv_route[dtype_slot(w.dtype())][shape.lane_slot()]);
-        b.arg(&wp)
-            .arg(&xp)
-            .arg(&experts_i)
-            .arg(&k_i)
-            .arg(&top_i)
-            .arg(&renorm_i);
-        b.arg(&e).arg(&o);
-        // SAFETY: w holds experts (<= 128, the cluster's 8 x 16 rows) x k elements of its dtype, k
-        // a multiple of the 16-byte chunk; x holds k f32; both outputs top_k; the argument list
-        // matches the kernel's.
-        unsafe { b.launch(cfg) }.ctx("gemv_route_<dt>_l<L>")?;
-        Ok(())
+        Ok(RouteArgs {
+            w: wp,
+            experts: to_i32(experts, "experts")?,
+            k: to_i32(k, "k")?,
+            top_k: to_i32(top_k, "top_k")?,
+            renormalise: renormalise as i32,
+            out_experts: self.ptr_mut(out_experts, "gemv_route experts")?,
+            out_weights: self.ptr_mut(out_weights, "gemv_route weights")?,
+        })
     }
 }

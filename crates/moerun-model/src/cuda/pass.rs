@@ -219,6 +219,70 @@ impl<'a> CudaPass<'a> {
         }
         Ok(out)
     }
+    /// The MoE block after its routing (`ids`, `weights`: top-k per row): the experts, summed
+    /// in rank order, and the shared expert as the family defines it.
+    fn moe_routed(
+        &mut self,
+        x: &DeviceBuffer<f32>,
+        (ids, weights): (&DeviceBuffer<u32>, &DeviceBuffer<f32>),
+        cfg: &MoeConfig,
+        w: &MoeWeights,
+    ) -> Result<DeviceBuffer<f32>> {
+        let dev = &self.m.dev;
+        let hidden = w.router.shape[1];
+        let rows = x.len() / hidden;
+        let k = cfg.top_k;
+        let experts = self.m.experts.get(&tensor_key(&w.router)).ok_or_else(|| {
+            Error::Device("internal: a MoE layer's experts were not uploaded".into())
+        })?;
+        let mut out = self.alloc(rows * hidden)?;
+        let scratch = self.scratch.moe(dev, experts, rows, k)?;
+        let xb = x.bf16().map(|b| &**b);
+        dev.moe_experts_with_bf16_x(x, xb, ids, weights, k, experts, scratch, &mut out)
+            .map_err(dev_err)?;
+        if let Some(shared) = &w.shared_expert {
+            // One token: the shared expert's gate, up and gate rows in one GEMV (upload.rs
+            // stacks them), read as slices of its output; the same rows, so the same bits
+            // as three products.
+            let stacked = match self.m.qkv.get(&tensor_key(&shared.gate_proj.weight)) {
+                Some(st) if rows == 1 => Some(self.product_with(x, &st.weight)?),
+                _ => None,
+            };
+            if let Some(mut all) = stacked {
+                let inter = shared.gate_proj.weight.shape[0];
+                let gates = usize::from(w.shared_expert_gate.is_some());
+                if all.len() != 2 * inter + gates {
+                    return Err(Error::Device(format!(
+                        "moe: the stacked shared expert gives {} values, expected {}",
+                        all.len(),
+                        2 * inter + gates
+                    )));
+                }
+                let (mut g, mut rest) = all.split_at_mut(inter);
+                let (u, sg) = rest.split_at_mut(inter);
+                dev.silu_mul(&mut g, &u).map_err(dev_err)?;
+                let down = &shared.down_proj;
+                let mut s = self.alloc(hidden)?;
+                dev.gemv(&g, 1, self.m.mat(&down.weight)?, &mut s)
+                    .map_err(dev_err)?;
+                if let Some(b) = &down.bias {
+                    dev.add_bias(&mut s, self.m.vec(b)?).map_err(dev_err)?;
+                }
+                let gate = (gates == 1).then_some(&sg);
+                dev.add_sigmoid_scaled(&mut out, &s, gate, hidden)
+                    .map_err(dev_err)?;
+                return Ok(out);
+            }
+            let s = self.mlp(x, shared)?;
+            let gate = match &w.shared_expert_gate {
+                Some(g) => Some(self.product(x, g)?),
+                None => None,
+            };
+            dev.add_sigmoid_scaled(&mut out, &s, gate.as_deref(), hidden)
+                .map_err(dev_err)?;
+        }
+        Ok(out)
+    }
 }
 
 impl Backend for CudaPass<'_> {
@@ -577,56 +641,55 @@ impl Backend for CudaPass<'_> {
                 dev.route_topk(&logits, shape, &mut ids, &mut weights)
             }
             .map_err(dev_err)?;
-            let experts = self.m.experts.get(&tensor_key(&w.router)).ok_or_else(|| {
-                Error::Device("internal: a MoE layer's experts were not uploaded".into())
-            })?;
-            let mut out = self.alloc(rows * hidden)?;
-            let scratch = self.scratch.moe(dev, experts, rows, k)?;
-            let xb = x.bf16().map(|b| &**b);
-            dev.moe_experts_with_bf16_x(x, xb, &ids, &weights, k, experts, scratch, &mut out)
+            self.moe_routed(x, (&ids, &weights), cfg, w)
+        })
+    }
+
+    fn add_norm_moe(
+        &mut self,
+        x: &mut DeviceBuffer<f32>,
+        y: &DeviceBuffer<f32>,
+        (weight, eps): (&[f32], f32),
+        cfg: &MoeConfig,
+        w: &MoeWeights,
+    ) -> Result<DeviceBuffer<f32>> {
+        let m = self.m;
+        let hidden = w.router.shape[1];
+        let router = m.mat(&w.router)?;
+        let folds = x.len() == hidden
+            && weight.len() == hidden
+            && m.dev.norm_route_wanted()
+            && m.dev.gemv_route_norm_supported(router.rows(), hidden);
+        if !folds {
+            let xn = self.add_rms_norm(x, y, weight, eps)?;
+            return self.moe(&xn, cfg, w);
+        }
+        // One token: the add+norm and the routing in one launch (add_rms_norm's and
+        // gemv_route's bits), then the experts.
+        let k = cfg.top_k;
+        let (xn, ids, weights) = profile::timed(&m.dev, "add_rms_norm", || {
+            let mut ids = self.scratch.activation::<u32>(&m.dev, k)?;
+            let mut weights = self.alloc(k)?;
+            let mut xn = self.alloc(hidden)?;
+            let shape = RouterShape {
+                experts: cfg.num_experts,
+                top_k: k,
+                renormalise: cfg.norm_topk_prob,
+            };
+            m.dev
+                .gemv_route_norm(
+                    (x, y, m.vec(weight)?, eps),
+                    &mut xn,
+                    router,
+                    shape,
+                    &mut ids,
+                    &mut weights,
+                )
                 .map_err(dev_err)?;
-            if let Some(shared) = &w.shared_expert {
-                // One token: the shared expert's gate, up and gate rows in one GEMV (upload.rs
-                // stacks them), read as slices of its output; the same rows, so the same bits
-                // as three products.
-                let stacked = match self.m.qkv.get(&tensor_key(&shared.gate_proj.weight)) {
-                    Some(st) if rows == 1 => Some(self.product_with(x, &st.weight)?),
-                    _ => None,
-                };
-                if let Some(mut all) = stacked {
-                    let inter = shared.gate_proj.weight.shape[0];
-                    let gates = usize::from(w.shared_expert_gate.is_some());
-                    if all.len() != 2 * inter + gates {
-                        return Err(Error::Device(format!(
-                            "moe: the stacked shared expert gives {} values, expected {}",
-                            all.len(),
-                            2 * inter + gates
-                        )));
-                    }
-                    let (mut g, mut rest) = all.split_at_mut(inter);
-                    let (u, sg) = rest.split_at_mut(inter);
-                    dev.silu_mul(&mut g, &u).map_err(dev_err)?;
-                    let down = &shared.down_proj;
-                    let mut s = self.alloc(hidden)?;
-                    dev.gemv(&g, 1, self.m.mat(&down.weight)?, &mut s)
-                        .map_err(dev_err)?;
-                    if let Some(b) = &down.bias {
-                        dev.add_bias(&mut s, self.m.vec(b)?).map_err(dev_err)?;
-                    }
-                    let gate = (gates == 1).then_some(&sg);
-                    dev.add_sigmoid_scaled(&mut out, &s, gate, hidden)
-                        .map_err(dev_err)?;
-                    return Ok(out);
-                }
-                let s = self.mlp(x, shared)?;
-                let gate = match &w.shared_expert_gate {
-                    Some(g) => Some(self.product(x, g)?),
-                    None => None,
-                };
-                dev.add_sigmoid_scaled(&mut out, &s, gate.as_deref(), hidden)
-                    .map_err(dev_err)?;
-            }
-            Ok(out)
+            Ok((xn, ids, weights))
+        })?;
+        profile::timed(&m.dev, "moe", || {
+            self.moe_routed(&xn, (&ids, &weights), cfg, w)
         })
     }
 
