@@ -151,10 +151,11 @@ struct same_type<A, A> {
 };
 
 // `prep` runs right after the programmatic wait, before x is read (every thread calls it):
-// gemv_route_norm makes x there.
+// gemv_route_norm makes x there, so x is not __restrict__ here (prep writes it through another
+// name within this function's scope).
 template <typename C, int M, int U, int R, typename Prep = NoPrep>
 __device__ __forceinline__ void gemv_rows_partials(const void* __restrict__ w_raw,
-                                                   const float* __restrict__ x, int n, int k,
+                                                   const float* x, int n, int k,
                                                    int row0, float (&partial)[ROWS_WARPS][M * R],
                                                    const Prep& prep = Prep()) {
     const int tid = threadIdx.x;
@@ -286,7 +287,7 @@ GEMV_ROWS_KERNEL(gemv_rows_f32_m8, ChunkF32, 8, 1)
 // `prep`: gemv_rows_partials'. `finish` runs in every thread of block 0 once every block's logits
 // are in (so every block is past its prep), before its first warp routes them.
 template <typename C, int L, typename Prep = NoPrep, typename Finish = NoPrep>
-__device__ __forceinline__ void gemv_route(const void* __restrict__ w, const float* __restrict__ x,
+__device__ __forceinline__ void gemv_route(const void* __restrict__ w, const float* x,
                                            int experts, int k, int topk, int renormalise,
                                            u32* __restrict__ out_ids,
                                            float* __restrict__ out_weights,
