@@ -13,7 +13,7 @@ use moerun_core::{DType, MatRef};
 use moerun_cpu::ops::{
     gelu_tanh_mul_in_place, rms_norm_rows, rope_rotate_half, silu_mul_in_place, softmax_in_place,
 };
-use moerun_cuda::{CudaError, RouterShape};
+use moerun_cuda::{CudaDevice, CudaError, CudaSlice, RouterShape};
 
 fn widen(v: &[f32]) -> Vec<f64> {
     v.iter().map(|&x| x as f64).collect()
@@ -376,6 +376,15 @@ fn router_picks_the_cpu_experts_in_rank_order_with_ties_to_the_lower_index() {
     }
 }
 
+/// The bit patterns of a device buffer's values.
+fn bits_of(dev: &CudaDevice, b: &CudaSlice<f32>) -> Vec<u32> {
+    dev.download(b)
+        .unwrap()
+        .iter()
+        .map(|v| v.to_bits())
+        .collect()
+}
+
 #[test]
 fn gemv_route_gives_the_bits_of_the_gemv_then_route_topk() {
     let Some(dev) = device() else { return };
@@ -433,14 +442,7 @@ fn gemv_route_gives_the_bits_of_the_gemv_then_route_topk() {
             dev.download(&want_e).unwrap(),
             "{name}: experts"
         );
-        let bits = |b: &_| -> Vec<u32> {
-            dev.download(b)
-                .unwrap()
-                .iter()
-                .map(|v: &f32| v.to_bits())
-                .collect()
-        };
-        let same = bits(&got_w) == bits(&want_w);
+        let same = bits_of(dev, &got_w) == bits_of(dev, &want_w);
         check(&name, if same { 0.0 } else { 1.0 }, 0.0);
     }
 
@@ -536,17 +538,12 @@ fn gemv_route_norm_gives_the_bits_of_add_rms_norm_then_gemv_route() {
             dev.download(&want_e).unwrap(),
             "{name}: experts"
         );
-        let bits = |b: &_| -> Vec<u32> {
-            dev.download(b)
-                .unwrap()
-                .iter()
-                .map(|v: &f32| v.to_bits())
-                .collect()
+        let differing = |g: &CudaSlice<f32>, w: &CudaSlice<f32>| {
+            let (g, w) = (bits_of(dev, g), bits_of(dev, w));
+            g.iter().zip(&w).filter(|(a, b)| a != b).count()
         };
-        let differing = |g: Vec<u32>, w: Vec<u32>| g.iter().zip(&w).filter(|(a, b)| a != b).count();
-        let differ = differing(bits(&got_x), bits(&want_x))
-            + differing(bits(&got_xn), bits(&want_xn))
-            + differing(bits(&got_w), bits(&want_w));
+        let differ =
+            differing(&got_x, &want_x) + differing(&got_xn, &want_xn) + differing(&got_w, &want_w);
         check(
             &format!("{name} (residual, row, weights differing)"),
             differ as f64,
