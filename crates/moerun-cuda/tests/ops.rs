@@ -13,7 +13,7 @@ use moerun_core::{DType, MatRef};
 use moerun_cpu::ops::{
     gelu_tanh_mul_in_place, rms_norm_rows, rope_rotate_half, silu_mul_in_place, softmax_in_place,
 };
-use moerun_cuda::{CudaDevice, CudaError, CudaSlice, RouterShape};
+use moerun_cuda::{CudaDevice, CudaError, CudaSlice, DeviceMatrix, RouterShape};
 
 fn widen(v: &[f32]) -> Vec<f64> {
     v.iter().map(|&x| x as f64).collect()
@@ -376,6 +376,18 @@ fn router_picks_the_cpu_experts_in_rank_order_with_ties_to_the_lower_index() {
     }
 }
 
+/// `values` (`rows` rows) stored as `dtype` in a device matrix.
+fn matrix(dev: &CudaDevice, values: &[f32], dtype: DType, rows: usize) -> DeviceMatrix {
+    let bytes = stored(values, dtype);
+    dev.upload_matrix(MatRef {
+        dtype,
+        rows,
+        cols: values.len() / rows,
+        data: &bytes,
+    })
+    .unwrap()
+}
+
 /// The bit patterns of a device buffer's values.
 fn bits_of(dev: &CudaDevice, b: &CudaSlice<f32>) -> Vec<u32> {
     dev.download(b)
@@ -406,16 +418,12 @@ fn gemv_route_gives_the_bits_of_the_gemv_then_route_topk() {
         (1, 512, 1, false, DType::BF16, false),
         (33, 2048, 4, true, DType::BF16, true),
     ] {
-        let values = uniform(&mut r, experts * hidden, -0.1, 0.1);
-        let bytes = stored(&values, dtype);
-        let w = dev
-            .upload_matrix(MatRef {
-                dtype,
-                rows: experts,
-                cols: hidden,
-                data: &bytes,
-            })
-            .unwrap();
+        let w = matrix(
+            dev,
+            &uniform(&mut r, experts * hidden, -0.1, 0.1),
+            dtype,
+            experts,
+        );
         let mut x = uniform(&mut r, hidden, -2.0, 2.0);
         if nan {
             x[hidden / 2] = f32::NAN;
@@ -447,15 +455,7 @@ fn gemv_route_gives_the_bits_of_the_gemv_then_route_topk() {
     }
 
     // More experts than a cluster's 128 rows: refused by name, route_topk takes them.
-    let bytes = stored(&[0.0; 129 * 64], DType::BF16);
-    let w = dev
-        .upload_matrix(MatRef {
-            dtype: DType::BF16,
-            rows: 129,
-            cols: 64,
-            data: &bytes,
-        })
-        .unwrap();
+    let w = matrix(dev, &[0.0; 129 * 64], DType::BF16, 129);
     let xd = dev.upload(&vec![0.0f32; 64]).unwrap();
     let shape = RouterShape {
         experts: 129,
@@ -492,15 +492,12 @@ fn gemv_route_norm_gives_the_bits_of_add_rms_norm_then_gemv_route() {
         (8, 512, 2, DType::BF16),
         (33, 3000, 4, DType::BF16),
     ] {
-        let bytes = stored(&uniform(&mut r, experts * hidden, -0.1, 0.1), dtype);
-        let w = dev
-            .upload_matrix(MatRef {
-                dtype,
-                rows: experts,
-                cols: hidden,
-                data: &bytes,
-            })
-            .unwrap();
+        let w = matrix(
+            dev,
+            &uniform(&mut r, experts * hidden, -0.1, 0.1),
+            dtype,
+            experts,
+        );
         let x = uniform(&mut r, hidden, -2.0, 2.0);
         let y = dev.upload(&uniform(&mut r, hidden, -2.0, 2.0)).unwrap();
         let norm = dev.upload(&uniform(&mut r, hidden, 0.5, 1.5)).unwrap();
@@ -552,15 +549,7 @@ fn gemv_route_norm_gives_the_bits_of_add_rms_norm_then_gemv_route() {
     }
     // Rows wider than the fold holds: refused by name (add_rms_norm and gemv_route take them).
     assert!(!dev.gemv_route_norm_supported(128, 4104));
-    let bytes = stored(&vec![0.0; 8 * 4104], DType::BF16);
-    let w = dev
-        .upload_matrix(MatRef {
-            dtype: DType::BF16,
-            rows: 8,
-            cols: 4104,
-            data: &bytes,
-        })
-        .unwrap();
+    let w = matrix(dev, &vec![0.0; 8 * 4104], DType::BF16, 8);
     let row = || dev.zeros::<f32>(4104).unwrap();
     let (mut x, y, norm, mut xn) = (row(), row(), row(), row());
     let shape = RouterShape {
