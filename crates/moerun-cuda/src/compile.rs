@@ -236,8 +236,9 @@ pub fn env_defines() -> Result<&'static [String]> {
         .get_or_init(|| {
             let raw = std::env::var("MOERUN_CUDA_DEFINES").unwrap_or_default();
             let mut defines = parse_defines(&raw)?;
-            if cluster_size_knob()? != 8 {
-                defines.push(format!("-DCL_SIZE={}", cluster_size_knob()?));
+            match cluster_size_knob()? {
+                8 => {}
+                size => defines.push(format!("-DCL_SIZE={size}")),
             }
             Ok(defines)
         })

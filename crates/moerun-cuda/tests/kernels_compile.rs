@@ -33,6 +33,17 @@ fn every_kernel_file_compiles_for_sm90_without_spills() {
     }
 }
 
+/// Each kernel file named by `files`, compiled for each of `archs` with `defines`, gives a
+/// cubin (a compile error fails the test with NVRTC's log).
+fn files_compile(files: &[&str], archs: &[&str], defines: &[String]) {
+    for file in KERNEL_FILES.iter().filter(|f| files.contains(&f.name)) {
+        for &arch in archs {
+            let c = compile_with(file, arch, false, defines).unwrap_or_else(|e| panic!("{e}"));
+            assert!(!c.cubin.is_empty(), "{} for {arch}: empty cubin", file.name);
+        }
+    }
+}
+
 /// The measuring builds (`MOERUN_CUDA_DEFINES="-DMOERUN_PROBE"`: the phase probes of
 /// common.cuh, with the marks in the cluster attention and gemv_route kernels) still compile,
 /// for Hopper and for an older architecture.
@@ -46,15 +57,11 @@ fn the_probe_builds_compile() {
         "-DMOERUN_PROBE".to_string(),
         "-DMOERUN_PROBE_FROM=10".to_string(),
     ];
-    for file in KERNEL_FILES
-        .iter()
-        .filter(|f| ["attention", "attention_kvbf16", "gemv"].contains(&f.name))
-    {
-        for arch in ["sm_90", "sm_80"] {
-            let c = compile_with(file, arch, false, &probe).unwrap_or_else(|e| panic!("{e}"));
-            assert!(!c.cubin.is_empty(), "{} for {arch}: empty cubin", file.name);
-        }
-    }
+    files_compile(
+        &["attention", "attention_kvbf16", "gemv"],
+        &["sm_90", "sm_80"],
+        &probe,
+    );
 }
 
 /// The attention files also compile with the 16-block clusters `MOERUN_CUDA_CLUSTER_SIZE=16` asks
@@ -66,13 +73,7 @@ fn the_16_block_cluster_builds_compile() {
         return;
     }
     let wide = ["-DCL_SIZE=16".to_string()];
-    for file in KERNEL_FILES
-        .iter()
-        .filter(|f| ["attention", "attention_kvbf16"].contains(&f.name))
-    {
-        let c = compile_with(file, "sm_90", false, &wide).unwrap_or_else(|e| panic!("{e}"));
-        assert!(!c.cubin.is_empty(), "{}: empty cubin", file.name);
-    }
+    files_compile(&["attention", "attention_kvbf16"], &["sm_90"], &wide);
 }
 
 /// The files built for `sm_90a` on Hopper (`compile::SM90A_FILES`) still compile for other
@@ -83,15 +84,7 @@ fn sm90a_files_compile_for_other_architectures() {
         println!("skipped: CUDA is unavailable: libnvrtc.so.13 not found");
         return;
     }
-    for file in KERNEL_FILES
-        .iter()
-        .filter(|f| SM90A_FILES.contains(&f.name))
-    {
-        for arch in ["sm_80", "sm_89", "sm_100"] {
-            let c = compile(file, arch, false).unwrap_or_else(|e| panic!("{e}"));
-            assert!(!c.cubin.is_empty(), "{} for {arch}: empty cubin", file.name);
-        }
-    }
+    files_compile(SM90A_FILES, &["sm_80", "sm_89", "sm_100"], &[]);
 }
 
 /// Every kernel that graph capture may launch early (`graph::PDL_KERNELS`) waits for the kernel

@@ -1458,26 +1458,20 @@ impl CudaDevice {
             0
         };
         let g = GROUP_CLASSES[group_class];
-        let fold_func = match &fold {
-            None => None,
-            Some(_) => Some(
-                self.fold_kernel(
-                    pool.dtype(),
-                    dim_class,
-                    group_class,
-                    cluster.is_some(),
-                    tiled,
-                )
-                .ok_or_else(|| {
-                    CudaError::Unsupported(format!(
-                        "the attention prologue folded into decode attention for {n} tokens \
+        let fold_func = fold
+            .map(|_| {
+                let cluster = cluster.is_some();
+                self.fold_kernel(pool.dtype(), dim_class, group_class, cluster, tiled)
+                    .ok_or_else(|| {
+                        CudaError::Unsupported(format!(
+                            "the attention prologue folded into decode attention for {n} tokens \
                              of {num_heads} heads ({num_kv_heads} kv heads) of {d} over {} keys \
                              (CudaDevice::attention_prologue_folds says which batches fold)",
-                        at.max_context
-                    ))
-                })?,
-            ),
-        };
+                            at.max_context
+                        ))
+                    })
+            })
+            .transpose()?;
         let (nsplit, chunk) = match cluster {
             Some(c) => (c.clusters * cluster_size(), c.min_keys),
             None => (plan.splits, plan.chunk),

@@ -14,7 +14,7 @@ use moerun_cuda::{
     FoldedPrologue, GemmOut, QkvShape, RouterShape, TokenPlacement,
 };
 
-use super::{dev_err, profile, tensor_key, CudaModel, DeviceKv, PassScratch};
+use super::{dev_err, profile, tensor_key, CudaModel, DeviceKv, PassScratch, StackedQkv};
 use crate::backend::{AttentionInputs, AttentionSpec, Backend};
 use crate::batch::Batch;
 use crate::config::{ModelConfig, MoeConfig};
@@ -138,6 +138,9 @@ fn attention_shape(spec: &AttentionSpec) -> AttentionShape {
     }
 }
 
+/// A layer's per-head q and k norm weights on the device, each where the layer has one.
+type HeadNorms<'a> = (Option<&'a CudaSlice<f32>>, Option<&'a CudaSlice<f32>>);
+
 /// Where the pass finds the batch's token ids.
 pub enum Tokens<'a> {
     /// On the host, uploaded (and checked) by the embedding op.
@@ -219,6 +222,26 @@ impl<'a> CudaPass<'a> {
         }
         Ok(out)
     }
+    /// The stacked q/k/v projection of `xn` (its bias added): the fused prologue's input.
+    fn stacked_qkv(
+        &self,
+        xn: &DeviceBuffer<f32>,
+        stacked: &StackedQkv,
+    ) -> Result<DeviceBuffer<f32>> {
+        let mut qkv = self.product_with(xn, &stacked.weight)?;
+        if let Some(b) = &stacked.bias {
+            self.m.dev.add_bias(&mut qkv, b).map_err(dev_err)?;
+        }
+        Ok(qkv)
+    }
+
+    /// The device copies of a layer's per-head q and k norm weights (none where it has none).
+    fn head_norms(&self, w: &AttentionWeights) -> Result<HeadNorms<'a>> {
+        let m = self.m;
+        let norm = |n: &Option<Vec<f32>>| n.as_deref().map(|n| m.vec(n)).transpose();
+        Ok((norm(&w.q_norm)?, norm(&w.k_norm)?))
+    }
+
     /// The MoE block after its routing (`ids`, `weights`: top-k per row): the experts, summed
     /// in rank order, and the shared expert as the family defines it.
     fn moe_routed(
@@ -358,10 +381,7 @@ impl Backend for CudaPass<'_> {
             return crate::forward::attention_inputs(self, cfg, w, xn);
         };
         profile::timed(&m.dev, "qkv_prologue", || {
-            let mut qkv = self.product_with(xn, &stacked.weight)?;
-            if let Some(b) = &stacked.bias {
-                m.dev.add_bias(&mut qkv, b).map_err(dev_err)?;
-            }
+            let qkv = self.stacked_qkv(xn, stacked)?;
             let d = cfg.head_dim;
             let rows = xn.len() / cfg.hidden_size;
             let mut gate = match cfg.attention_output_gate {
@@ -371,7 +391,7 @@ impl Backend for CudaPass<'_> {
             let mut q = self.alloc(rows * cfg.num_heads * d)?;
             let mut k = self.alloc(rows * cfg.num_kv_heads * d)?;
             let mut v = self.alloc(rows * cfg.num_kv_heads * d)?;
-            let norm = |n: &Option<Vec<f32>>| n.as_deref().map(|n| m.vec(n)).transpose();
+            let norms = self.head_norms(w)?;
             let shape = QkvShape {
                 heads_q: cfg.num_heads,
                 heads_kv: cfg.num_kv_heads,
@@ -397,7 +417,7 @@ impl Backend for CudaPass<'_> {
                     &qkv,
                     shape,
                     &self.at.positions_u32,
-                    (norm(&w.q_norm)?, norm(&w.k_norm)?),
+                    norms,
                     &m.rope,
                     (&mut q, &mut k, &mut v),
                     gate.as_deref_mut(),
@@ -437,20 +457,14 @@ impl Backend for CudaPass<'_> {
         }
         // A decode step that the cluster kernel's folded build takes: the q/k/v GEMV, then one
         // launch for the prologue (norms, RoPE, this token's K/V into the pool) and attention.
-        let qkv = profile::timed(&m.dev, "qkv_prologue", || {
-            let mut qkv = self.product_with(xn, &stacked.weight)?;
-            if let Some(b) = &stacked.bias {
-                m.dev.add_bias(&mut qkv, b).map_err(dev_err)?;
-            }
-            Ok(qkv)
-        })?;
+        let qkv = profile::timed(&m.dev, "qkv_prologue", || self.stacked_qkv(xn, stacked))?;
         profile::timed(&m.dev, "attention", || {
             let rows = xn.len() / cfg.hidden_size;
             let mut out = self.alloc(rows * spec.num_heads * spec.head_dim)?;
-            let norm = |n: &Option<Vec<f32>>| n.as_deref().map(|n| m.vec(n)).transpose();
+            let (q_norm, k_norm) = self.head_norms(w)?;
             let prologue = FoldedPrologue {
-                q_norm: norm(&w.q_norm)?,
-                k_norm: norm(&w.k_norm)?,
+                q_norm,
+                k_norm,
                 rope: &m.rope,
                 eps: cfg.rms_norm_eps,
             };
@@ -655,15 +669,15 @@ impl Backend for CudaPass<'_> {
     ) -> Result<DeviceBuffer<f32>> {
         let m = self.m;
         let hidden = w.router.shape[1];
-        let router = m.mat(&w.router)?;
-        let folds = x.len() == hidden
+        let folds = m.dev.norm_route_wanted()
+            && x.len() == hidden
             && weight.len() == hidden
-            && m.dev.norm_route_wanted()
-            && m.dev.gemv_route_norm_supported(router.rows(), hidden);
+            && m.dev.gemv_route_norm_supported(cfg.num_experts, hidden);
         if !folds {
             let xn = self.add_rms_norm(x, y, weight, eps)?;
             return self.moe(&xn, cfg, w);
         }
+        let router = m.mat(&w.router)?;
         // One token: the add+norm and the routing in one launch (add_rms_norm's and
         // gemv_route's bits), then the experts.
         let k = cfg.top_k;
