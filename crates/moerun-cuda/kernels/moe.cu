@@ -502,7 +502,11 @@ __device__ __forceinline__ void moe_tiny_gate_up(const void* __restrict__ gate_u
                                                  const u32* __restrict__ ids, int pairs_n,
                                                  float* __restrict__ h, int experts, int hidden,
                                                  int inter, int top_k, int act) {
+    // Marks (MOERUN_PROBE builds, common.cuh): 1 the programmatic wait passed, 2 the expert
+    // known, 3 the first pass done.
+    probe_begin();
     pdl_entry();
+    probe_mark(1);
     const u32 full = 0xffffffffu;
     const int lane = threadIdx.x & 31;
     const u32 id = lane < pairs_n ? ids[lane] : MOE_NONE;
@@ -516,6 +520,7 @@ __device__ __forceinline__ void moe_tiny_gate_up(const void* __restrict__ gate_u
     const u32 mine = __ballot_sync(full, first && (u32)__popc(firsts & ((1u << lane) - 1u)) == slot);
     const u32 e = __shfl_sync(full, id, __ffs(mine) - 1);
     u32 todo = __ballot_sync(full, id == e);  // lanes = pair indices of expert e
+    probe_mark(2);
     const int j = (blockIdx.x * MOE_WARPS + (threadIdx.x >> 5)) * JW;
     if (j >= inter) return;
     const u64 chunks = (u64)(hidden / C::N);
@@ -526,7 +531,9 @@ __device__ __forceinline__ void moe_tiny_gate_up(const void* __restrict__ gate_u
         const u32 p[1] = {(u32)(__ffs(todo) - 1)};
         todo &= todo - 1u;
         moe_gate_up_pass<C, 1, JW, 2 * JW>(wg, wu, x, p, 1, top_k, hidden, inter, j, h, act);
+        probe_mark(3);
     }
+    probe_end("moe_tiny_gate_up");
 }
 
 template <typename C>
