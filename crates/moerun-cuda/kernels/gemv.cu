@@ -387,15 +387,29 @@ __device__ __forceinline__ void gemv_route_norm(const void* __restrict__ w, floa
     cp_async_commit();
     // After the wait: x + y (into xs), its sum of squares in add_rms_norm's tree, the normed row
     // (into xs, the sum kept in ws). Thread r's elements are r + 256 m throughout.
+    // y's values all load at once, into registers, before any use: read inside the sums' loop,
+    // each was an L2 round trip of its own on the chain (batch-1 decode 403.1 tok/s against
+    // 415.5 without the fold; loaded at once 409.2 against 412.6, still a loss: H200,
+    // docs/perf/cuda-model.md v17).
     auto add_norm = [&]() {
+        constexpr int PER = NORM_ROUTE_MAX_WIDTH / ROWS_THREADS;
+        float yv[PER];
+#pragma unroll
+        for (int m = 0; m < PER; ++m) {
+            const int i = r + ROWS_THREADS * m;
+            yv[m] = i < k ? y[i] : 0.0f;
+        }
         cp_async_wait<0>();
         __syncthreads();
         const int lane = r & 31, warp = r >> 5;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             float ss = 0.0f;
-            for (int i = r + ROWS_THREADS * j; i < k; i += 1024) {
-                const float v = xs[i] + y[i];
+#pragma unroll
+            for (int m = j; m < PER; m += 4) {
+                const int i = r + ROWS_THREADS * m;  // r + 256 j + 1024 (m - j) / 4: in order
+                if (i >= k) break;
+                const float v = xs[i] + yv[m];
                 xs[i] = v;
                 ss = __fmaf_rn(v, v, ss);
             }

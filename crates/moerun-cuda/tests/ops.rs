@@ -407,26 +407,34 @@ fn gemv_route_gives_the_bits_of_the_gemv_then_route_topk() {
     let mut r = rng("gemv_route");
     // Each routing build (1, 2, 4 experts per lane), a cluster with idle and partial blocks
     // (100, 60, 8, 1 experts), columns below, at and past one chunk per thread (768, 2048,
-    // 2056 bf16 values), every dtype, top-k up to all the experts, and a NaN input.
-    for (experts, hidden, top_k, renormalise, dtype, nan) in [
-        (128usize, 2048usize, 8usize, true, DType::BF16, false),
-        (100, 2048, 8, true, DType::BF16, false),
-        (128, 2056, 128, true, DType::BF16, false),
-        (60, 768, 4, false, DType::F16, false),
-        (64, 1024, 8, false, DType::F32, false),
-        (8, 4096, 2, true, DType::BF16, false),
-        (1, 512, 1, false, DType::BF16, false),
-        (33, 2048, 4, true, DType::BF16, true),
+    // 2056 bf16 values), every dtype, top-k up to all the experts, a NaN input, and ties: a zero
+    // input (every probability equal) and a router whose second half repeats its first (pairs of
+    // equal probabilities), where the lower index must win.
+    for (experts, hidden, top_k, renormalise, dtype, input) in [
+        (128usize, 2048usize, 8usize, true, DType::BF16, "random"),
+        (100, 2048, 8, true, DType::BF16, "random"),
+        (128, 2056, 128, true, DType::BF16, "random"),
+        (60, 768, 4, false, DType::F16, "random"),
+        (64, 1024, 8, false, DType::F32, "random"),
+        (8, 4096, 2, true, DType::BF16, "random"),
+        (1, 512, 1, false, DType::BF16, "random"),
+        (33, 2048, 4, true, DType::BF16, "nan"),
+        (128, 2048, 8, true, DType::BF16, "zero"),
+        (96, 2048, 40, false, DType::BF16, "zero"),
+        (128, 2048, 8, true, DType::BF16, "pairs"),
+        (64, 1024, 11, true, DType::F32, "pairs"),
     ] {
-        let w = matrix(
-            dev,
-            &uniform(&mut r, experts * hidden, -0.1, 0.1),
-            dtype,
-            experts,
-        );
+        let mut rows = uniform(&mut r, experts * hidden, -0.1, 0.1);
+        if input == "pairs" {
+            let half = experts / 2 * hidden;
+            rows.copy_within(..half, half);
+        }
+        let w = matrix(dev, &rows, dtype, experts);
         let mut x = uniform(&mut r, hidden, -2.0, 2.0);
-        if nan {
-            x[hidden / 2] = f32::NAN;
+        match input {
+            "nan" => x[hidden / 2] = f32::NAN,
+            "zero" => x.fill(0.0),
+            _ => {}
         }
         let xd = dev.upload(&x).unwrap();
         let shape = RouterShape {
@@ -444,7 +452,7 @@ fn gemv_route_gives_the_bits_of_the_gemv_then_route_topk() {
         let mut got_w = dev.upload(&poison(top_k)).unwrap();
         dev.gemv_route(&xd, &w, shape, &mut got_e, &mut got_w)
             .unwrap();
-        let name = format!("gemv_route {experts}e x {hidden} {dtype} top{top_k} nan={nan}");
+        let name = format!("gemv_route {experts}e x {hidden} {dtype} top{top_k} {input}");
         assert_eq!(
             dev.download(&got_e).unwrap(),
             dev.download(&want_e).unwrap(),

@@ -207,8 +207,10 @@ impl CudaDevice {
     }
 
     /// Whether a forward pass should fold its add+norm into the routing where
-    /// [`CudaDevice::gemv_route_norm_supported`]: only with `MOERUN_CUDA_NORM_ROUTE=1`, until the
-    /// fold has been measured on the device (docs/perf/cuda-model.md v16).
+    /// [`CudaDevice::gemv_route_norm_supported`]: only with `MOERUN_CUDA_NORM_ROUTE=1`. Measured
+    /// on the H200 it loses: batch-1 decode 409.2 against 412.6 tok/s without it (its row made
+    /// in each of the router's 8 blocks takes longer on the chain than the add+norm kernel and
+    /// its launch; docs/perf/cuda-model.md v17).
     pub fn norm_route_wanted(&self) -> bool {
         static ON: OnceLock<bool> = OnceLock::new();
         *ON.get_or_init(|| std::env::var_os("MOERUN_CUDA_NORM_ROUTE").is_some_and(|v| v == "1"))
