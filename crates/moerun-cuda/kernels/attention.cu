@@ -892,7 +892,8 @@ __device__ __forceinline__ void attn_cluster(const AttnArgs& a, const PrologueAr
     // Marks (MOERUN_PROBE builds, common.cuh): 1 the programmatic wait passed, 2 the keys done,
     // 3 the cluster barrier passed, 4 the slices sent, 5 the inbox full, 6 the slice merged;
     // PRO builds: 7 the folded prologue done; attend_keys: 8 q loaded, 9 the keys' loop done,
-    // 10 the warp's groups merged.
+    // 10 the warp's groups merged; 11 thread 0's first slice item combined over the warps, 12
+    // every slice item sent (then 4: the (max, sum) pairs sent too).
     probe_begin();
     const int i = a.token0 + blockIdx.x;
     const int kh = blockIdx.z / a.head_chunks;
@@ -974,10 +975,12 @@ __device__ __forceinline__ void attn_cluster(const AttnArgs& a, const PrologueAr
         float mx, sum, n4[4];
         combine_warps_n<CL_WARPS, GM, 4>(s_acc, s_ml, d, h, 4 * c, n4, mx, sum);
         const float4 v = make_float4(n4[0], n4[1], n4[2], n4[3]);
+        if (it == 0) probe_mark(11);
         const int at = (int)me * per + (it - (int)dst * per);
         st_async4(cluster_addr(in_acc + at, dst), v,
                   cluster_addr(&inbox_bar, dst));
     }
+    probe_mark(12);
     for (int t = threadIdx.x; t < gh * CL_SIZE; t += CL_THREADS) {
         const int h = t / CL_SIZE;
         const u32 dst = (u32)(t - h * CL_SIZE);
