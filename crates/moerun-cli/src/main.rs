@@ -71,6 +71,16 @@ fn parse_device(s: &str) -> Result<moerun_core::Device, String> {
     s.parse().map_err(|e: moerun_core::Error| e.to_string())
 }
 
+/// A count that must be at least 1 (`--max-tokens 0` would generate nothing; the server refuses
+/// `max_tokens: 0` the same way).
+fn parse_at_least_one(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 fn parse_kv_dtype(s: &str) -> Result<moerun_core::DType, String> {
     match moerun_core::DType::parse(s) {
         Some(d @ (moerun_core::DType::F32 | moerun_core::DType::BF16)) => Ok(d),
@@ -115,7 +125,7 @@ pub struct GenerateArgs {
     #[arg(long, requires = "chat")]
     pub system: Option<String>,
     /// Most tokens to generate.
-    #[arg(long)]
+    #[arg(long, value_parser = parse_at_least_one)]
     pub max_tokens: Option<usize>,
     #[command(flatten)]
     pub sampling: SamplingFlags,
@@ -138,7 +148,7 @@ pub struct ChatArgs {
     #[arg(long)]
     pub system: Option<String>,
     /// Most tokens per reply.
-    #[arg(long)]
+    #[arg(long, value_parser = parse_at_least_one)]
     pub max_tokens: Option<usize>,
     #[command(flatten)]
     pub sampling: SamplingFlags,

@@ -107,3 +107,22 @@ fn zero_tokens_are_refused() {
         assert_eq!(stderr.trim(), format!("error: {flag} must be at least 1"));
     }
 }
+
+#[test]
+fn like_names_are_checked_before_the_device() {
+    // On the CPU an in-memory synthetic model is refused, but an unknown name is said first.
+    let out = moerun(&["bench", "--like", "no-such-model"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("'no-such-model': not a known model"),
+        "{stderr}"
+    );
+    let out = moerun(&["bench", "--like", "qwen3-30b-a3b"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("moerun synth --like qwen3-30b-a3b"),
+        "{stderr}"
+    );
+}

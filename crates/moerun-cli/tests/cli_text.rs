@@ -312,6 +312,20 @@ fn text_commands_refuse_bad_input_by_name() {
         "stop",
     );
     assert_clean_error(
+        &moerun(
+            &["generate", "--model", model, "--max-tokens", "0", "hi"],
+            None,
+        ),
+        "--max-tokens",
+    );
+    assert_clean_error(
+        &moerun(
+            &["chat", "--model", model, "--max-tokens", "0"],
+            Some("hi\n"),
+        ),
+        "at least 1",
+    );
+    assert_clean_error(
         &moerun(&["generate", "--model", model, "--bogus", "hi"], None),
         "--bogus",
     );

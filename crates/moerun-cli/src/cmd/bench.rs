@@ -172,6 +172,8 @@ fn load(args: &BenchArgs, device: Device) -> CliResult<(String, Model)> {
         }
         (None, Some(like)) => {
             if device == Device::Cpu {
+                // An unknown name is the first thing to say.
+                super::synth::source(like)?;
                 return Err(format!(
                     "--like {like}: synthetic in-memory models draw their weights on the GPU \
                      (--device cuda); for the CPU write one with `moerun synth --like {like} \

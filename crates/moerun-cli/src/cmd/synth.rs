@@ -133,7 +133,7 @@ pub fn in_memory(like: &str, layers: Option<usize>, dtype: DType) -> CliResult<(
 }
 
 /// The config `--like` names: a known model, a config.json path, or a checkpoint directory.
-fn source(like: &str) -> CliResult<(String, Value)> {
+pub(crate) fn source(like: &str) -> CliResult<(String, Value)> {
     let parse = |text: &str, origin: &str| -> CliResult<Value> {
         serde_json::from_str(text).map_err(|e| format!("{origin}: not valid JSON: {e}").into())
     };
