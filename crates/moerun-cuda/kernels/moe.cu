@@ -485,7 +485,9 @@ MOE_DOWN_KERNEL(moe_down_f32_m8, ChunkF32, 8, 1)
 //   for MOE_TINY_JW = 2 intermediate indices (4 rows, 2 chunks of each in flight per lane). Two
 //   per warp halve the grid: Qwen3-30B-A3B's 8 experts x 768 rows take 384 blocks, one wave at 3
 //   blocks per SM on 132 SMs, where one per warp took 768 blocks, 1.45 waves (the kernel went
-//   from 20.3 to 16-17 us, decode at batch 1 from 288-298 to 298-309 tok/s).
+//   from 20.3 to 16-17 us, decode at batch 1 from 288-298 to 298-309 tok/s). With `direct` (one
+//   token, P = k <= E slots: the host decides) block (bx, s) takes pair s's expert straight from
+//   ids[s], without the match and ballots.
 // moe_tiny_down_<dt>: grid (ceil(H / 4), n), block 256. Block (bx, t) computes token t's rows
 //   4 bx .. + 4: warp w takes ranks w, w + 8, ... and computes each rank's expert rows . h[t k + r]
 //   exactly as moe_down does (NaN for an out-of-range id) into shared memory; then a thread per
@@ -501,25 +503,36 @@ __device__ __forceinline__ void moe_tiny_gate_up(const void* __restrict__ gate_u
                                                  const float* __restrict__ x,
                                                  const u32* __restrict__ ids, int pairs_n,
                                                  float* __restrict__ h, int experts, int hidden,
-                                                 int inter, int top_k, int act) {
+                                                 int inter, int top_k, int act, int direct) {
     // Marks (MOERUN_PROBE builds, common.cuh): 1 the programmatic wait passed, 2 the expert
     // known, 3 the first pass done.
     probe_begin();
     pdl_entry();
     probe_mark(1);
-    const u32 full = 0xffffffffu;
-    const int lane = threadIdx.x & 31;
-    const u32 id = lane < pairs_n ? ids[lane] : MOE_NONE;
-    const bool valid = id < (u32)experts;
-    // Out-of-range and absent pairs get keys of their own, so they never match.
-    const u32 same = __match_any_sync(full, valid ? id : 0x80000000u | (u32)lane);
-    const bool first = valid && __ffs(same) - 1 == lane;
-    const u32 firsts = __ballot_sync(full, first);
     const u32 slot = blockIdx.y;
-    if ((u32)__popc(firsts) <= slot) return;  // the same for every warp; no barriers below
-    const u32 mine = __ballot_sync(full, first && (u32)__popc(firsts & ((1u << lane) - 1u)) == slot);
-    const u32 e = __shfl_sync(full, id, __ffs(mine) - 1);
-    u32 todo = __ballot_sync(full, id == e);  // lanes = pair indices of expert e
+    u32 e, todo;  // the slot's expert; its pairs, as a mask of pair indices
+    if (direct) {
+        // One token (the host checks: its k pairs are the grid's k slots): pair `slot` in block
+        // row `slot`, one load and no match or ballots. A repeated expert (the router never
+        // picks one twice) would be streamed once per pair, each pair's h the same as grouped.
+        e = ids[slot];
+        if (e >= (u32)experts) return;  // block-uniform; no barriers below
+        todo = 1u << slot;
+    } else {
+        const u32 full = 0xffffffffu;
+        const int lane = threadIdx.x & 31;
+        const u32 id = lane < pairs_n ? ids[lane] : MOE_NONE;
+        const bool valid = id < (u32)experts;
+        // Out-of-range and absent pairs get keys of their own, so they never match.
+        const u32 same = __match_any_sync(full, valid ? id : 0x80000000u | (u32)lane);
+        const bool first = valid && __ffs(same) - 1 == lane;
+        const u32 firsts = __ballot_sync(full, first);
+        if ((u32)__popc(firsts) <= slot) return;  // the same for every warp; no barriers below
+        const u32 mine =
+            __ballot_sync(full, first && (u32)__popc(firsts & ((1u << lane) - 1u)) == slot);
+        e = __shfl_sync(full, id, __ffs(mine) - 1);
+        todo = __ballot_sync(full, id == e);  // lanes = pair indices of expert e
+    }
     probe_mark(2);
     const int j = (blockIdx.x * MOE_WARPS + (threadIdx.x >> 5)) * JW;
     if (j >= inter) return;
@@ -588,9 +601,9 @@ __device__ __forceinline__ void moe_tiny_down(const void* __restrict__ down,
     extern "C" __global__ void __launch_bounds__(MOE_THREADS, 3)                                 \
         moe_tiny_gate_up_##DT(const void* gate_up, const float* x, const u32* ids, int pairs_n,  \
                               float* h, int experts, int hidden, int inter, int top_k,           \
-                              int act) {                                                         \
+                              int act, int direct) {                                             \
         moe_tiny_gate_up<CHUNK, MOE_TINY_JW>(gate_up, x, ids, pairs_n, h, experts, hidden,      \
-                                             inter, top_k, act);                                 \
+                                             inter, top_k, act, direct);                         \
     }                                                                                            \
     extern "C" __global__ void __launch_bounds__(MOE_THREADS, 4)                                 \
         moe_tiny_down_##DT(const void* down, const float* h, const u32* ids,                     \

@@ -15,8 +15,9 @@
 //! At most 32 pairs ([`DecodePass::Tiny`], batch 1-4 at top-8) skip step 1:
 //!
 //! - `moe_tiny_gate_up_<dt>`: grid (ceil(I / 16), min(E, P)), block 256. Every warp finds its
-//!   slot's expert among the ≤ 32 ids with one match/ballot, then works as step 2 for two
-//!   intermediate indices (one wave of blocks for Qwen3-30B-A3B's 8 experts x 768).
+//!   slot's expert among the ≤ 32 ids with one match/ballot (one token with
+//!   `MOERUN_CUDA_TINY_DIRECT=1`: slot s is pair s, read straight from the ids), then works as
+//!   step 2 for two intermediate indices (one wave of blocks for Qwen3-30B-A3B's 8 experts x 768).
 //! - `moe_tiny_down_<dt>`: grid (ceil(H / 4), n), block 256. Block (bx, t) computes token t's 4
 //!   rows for all k ranks (a warp per rank) into shared memory and sums them in rank order.
 //!
@@ -24,6 +25,8 @@
 //! are summed by one fmaf chain in rank order, the same in every variant and independent of how
 //! many tokens an expert has: a token's result does not depend on the rest of the batch, bit for
 //! bit. Against the f32 CPU reference: ~1e-7 relative (summation order only).
+
+use std::sync::OnceLock;
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
@@ -35,6 +38,15 @@ use crate::device::dtype_slot;
 use crate::error::{ensure, DriverContext, Result};
 use crate::ops::{blocks, to_i32};
 use crate::CudaDevice;
+
+/// Whether the tiny gate_up takes one token's pairs straight from the ids, a block row per pair
+/// (`direct`, kernels/moe.cu), instead of grouping them by expert with a warp match: only with
+/// `MOERUN_CUDA_TINY_DIRECT=1` until measured on the device (docs/perf/cuda-model.md v17). The
+/// same h either way.
+fn tiny_direct_wanted() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("MOERUN_CUDA_TINY_DIRECT").is_some_and(|v| v == "1"))
+}
 
 impl CudaDevice {
     pub(super) fn moe_decode(
@@ -149,11 +161,13 @@ impl CudaDevice {
         b.arg(&gate_up).arg(&c.x).arg(&c.ids).arg(&pairs_i).arg(&h);
         b.arg(&experts_i).arg(&hidden_i).arg(&inter_i).arg(&k_i);
         let act = w.activation().code();
-        b.arg(&act);
+        let direct = i32::from(tiny_direct_wanted() && c.tokens == 1 && pairs <= w.experts);
+        b.arg(&act).arg(&direct);
         if !crate::skip::skipped("moe_gate_up") {
             // SAFETY: gate_up holds E · 2I · H elements (H a multiple of the 16-byte chunk); x holds
             // n · H f32, 16-byte aligned; ids hold P <= 32 u32 (only ids < E index the weights); h
-            // holds P_max · I >= P · I f32.
+            // holds P_max · I >= P · I f32; `direct` only with one token's P <= E pairs, so the
+            // grid's min(E, P) = P rows of blocks take pairs 0..P.
             unsafe { b.launch(cfg) }.ctx("moe_tiny_gate_up")?;
         }
 
