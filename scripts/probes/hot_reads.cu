@@ -11,19 +11,11 @@
 // kernels take for data an earlier kernel wrote) and sum it. Per consumer block, the cycles from
 // its wait returning to its sum being ready (clock64 on the block's SM); medians and maxima
 // over blocks and 50 repetitions, and the graph time per producer + consumer pair.
-#include <cuda_runtime.h>
+#include "probe.cuh"
+
 #include <algorithm>
 #include <cstdio>
 #include <vector>
-
-#define CHECK(x)                                                                       \
-    do {                                                                               \
-        cudaError_t e = (x);                                                           \
-        if (e != cudaSuccess) {                                                        \
-            printf("%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e));   \
-            exit(1);                                                                   \
-        }                                                                              \
-    } while (0)
 
 __global__ void produce(float* in, int floats, int copies, float v) {
     asm volatile("griddepcontrol.wait;" ::: "memory");

@@ -15,29 +15,16 @@
 // Also `pdl` and `flag` with W nanoseconds of spinning in each block (a kernel that does work),
 // and the flag variant where only block 0 signals (a producer whose one block holds the result,
 // as gemv_route's block 0 holds the expert ids).
-#include <cuda_runtime.h>
+#include "probe.cuh"
+
+#include <algorithm>
 #include <cstdio>
 #include <vector>
-#include <algorithm>
 
-#define CHECK(x)                                                                  \
-    do {                                                                          \
-        cudaError_t e = (x);                                                      \
-        if (e != cudaSuccess) {                                                   \
-            printf("%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e)); \
-            exit(1);                                                              \
-        }                                                                         \
-    } while (0)
-
-__device__ __forceinline__ unsigned long long now_ns() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
 __device__ __forceinline__ void spin(int ns) {
     if (ns <= 0) return;
-    const unsigned long long end = now_ns() + ns;
-    while (now_ns() < end) {
+    const unsigned long long end = now() + ns;
+    while (now() < end) {
     }
 }
 __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
