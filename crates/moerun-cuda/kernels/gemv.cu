@@ -314,7 +314,8 @@ __device__ __forceinline__ void gemv_route(const void* __restrict__ w, const flo
     __shared__ __align__(16) float logits[ROUTE_ROWS * ROUTE_CLUSTER];
     __shared__ __align__(8) u64 inbox;
     // Marks (MOERUN_PROBE builds, common.cuh): 1 the programmatic wait passed, 2 the rows
-    // summed, 3 the cluster barrier passed, 4 the logits sent, 5 block 0's inbox full.
+    // summed, 3 the cluster barrier passed, 4 the logits sent, 5 block 0's inbox full, 6 its
+    // routing keys made, 7 its k rounds done (warp_route_topk).
     probe_begin();
     // A grid of one cluster of (ROUTE_CLUSTER, 1, 1): blockIdx.x is the block's cluster rank.
     const int rank = blockIdx.x;
