@@ -93,15 +93,7 @@ int main() {
                     CHECK(cudaGraphInstantiate(&exec, graph, 0));
                     CHECK(cudaGraphLaunch(exec, s));  // warm
                     CHECK(cudaStreamSynchronize(s));
-                    cudaEvent_t a, b;
-                    CHECK(cudaEventCreate(&a));
-                    CHECK(cudaEventCreate(&b));
-                    CHECK(cudaEventRecord(a, s));
-                    CHECK(cudaGraphLaunch(exec, s));
-                    CHECK(cudaEventRecord(b, s));
-                    CHECK(cudaStreamSynchronize(s));
-                    float ms;
-                    CHECK(cudaEventElapsedTime(&ms, a, b));
+                    const float ms = graph_launch_ms(exec, s);
                     std::vector<long long> h((size_t)reps * grid);
                     CHECK(cudaMemcpy(h.data(), cycles, h.size() * 8, cudaMemcpyDeviceToHost));
                     std::vector<long long> med, mx;

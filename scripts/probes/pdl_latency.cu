@@ -96,21 +96,11 @@ static float run(int mode, int n, int grid, int work_ns, int signalers, int repl
     CHECK(cudaStreamEndCapture(s, &graph));
     cudaGraphExec_t exec;
     CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    cudaEvent_t a, b;
-    CHECK(cudaEventCreate(&a));
-    CHECK(cudaEventCreate(&b));
     std::vector<float> ms;
     for (int r = 1; r <= replays; ++r) {
         unsigned g = (unsigned)r;
         CHECK(cudaMemcpyAsync(gen, &g, 4, cudaMemcpyHostToDevice, s));
-        CHECK(cudaStreamSynchronize(s));
-        CHECK(cudaEventRecord(a, s));
-        CHECK(cudaGraphLaunch(exec, s));
-        CHECK(cudaEventRecord(b, s));
-        CHECK(cudaStreamSynchronize(s));
-        float t;
-        CHECK(cudaEventElapsedTime(&t, a, b));
-        ms.push_back(t);
+        ms.push_back(graph_launch_ms(exec, s));
     }
     unsigned last;
     CHECK(cudaMemcpy(&last, val + n, 4, cudaMemcpyDeviceToHost));

@@ -26,3 +26,20 @@ __device__ __forceinline__ u64 now() {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
 }
+
+// Milliseconds of one launch of `exec` on `s`, from events recorded around it (s idle first).
+inline float graph_launch_ms(cudaGraphExec_t exec, cudaStream_t s) {
+    cudaEvent_t a, b;
+    CHECK(cudaEventCreate(&a));
+    CHECK(cudaEventCreate(&b));
+    CHECK(cudaStreamSynchronize(s));
+    CHECK(cudaEventRecord(a, s));
+    CHECK(cudaGraphLaunch(exec, s));
+    CHECK(cudaEventRecord(b, s));
+    CHECK(cudaStreamSynchronize(s));
+    float ms;
+    CHECK(cudaEventElapsedTime(&ms, a, b));
+    CHECK(cudaEventDestroy(a));
+    CHECK(cudaEventDestroy(b));
+    return ms;
+}
