@@ -87,14 +87,8 @@ struct Acts {
 
 __device__ u32 g_bar;
 
-__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-
-// Initialise a barrier for `count` arrivals; the initialising thread then makes all of them
-// visible to the copy engine with mbar_init_fence().
-__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-
+// After common.cuh's mbar_init of a barrier, the initialising thread makes it visible to the
+// copy engine with this.
 __device__ __forceinline__ void mbar_init_fence() {
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
