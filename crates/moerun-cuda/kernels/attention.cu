@@ -971,9 +971,9 @@ __device__ __forceinline__ void attn_cluster(const AttnArgs& a, const PrologueAr
 #ifdef ATTN_BULK_SEND
     // EXPERIMENT (MOERUN_CUDA_DEFINES=-DATTN_BULK_SEND): the same values staged in this block's
     // shared memory, then one bulk copy per receiving rank for its items and one for the heads'
-    // (max, sum): ~9 copies a block instead of ~160 st.async. The sources must outlive the
-    // copies, so every block leaves only after every inbox of the cluster is full (a relaxed
-    // cluster barrier: arrive once the own inbox is full, wait before leaving).
+    // (max, sum): 16 copies a block (8 ranks x 2) instead of ~160 st.async. The sources must
+    // outlive the copies, so every block leaves only after every inbox of the cluster is full (a
+    // relaxed cluster barrier: arrive once the own inbox is full, wait before leaving).
     __shared__ __align__(16) float4 send_items[GM * L * VPL];
     __shared__ __align__(16) float send_ml[GM * 2];
     for (int it = threadIdx.x; it < items; it += CL_THREADS) {
