@@ -505,7 +505,7 @@ __device__ __forceinline__ void moe_tiny_gate_up(const void* __restrict__ gate_u
                                                  float* __restrict__ h, int experts, int hidden,
                                                  int inter, int top_k, int act, int direct) {
     // Marks (MOERUN_PROBE builds, common.cuh): 1 the programmatic wait passed, 2 the expert
-    // known, 3 the first pass done.
+    // known, 3 a pass done (the last pass's stamp stays; one pass at batch 1).
     probe_begin();
     pdl_entry();
     probe_mark(1);
