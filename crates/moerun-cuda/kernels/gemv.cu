@@ -109,7 +109,7 @@ GEMV_KERNEL(gemv_f32_m8, ChunkF32, 8)
 // cluster sends then end at one time for a whole cluster, ~2,000-4,000 cycles after the blocks
 // reach them (docs/perf/cuda-model.md v17): does a smaller early stream free attention?
 #ifndef GEMV_EARLY_STEPS
-#define GEMV_EARLY_STEPS 8
+#define GEMV_EARLY_STEPS 8  // past every build's U: all of the first step loads early
 #endif
 
 // acc[m][r] += chunk r of the weights . chunk c of x row m, for R rows: each x chunk is read once

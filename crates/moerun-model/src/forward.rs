@@ -8,8 +8,8 @@
 use moerun_core::Result;
 
 use crate::backend::{AttentionInputs, AttentionSpec, Backend};
-use crate::config::{ModelConfig, QkNorm};
-use crate::weights::{AttentionWeights, FfnWeights, MixerWeights, ModelWeights};
+use crate::config::{ModelConfig, MoeConfig, QkNorm};
+use crate::weights::{AttentionWeights, FfnWeights, MixerWeights, ModelWeights, MoeWeights};
 
 /// Run the decoder over the batch's `tokens` and return the logits of the rows `rows`
 /// (`[rows.len(), vocab]`, on the host).
@@ -89,6 +89,20 @@ pub(crate) fn attention_block<B: Backend>(
     };
     let out = b.self_attention(l, cfg, w, &spec, xn)?;
     b.linear(&out, &w.o_proj)
+}
+
+/// The add+norm before a MoE block, then the block, as the plain composition of ops: `x += y`,
+/// then [`Backend::moe`] of `x` normed by `(weight, eps)`.
+pub fn add_norm_moe<B: Backend>(
+    b: &mut B,
+    x: &mut B::Act,
+    y: &B::Act,
+    (weight, eps): (&[f32], f32),
+    cfg: &MoeConfig,
+    w: &MoeWeights,
+) -> Result<B::Act> {
+    let xn = b.add_rms_norm(x, y, weight, eps)?;
+    b.moe(&xn, cfg, w)
 }
 
 /// Self-attention up to o_proj as the plain composition of ops: the prologue, attention (which

@@ -546,6 +546,12 @@ fn cluster_smem(head_dim: usize, group: usize) -> usize {
         + cluster_size() * (slice_items * 16 + group * 8)
 }
 
+/// Whether a batch of `n` tokens of `head_dim` runs prefill tiles of `tile_m` queries (the
+/// widest heads never do).
+fn tiles(head_dim: usize, n: usize, tile_m: usize) -> bool {
+    head_dim <= MAX_TILED_HEAD_DIM && n >= tile_m
+}
+
 /// Keys one step of a cluster-kernel block covers: its lane groups (a key each, head_dim / 4
 /// lanes, at most 32) times the keys per group per step (4 for head_dim <= 128, 2 for 256, 1 for
 /// 512), as in `attend_keys`.
@@ -984,7 +990,7 @@ impl CudaDevice {
         scratch: &AttentionScratch,
     ) -> bool {
         let l = self.decode_layout(dtype, n, shape, max_context, scratch);
-        let tiled = shape.head_dim <= MAX_TILED_HEAD_DIM && n >= TILE_M;
+        let tiled = tiles(shape.head_dim, n, TILE_M);
         let cluster = l.cluster.is_some();
         self.fold_kernel(dtype, l.dim_class, l.group_class, cluster, tiled)
             .is_some()
@@ -1450,7 +1456,7 @@ impl CudaDevice {
             split: plan,
             cluster,
         } = self.decode_layout(pool.dtype(), n, shape, at.max_context, scratch);
-        let tiled = d <= MAX_TILED_HEAD_DIM && n >= tile_m;
+        let tiled = tiles(d, n, tile_m);
         // The split (and cluster) kernels' blocks start here: the tokens before it are tiled.
         let token0 = if tiled {
             first_untiled(at.seq_starts, n, tile_m)

@@ -127,19 +127,21 @@ pub trait Backend {
     /// The MoE block: route, run the selected experts, sum in rank order, add the shared expert
     /// as the family defines.
     fn moe(&mut self, x: &Self::Act, cfg: &MoeConfig, w: &MoeWeights) -> Result<Self::Act>;
-    /// The residual add and norm before a MoE block, then the block: `x += y`, then
-    /// [`Backend::moe`] of `x` normed by `(weight, eps)`. A backend may fold the norm into the
-    /// routing (the CUDA one does for one token); the composition is the reference.
+    /// The residual add and norm before a MoE block, then the block
+    /// ([`crate::forward::add_norm_moe`], the reference). A backend may fold the norm into the
+    /// routing (the CUDA one can for one token, with `MOERUN_CUDA_NORM_ROUTE=1`).
     fn add_norm_moe(
         &mut self,
         x: &mut Self::Act,
         y: &Self::Act,
-        (weight, eps): (&[f32], f32),
+        norm: (&[f32], f32),
         cfg: &MoeConfig,
         w: &MoeWeights,
-    ) -> Result<Self::Act> {
-        let xn = self.add_rms_norm(x, y, weight, eps)?;
-        self.moe(&xn, cfg, w)
+    ) -> Result<Self::Act>
+    where
+        Self: Sized,
+    {
+        crate::forward::add_norm_moe(self, x, y, norm, cfg, w)
     }
     /// Qwen3.5's Gated DeltaNet layer `layer` over the normed input, advancing each sequence's
     /// state.

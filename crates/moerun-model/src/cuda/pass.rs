@@ -674,8 +674,7 @@ impl Backend for CudaPass<'_> {
             && weight.len() == hidden
             && m.dev.gemv_route_norm_supported(cfg.num_experts, hidden);
         if !folds {
-            let xn = self.add_rms_norm(x, y, weight, eps)?;
-            return self.moe(&xn, cfg, w);
+            return crate::forward::add_norm_moe(self, x, y, (weight, eps), cfg, w);
         }
         let router = m.mat(&w.router)?;
         // One token: the add+norm and the routing in one launch (add_rms_norm's and
