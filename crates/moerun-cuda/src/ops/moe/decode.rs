@@ -15,8 +15,8 @@
 //! At most 32 pairs ([`DecodePass::Tiny`], batch 1-4 at top-8) skip step 1:
 //!
 //! - `moe_tiny_gate_up_<dt>`: grid (ceil(I / 16), min(E, P)), block 256. Every warp finds its
-//!   slot's expert among the ≤ 32 ids with one match/ballot (one token with
-//!   `MOERUN_CUDA_TINY_DIRECT=1`: slot s is pair s, read straight from the ids), then works as
+//!   slot's expert among the ≤ 32 ids with one match/ballot (one token: slot s is pair s, read
+//!   straight from the ids, unless `MOERUN_CUDA_TINY_DIRECT=0`), then works as
 //!   step 2 for two intermediate indices (one wave of blocks for Qwen3-30B-A3B's 8 experts x 768).
 //! - `moe_tiny_down_<dt>`: grid (ceil(H / 4), n), block 256. Block (bx, t) computes token t's 4
 //!   rows for all k ranks (a warp per rank) into shared memory and sums them in rank order.
@@ -40,12 +40,12 @@ use crate::ops::{blocks, to_i32};
 use crate::CudaDevice;
 
 /// Whether the tiny gate_up takes one token's pairs straight from the ids, a block row per pair
-/// (`direct`, kernels/moe.cu), instead of grouping them by expert with a warp match: only with
-/// `MOERUN_CUDA_TINY_DIRECT=1` until measured on the device (docs/perf/cuda-model.md v17). The
-/// same h either way.
+/// (`direct`, kernels/moe.cu), instead of grouping them by expert with a warp match: batch 1
+/// decoded 415.7-418.3 tok/s against 411.0-413.3 grouping (H200, docs/perf/cuda-model.md v18).
+/// `MOERUN_CUDA_TINY_DIRECT=0` groups (an A/B knob). The same h either way.
 fn tiny_direct_wanted() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var_os("MOERUN_CUDA_TINY_DIRECT").is_some_and(|v| v == "1"))
+    *ON.get_or_init(|| std::env::var_os("MOERUN_CUDA_TINY_DIRECT").is_none_or(|v| v != "0"))
 }
 
 impl CudaDevice {
