@@ -288,6 +288,84 @@ GEMV_ROWS_KERNEL(gemv_rows_f32_m2, ChunkF32, 2, 2)
 GEMV_ROWS_KERNEL(gemv_rows_f32_m4, ChunkF32, 4, 1)
 GEMV_ROWS_KERNEL(gemv_rows_f32_m8, ChunkF32, 8, 1)
 
+// ---- block per rows, one token, the weights preloaded by the TMA (sm_90) ----
+//
+// gemv_rows_bulk_<dt>_m1: gemv_rows_<dt>_m1's grid, block and sums (the same bits), but before
+// the programmatic wait thread 0 has the block's R weight rows (contiguous, R k elements) copied
+// into shared memory by one `cp.async.bulk`, where gemv_rows loads them into registers with
+// ld.global. A decode GEMV's early loads stream beside the latency-bound kernel before it (o_proj
+// beside attention: 16.8 MB of Qwen3-30B-A3B's); issued as ld.global they fill the load/store
+// pipeline of the SMs they share with it, whose own shared-memory loads then queue behind them
+// (attention's warp combine ended at one time for a whole cluster, ~1,800 cycles after its
+// barrier, docs/perf/cuda-model.md v18). A bulk copy leaves that pipeline free. Dynamic shared
+// memory: R k element bytes (ops/gemv.rs keeps it within 48 KiB).
+template <typename C>
+__device__ __forceinline__ void gemv_rows_bulk_m1(const void* __restrict__ w_raw,
+                                                  const float* __restrict__ x,
+                                                  float* __restrict__ y, int n, int k) {
+    constexpr int R = ROWS_PER_BLOCK;
+    extern __shared__ __align__(16) uint4 wrows[];  // [rows_here][chunks]
+    __shared__ float partial[ROWS_WARPS][R];
+    __shared__ __align__(8) u64 landed;
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int row0 = blockIdx.x * R;
+    const int rows_here = min(R, n - row0);  // block-uniform
+    const int chunks = k / C::N;
+    if (tid == 0) {
+        mbar_init(smem_u32(&landed), 1);
+        fence_mbarrier_init();  // the init before the async proxy's complete_tx
+        const u32 bytes = (u32)(rows_here * chunks) * 16u;
+        mbar_expect_tx(smem_u32(&landed), bytes);
+        bulk_load(smem_u32(wrows), reinterpret_cast<const uint4*>(w_raw) + (u64)row0 * chunks,
+                  bytes, smem_u32(&landed));
+    }
+    pdl_entry();
+    __syncthreads();  // the mbarrier's init, before anyone waits on it
+    mbar_wait(smem_u32(&landed), 0);
+    // gemv_rows_partials' M = 1 sums: chunk c = tid, tid + 256, ... of each row in order.
+    float acc[1][R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[0][r] = 0.0f;
+    for (int c = tid; c < chunks; c += ROWS_THREADS) {
+        uint4 q[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+            q[r] = r < rows_here ? wrows[r * chunks + c] : make_uint4(0u, 0u, 0u, 0u);
+        fma_rows<C, 1, R>(q, x, k, c, acc);
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const float v = warp_sum(acc[0][r]);
+        if (lane == 0) partial[warp][r] = v;
+    }
+    __syncthreads();
+    if (tid < rows_here) {
+        float s = 0.0f;
+#pragma unroll
+        for (int i = 0; i < ROWS_WARPS; ++i) s += partial[i][tid];
+        y[row0 + tid] = s;
+    }
+}
+
+#if __CUDA_ARCH__ >= 900
+#define GEMV_ROWS_BULK_KERNEL(NAME, CHUNK)                                                       \
+    extern "C" __global__ void __launch_bounds__(ROWS_THREADS)                                  \
+        NAME(const void* w, const float* x, float* y, int n, int k) {                           \
+        gemv_rows_bulk_m1<CHUNK>(w, x, y, n, k);                                                 \
+    }
+#else
+// Elsewhere the entry points exist but stay empty and are never launched (ops/gemv.rs checks
+// the compute capability).
+#define GEMV_ROWS_BULK_KERNEL(NAME, CHUNK)                                                       \
+    extern "C" __global__ void NAME(const void* w, const float* x, float* y, int n, int k) {}
+#endif
+
+GEMV_ROWS_BULK_KERNEL(gemv_rows_bulk_bf16_m1, ChunkBf16)
+GEMV_ROWS_BULK_KERNEL(gemv_rows_bulk_f16_m1, ChunkF16)
+GEMV_ROWS_BULK_KERNEL(gemv_rows_bulk_f32_m1, ChunkF32)
+
 // ---- the router GEMV of one token with its top-k, in one cluster (sm_90) ----
 //
 // gemv_route_<dt>_l<L>: grid (ROUTE_CLUSTER), cluster (ROUTE_CLUSTER, 1, 1), block 256; experts
