@@ -294,21 +294,6 @@ __device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
                  : "memory");
 }
 
-// Wait for the phase of parity `parity` of the barrier to complete, acquiring at block scope
-// (what the block's own bulk copies and arrivals wrote; no L1 invalidation, unlike the cluster
-// scope's wait below).
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-    asm volatile(
-        "{\n.reg .pred P1;\n"
-        "WG_WAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
-        "@P1 bra WG_DONE;\n"
-        "bra WG_WAIT;\n"
-        "WG_DONE:\n}\n" ::"r"(bar),
-        "r"(parity)
-        : "memory");
-}
-
 // Wait for the phase of parity `parity` to complete, acquiring at cluster scope (what other
 // CTAs of the cluster stored or arrived with is visible after it).
 __device__ __forceinline__ void mbar_wait_cluster(u32 bar, u32 parity) {
@@ -356,16 +341,6 @@ __device__ __forceinline__ void bulk_copy_cluster(u32 dst, u32 src, u32 bytes, u
         "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, "
         "[%3];" ::"r"(dst),
         "r"(src), "r"(bytes), "r"(bar)
-        : "memory");
-}
-// A bulk copy (the TMA's `cp.async.bulk`) of `bytes` (a multiple of 16; both addresses 16-byte
-// aligned) from global memory into this block's shared memory, signalling the mbarrier `bar`
-// (this block's) with its bytes. It goes through the async proxy, not the load/store pipeline
-// the block's neighbours on the SM use for their own loads.
-__device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-        ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
         : "memory");
 }
 // Orders this thread's shared-memory writes before the async proxy's reads (bulk copies).

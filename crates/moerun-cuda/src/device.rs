@@ -6,10 +6,10 @@
 //! checks that each buffer it is given was allocated on this device's stream and refuses others.
 
 use std::mem::ManuallyDrop;
-use std::sync::{Arc, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::sys::{self, CUdevice_attribute, CUevent_flags, CUfunction_attribute};
+use cudarc::driver::sys::{self, CUdevice_attribute, CUevent_flags};
 use cudarc::driver::{
     CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr,
     DevicePtrMut, DeviceRepr, PinnedHostSlice, ValidAsZeroBits,
@@ -68,8 +68,6 @@ pub(crate) struct Kernels {
     /// `[layout][dtype_slot][i]` for x-row counts `GEMV_ROWS[i]`; layout 0 is warp per row,
     /// 1 block per rows (see `ops::gemv`).
     pub gemv: [[[CudaFunction; 4]; 3]; 2],
-    /// `gemv_rows_bulk_<dt>_m1` by dtype slot (`ops::gemv`'s bulk layout, sm_90).
-    pub gemv_bulk: [CudaFunction; 3],
     pub elementwise: crate::ops::ElementwiseKernels,
     pub fused: crate::ops::FusedKernels,
     pub moe: crate::ops::MoeKernels,
@@ -77,20 +75,6 @@ pub(crate) struct Kernels {
     pub attention: [crate::ops::AttentionKernels; 2],
     pub gemma: crate::ops::GemmaKernels,
     pub gated_delta: crate::ops::GatedDeltaKernels,
-}
-
-/// `MOERUN_CUDA_CARVEOUT=P` (0-100): every kernel asks for P% of the unified L1 as shared memory
-/// (an experiment: an SM changes its split only when drained, so a split every kernel shares lets
-/// the bulk GEMV's blocks land beside any kernel; docs/perf/cuda-model.md v18). Unset: the
-/// driver's choice.
-fn carveout_wanted() -> Option<i32> {
-    static P: OnceLock<Option<i32>> = OnceLock::new();
-    *P.get_or_init(|| {
-        std::env::var("MOERUN_CUDA_CARVEOUT")
-            .ok()
-            .and_then(|v| v.parse::<i32>().ok())
-            .filter(|p| (0..=100).contains(p))
-    })
 }
 
 /// Rows of x one GEMV launch handles, one kernel instantiation each.
@@ -120,17 +104,8 @@ impl Kernels {
                 .iter()
                 .find(|(n, _)| *n == file)
                 .expect("every kernel file is compiled above");
-            let f = m
-                .load_function(func)
-                .ctx(&format!("loading {func} from {file}.cu"))?;
-            if let Some(percent) = carveout_wanted() {
-                // A hint: a device that ignores it runs the kernel as before.
-                let _ = f.set_attribute(
-                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-                    percent,
-                );
-            }
-            Ok(f)
+            m.load_function(func)
+                .ctx(&format!("loading {func} from {file}.cu"))
         };
         let gemv = |prefix: &str, dt: &str| -> Result<[CudaFunction; 4]> {
             Ok([
@@ -179,11 +154,6 @@ impl Kernels {
                 get("embedding", "embed_f32")?,
             ],
             gemv: [layout("gemv")?, layout("gemv_rows")?],
-            gemv_bulk: [
-                get("gemv", "gemv_rows_bulk_bf16_m1")?,
-                get("gemv", "gemv_rows_bulk_f16_m1")?,
-                get("gemv", "gemv_rows_bulk_f32_m1")?,
-            ],
             elementwise: crate::ops::ElementwiseKernels::load(|f| get("elementwise", f))?,
             fused: crate::ops::FusedKernels::load(|f| get("fused", f))?,
             moe: crate::ops::MoeKernels::load(get)?,

@@ -9,19 +9,10 @@
 //!   L1 serves four rows and rows of a few KiB need no serial loop; partial sums meet in shared
 //!   memory.
 //!
-//! - [`GemvLayout::BlockPerRowsBulk`]: block per rows, but a one-row launch (batch 1) on Hopper
-//!   has the TMA copy each block's rows into shared memory before the programmatic wait
-//!   (`gemv_rows_bulk_<dt>_m1`, the same sums) instead of loading them into registers: the early
-//!   stream then leaves the load/store pipeline of the SMs it shares with the kernel before it
-//!   free. `MOERUN_CUDA_GEMV_BULK=1` makes it [`CudaDevice::gemv`]'s layout (an experiment until
-//!   measured: docs/perf/cuda-model.md v18).
-//!
 //! A batch of m rows runs as launches of 8, 4, 2 and 1 rows (m = 3 is a 2-row and a 1-row
 //! launch), each reading the weights once. Each output is summed in an order fixed by k and the
 //! layout, never by m or the other rows, so GEMV results are batch invariant among themselves (but
 //! not bit-equal to the CPU's or to the cuBLAS GEMM's).
-
-use std::sync::OnceLock;
 
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
@@ -35,47 +26,33 @@ use crate::{CudaDevice, DeviceMatrix};
 pub enum GemvLayout {
     WarpPerRow,
     BlockPerRows,
-    BlockPerRowsBulk,
 }
 
-/// The most dynamic shared memory a bulk GEMV block takes (4 rows of k elements): the limit a
-/// kernel gets without opting in to more. Longer rows run `gemv_rows` (the same sums).
-const BULK_MAX_BYTES: usize = 48 * 1024;
-
 impl GemvLayout {
-    /// The layout [`CudaDevice::gemv`] uses: block per rows, the faster of the first two on every
-    /// shape measured (docs/perf/cuda-ops.md); its bulk variant with `MOERUN_CUDA_GEMV_BULK=1`.
-    pub fn preferred() -> GemvLayout {
-        static BULK: OnceLock<bool> = OnceLock::new();
-        if *BULK.get_or_init(|| std::env::var_os("MOERUN_CUDA_GEMV_BULK").is_some_and(|v| v == "1"))
-        {
-            GemvLayout::BlockPerRowsBulk
-        } else {
-            GemvLayout::BlockPerRows
-        }
-    }
+    /// The layout [`CudaDevice::gemv`] uses: the faster of the two on every shape measured
+    /// (docs/perf/cuda-ops.md).
+    pub const DEFAULT: GemvLayout = GemvLayout::BlockPerRows;
 
     /// Weight rows per block.
     fn rows_per_block(self) -> usize {
         match self {
             GemvLayout::WarpPerRow => 8,
-            GemvLayout::BlockPerRows | GemvLayout::BlockPerRowsBulk => 4,
+            GemvLayout::BlockPerRows => 4,
         }
     }
 
-    /// Index of the layout's kernels in the device's table (the bulk layout's launches of more
-    /// than one row are block per rows').
+    /// Index of the layout's kernels in the device's table.
     fn slot(self) -> usize {
         match self {
             GemvLayout::WarpPerRow => 0,
-            GemvLayout::BlockPerRows | GemvLayout::BlockPerRowsBulk => 1,
+            GemvLayout::BlockPerRows => 1,
         }
     }
 }
 
 impl CudaDevice {
     /// `out[m, w.rows()] = x[m, w.cols()] · wᵀ`, streaming the weights once per launch of up to 8
-    /// rows of x, in [`GemvLayout::preferred`]. Needs `w.cols()` to be a multiple of 8 (bf16/f16)
+    /// rows of x, in [`GemvLayout::DEFAULT`]. Needs `w.cols()` to be a multiple of 8 (bf16/f16)
     /// or 4 (f32), true of every real model's projection.
     pub fn gemv(
         &self,
@@ -84,7 +61,7 @@ impl CudaDevice {
         w: &DeviceMatrix,
         out: &mut impl DevicePtrMut<f32>,
     ) -> Result<()> {
-        self.gemv_with(GemvLayout::preferred(), x, m, w, out)
+        self.gemv_with(GemvLayout::DEFAULT, x, m, w, out)
     }
 
     /// [`CudaDevice::gemv`] in an explicit layout (tests and the bench cover both).
@@ -120,13 +97,6 @@ impl CudaDevice {
             shared_mem_bytes: 0,
         };
         let kernels = &self.kernels.gemv[layout.slot()][dtype_slot(w.dtype())];
-        // The bulk kernel's block copies its rows, rows_per_block * k elements, into shared
-        // memory; it is built for sm_90 only (kernels/gemv.cu).
-        let bulk_bytes = layout.rows_per_block() * k * w.dtype().size();
-        let bulk = (layout == GemvLayout::BlockPerRowsBulk
-            && self.info().compute_capability.0 >= 9
-            && bulk_bytes <= BULK_MAX_BYTES)
-            .then(|| &self.kernels.gemv_bulk[dtype_slot(w.dtype())]);
         if crate::skip::gemv_skipped(n) {
             return Ok(());
         }
@@ -135,23 +105,12 @@ impl CudaDevice {
             let slot = GEMV_ROWS.iter().rposition(|&r| r <= m - row).unwrap_or(0);
             let xr = xp + (row * k * 4) as u64;
             let or = op + (row * n * 4) as u64;
-            let (kernel, cfg) = match bulk {
-                Some(f) if GEMV_ROWS[slot] == 1 => (
-                    f,
-                    LaunchConfig {
-                        shared_mem_bytes: bulk_bytes as u32,
-                        ..cfg
-                    },
-                ),
-                _ => (&kernels[slot], cfg),
-            };
-            let mut b = self.stream.launch_builder(kernel);
+            let mut b = self.stream.launch_builder(&kernels[slot]);
             b.arg(&wp).arg(&xr).arg(&or).arg(&n_i).arg(&k_i);
             // SAFETY: w holds n * k elements of the kernel's dtype with k a multiple of the
             // 16-byte chunk; rows row..row + GEMV_ROWS[slot] of x (k f32 each, 16-byte aligned as
             // k is a multiple of 4) and of out (n f32 each) are in bounds since that is <= m; the
-            // grid covers n rows at the layout's rows per block; the bulk kernel gets the shared
-            // memory for its block's rows (it copies only the rows < n).
+            // grid covers n rows at the layout's rows per block.
             unsafe { b.launch(cfg) }.ctx("gemv")?;
             row += GEMV_ROWS[slot];
         }
