@@ -968,60 +968,6 @@ __device__ __forceinline__ void attn_cluster(const AttnArgs& a, const PrologueAr
     // slices: item `it` of the [gh][d] output (a float4) goes to rank it / per, the heads'
     // (max, sum) to every rank with a slice.
     const u32 me = (u32)rank;
-#ifdef ATTN_BULK_SEND
-    // EXPERIMENT (MOERUN_CUDA_DEFINES=-DATTN_BULK_SEND): the same values staged in this block's
-    // shared memory, then one bulk copy per receiving rank for its items and one for the heads'
-    // (max, sum): 16 copies a block (8 ranks x 2) instead of ~160 st.async. The sources must
-    // outlive the copies, so every block leaves only after every inbox of the cluster is full (a
-    // relaxed cluster barrier: arrive once the own inbox is full, wait before leaving).
-    __shared__ __align__(16) float4 send_items[GM * L * VPL];
-    __shared__ __align__(16) float send_ml[GM * 2];
-    for (int it = threadIdx.x; it < items; it += CL_THREADS) {
-        const int h = it / d4;
-        const int c = it - h * d4;
-        float mx, sum, n4[4];
-        combine_warps_n<CL_WARPS, GM, 4>(s_acc, s_ml, d, h, 4 * c, n4, mx, sum);
-        send_items[it] = make_float4(n4[0], n4[1], n4[2], n4[3]);
-        if (it == 0) probe_mark(11);
-    }
-    for (int h = threadIdx.x; h < gh; h += CL_THREADS) {
-        float mx, sum;
-        combine_warps<CL_WARPS, GM>(s_acc, s_ml, d, h, 0, mx, sum);
-        send_ml[2 * h] = mx;
-        send_ml[2 * h + 1] = sum;
-    }
-    fence_proxy_async_shared();
-    __syncthreads();
-    probe_mark(12);
-    if (threadIdx.x < CL_SIZE) {
-        const u32 dst = threadIdx.x;
-        const int lo = (int)dst * per;
-        if (lo < items) {  // that rank has a slice
-            const u32 bar = cluster_addr(&inbox_bar, dst);
-            const int n = min(items, lo + per) - lo;
-            bulk_copy_cluster(cluster_addr(in_acc + (int)me * per, dst), smem_u32(send_items + lo),
-                              (u32)(n * 16), bar);
-            if (gh % 2 == 0) {  // whole 16-byte units (and GM even: 16-byte aligned rows)
-                bulk_copy_cluster(cluster_addr(in_ml + me * GM * 2, dst), smem_u32(send_ml),
-                                  (u32)(gh * 8), bar);
-            } else {
-                for (int h = 0; h < gh; ++h)
-                    st_async2(cluster_addr(in_ml + (me * GM + h) * 2, dst), send_ml[2 * h],
-                              send_ml[2 * h + 1], bar);
-            }
-        }
-    }
-    probe_mark(4);
-    if (beg >= end) {  // block-uniform: nothing to merge, nothing sent to this block
-        cluster_arrive_relaxed();
-        cluster_wait();
-        probe_end("attn_cluster");
-        return;
-    }
-    __syncthreads();  // s_acc is read above and reused below
-    mbar_wait_cluster(smem_u32(&inbox_bar), 0);
-    cluster_arrive_relaxed();
-#else
     for (int it = threadIdx.x; it < items; it += CL_THREADS) {
         const int h = it / d4;
         const int c = it - h * d4;
@@ -1052,7 +998,6 @@ __device__ __forceinline__ void attn_cluster(const AttnArgs& a, const PrologueAr
     }
     __syncthreads();  // s_acc is read above and reused below
     mbar_wait_cluster(smem_u32(&inbox_bar), 0);
-#endif
     probe_mark(5);
 
     // Weights of the cluster's blocks per head: w [GM][CL_SIZE], then max and sum [GM] each.
@@ -1137,9 +1082,6 @@ __device__ __forceinline__ void attn_cluster(const AttnArgs& a, const PrologueAr
             merge_cluster_partials(a, i, h0, beg, end, act, nclust, w, w + GM * act);
         }
     }
-#ifdef ATTN_BULK_SEND
-    cluster_wait();  // every inbox of the cluster is full: no copy still reads this block
-#endif
     probe_end("attn_cluster");
 }
 

@@ -332,22 +332,6 @@ __device__ __forceinline__ void st_async2(u32 addr, float x, float y, u32 bar) {
                  : "memory");
 }
 
-// A bulk copy of `bytes` (a multiple of 16; both addresses 16-byte aligned) from this block's
-// shared memory to another block's (`dst`, `bar`: shared::cluster addresses), signalling its
-// mbarrier with the bytes. The source must stay untouched, and its block resident, until the
-// receiver's mbarrier completes; shared-memory writes before it need fence_proxy_async_shared.
-__device__ __forceinline__ void bulk_copy_cluster(u32 dst, u32 src, u32 bytes, u32 bar) {
-    asm volatile(
-        "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, "
-        "[%3];" ::"r"(dst),
-        "r"(src), "r"(bytes), "r"(bar)
-        : "memory");
-}
-// Orders this thread's shared-memory writes before the async proxy's reads (bulk copies).
-__device__ __forceinline__ void fence_proxy_async_shared() {
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-
 // The shared::cluster address of `p` (in this block's shared memory) in block `rank`.
 __device__ __forceinline__ u32 cluster_addr(const void* p, u32 rank) {
     const u32 local = smem_u32(p);
