@@ -103,14 +103,6 @@ GEMV_KERNEL(gemv_f32_m8, ChunkF32, 8)
 #define ROWS_THREADS 256
 #define ROWS_WARPS (ROWS_THREADS / 32)
 #define ROWS_PER_BLOCK 4
-// EXPERIMENT (MOERUN_CUDA_DEFINES=-DGEMV_EARLY_STEPS=1): of its first U steps of weights a block
-// loads only this many before the programmatic wait, the rest right after it. At batch 1 the
-// o_proj GEMV's 16.8 MB, all loaded before its wait, stream beside decode attention, whose
-// cluster sends then end at one time for a whole cluster, ~2,000-4,000 cycles after the blocks
-// reach them (docs/perf/cuda-model.md v17): does a smaller early stream free attention?
-#ifndef GEMV_EARLY_STEPS
-#define GEMV_EARLY_STEPS 8  // past every build's U: all of the first step loads early
-#endif
 
 // acc[m][r] += chunk r of the weights . chunk c of x row m, for R rows: each x chunk is read once
 // for up to 4 rows (more rows go in groups of 4, so that at most 4 x 8 widened weights are live;
@@ -181,20 +173,11 @@ __device__ __forceinline__ void gemv_rows_partials(const void* __restrict__ w_ra
     for (int u = 0; u < U; ++u)
 #pragma unroll
         for (int r = 0; r < R; ++r)
-            q[u][r] = u < GEMV_EARLY_STEPS && u < first && r < rows_here
+            q[u][r] = u < first && r < rows_here
                           ? load_stream_early(w + (u64)r * chunks + c + ROWS_THREADS * u)
                           : make_uint4(0u, 0u, 0u, 0u);
     pdl_entry();
     probe_mark(1);
-    if constexpr (GEMV_EARLY_STEPS < U) {
-        // The rest of the first step's weights, after the wait (the same values; an experiment).
-#pragma unroll
-        for (int u = GEMV_EARLY_STEPS; u < U; ++u)
-#pragma unroll
-            for (int r = 0; r < R; ++r)
-                if (u < first && r < rows_here)
-                    q[u][r] = load_stream(w + (u64)r * chunks + c + ROWS_THREADS * u);
-    }
     prep();
     float acc[M][R];
 #pragma unroll
