@@ -328,23 +328,30 @@ struct PrologueArgs {
 };
 
 // The fold's shared memory (DMAX: the build's widest head): the query heads, the own key and
-// value as f32 (staging) and as stored in the pool, the rotation.
+// value as f32 (staging) and as stored in the pool, the rotation, the q and k norm weights.
 template <int GM, int DMAX>
 struct FoldSmem {
     float q[GM][DMAX];
     float kv[2][DMAX];
     kv_t kv_stored[2][DMAX];
     float cos_sin[2][DMAX / 2];
+    float norm[2][DMAX];
 };
 
-// Before the wait: token i's cos and sin per rotary pair into fs.cos_sin (every thread must
-// call it: it ends in a block barrier).
+// Before the wait, what the fold needs that no earlier kernel writes: token i's cos and sin per
+// rotary pair into fs.cos_sin, the q and k norm weights into fs.norm (read after the wait, the
+// weights were a second L2 round trip on the chain, behind the head's own). Every thread must
+// call it: it ends in a block barrier.
 template <int GM, int DMAX>
-__device__ __forceinline__ void fold_rotation(const AttnArgs& a, const PrologueArgs& p, int i,
-                                              FoldSmem<GM, DMAX>& fs) {
+__device__ __forceinline__ void fold_constants(const AttnArgs& a, const PrologueArgs& p, int i,
+                                               FoldSmem<GM, DMAX>& fs) {
     const int pos = a.positions[i];
     for (int t = threadIdx.x; t < p.half; t += blockDim.x)
         rope_cos_sin(p.inv_freq[t], pos, p.attention_factor, fs.cos_sin[0][t], fs.cos_sin[1][t]);
+    for (int t = threadIdx.x; t < a.head_dim; t += blockDim.x) {
+        if (p.q_norm) fs.norm[0][t] = p.q_norm[t];
+        if (p.k_norm) fs.norm[1][t] = p.k_norm[t];
+    }
     __syncthreads();
 }
 
@@ -388,14 +395,14 @@ __device__ __forceinline__ void fold_prologue(const AttnArgs& a, const PrologueA
     const int d = a.head_dim;
     const float* row = p.qkv + (u64)i * (a.num_heads + 2 * a.kv_heads) * d;
     if (warp < gh) {
-        prologue_head<DMAX>(row + (u64)(h0 + warp) * d, p.q_norm, true, p, d, fs.cos_sin,
-                            fs.q[warp]);
+        prologue_head<DMAX>(row + (u64)(h0 + warp) * d, p.q_norm ? fs.norm[0] : nullptr, true,
+                            p, d, fs.cos_sin, fs.q[warp]);
     } else if (own && warp >= GM && warp < GM + 2) {
         const int is_k = warp == GM;
         float* hd = fs.kv[1 - is_k];
         const int head = a.num_heads + (is_k ? kh : a.kv_heads + kh);
-        prologue_head<DMAX>(row + (u64)head * d, is_k ? p.k_norm : nullptr, is_k, p, d,
-                            fs.cos_sin, hd);
+        prologue_head<DMAX>(row + (u64)head * d, is_k && p.k_norm ? fs.norm[1] : nullptr, is_k,
+                            p, d, fs.cos_sin, hd);
         kv_t* dst = const_cast<kv_t*>(is_k ? a.pool_k : a.pool_v) + slot;
         for (int e = threadIdx.x & 31; e < d; e += 32) {
             const kv_t x = to_kv(hd[e]);
@@ -472,16 +479,18 @@ __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, in
         if constexpr (DEPTH == 2)
             fetch_keys<W, L, VPL, U>(a, ts, kh, k0 + STEP, old_end, grp, sub, d4, kr2, vr2, ok2);
         if constexpr (PRO) {
-            fold_rotation<GM, DMAX>(a, *pro, i, *fold);
-            pdl_wait();
-            probe_mark(1);
+            fold_constants<GM, DMAX>(a, *pro, i, *fold);
             // The token's own key, the only fresh one (the token is its sequence's only one, so
             // fresh == pos): set in the prefetched rows that hold it, not read back. (Were the
             // host's promise broken, keys fresh .. pos - 1 would stay masked: wrong, but only
-            // this token's own slot is ever written.)
+            // this token's own slot is ever written.) Its pool slot comes from the positions and
+            // block tables, which no earlier kernel writes: looked up before the wait (after it,
+            // the two dependent reads delayed the block holding the key, the cluster's last).
             const int pos = a.positions[i];
             const bool own = pos >= k0 && pos < k1;
             const long long slot = own ? kv_offset(a, ts, pos, kh) : -1;
+            pdl_wait();
+            probe_mark(1);
             fold_prologue<W, GM, DMAX>(a, *pro, i, kh, h0, gh, own, slot, *fold);
             probe_mark(7);
             // The o_proj GEMV launches (and streams its weights) from here, not from the wait:
