@@ -455,6 +455,11 @@ __device__ __forceinline__ void warp_route_topk(const float* __restrict__ logits
     }
     probe_mark(6);  // gemv_route's block 0 (phase probes): the keys made
     float total = 0.0f;  // every lane: the chosen weights summed in rank order
+    // Rank r's id and weight stay with lane r % 32 (slot r / 32; k <= experts) and are stored
+    // once the k rounds are done, by all lanes at once: stored per round by lane 0 and read
+    // back for the renormalisation, they were a chain of dependent global round trips.
+    u32 my_id[ROUTE_PER_LANE];
+    float my_w[ROUTE_PER_LANE];
     for (int r = 0; r < k; ++r) {
         u32 bk = 0u, bi = 0xffffffffu;
 #pragma unroll
@@ -467,17 +472,25 @@ __device__ __forceinline__ void warp_route_topk(const float* __restrict__ logits
         const u32 best = warp_max_u32(bk);
         const u32 at = warp_min_u32(best != 0u && bk == best ? bi : 0xffffffffu);
         const float w = best != 0u ? __uint_as_float(best - 1u) : -2.0f;
-        if (lane == 0) {
-            out_ids[r] = best != 0u ? at : 0x7fffffffu;
-            out_weights[r] = w;
+#pragma unroll
+        for (int s = 0; s < ROUTE_PER_LANE; ++s) {
+            if (32 * s + lane == r) {
+                my_id[s] = best != 0u ? at : 0x7fffffffu;
+                my_w[s] = w;
+            }
         }
         total += w;
 #pragma unroll
         for (int s = 0; s < ROUTE_PER_LANE; ++s)
             if (32 * s + lane == (int)at) key[s] = 0u;
     }
-    probe_mark(7);  // the k rounds done (then the renormalisation reads the weights back)
-    if (renormalise && lane == 0) {
-        for (int r = 0; r < k; ++r) out_weights[r] = out_weights[r] / total;
+    probe_mark(7);  // the k rounds done
+#pragma unroll
+    for (int s = 0; s < ROUTE_PER_LANE; ++s) {
+        const int r = 32 * s + lane;
+        if (r < k) {
+            out_ids[r] = my_id[s];
+            out_weights[r] = renormalise ? my_w[s] / total : my_w[s];
+        }
     }
 }
