@@ -92,8 +92,10 @@ pub(crate) fn dtype_slot(dtype: DType) -> usize {
 impl Kernels {
     fn load(ctx: &Arc<CudaContext>, arch: &str, report: &mut CacheReport) -> Result<Kernels> {
         let mut modules: Vec<(&str, Arc<CudaModule>)> = Vec::new();
-        for file in KERNEL_FILES {
-            let cubin = compile::cubin(file, arch, report)?;
+        for (file, cubin) in KERNEL_FILES
+            .iter()
+            .zip(compile::cubins(KERNEL_FILES, arch, report)?)
+        {
             let module = ctx
                 .load_module(Ptx::from_binary(cubin))
                 .ctx(&format!("loading {}.cu", file.name))?;
