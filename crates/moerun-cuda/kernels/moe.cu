@@ -557,6 +557,7 @@ __device__ __forceinline__ void moe_tiny_down(const void* __restrict__ down,
                                               float* __restrict__ out, int experts, int hidden,
                                               int inter, int top_k) {
     __shared__ float ys[MOE_TINY_MAX_K][MOE_DOWN_ROWS];
+    __shared__ float rank_weights[MOE_TINY_MAX_K];
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
     const u64 t = blockIdx.y;
@@ -566,7 +567,11 @@ __device__ __forceinline__ void moe_tiny_down(const void* __restrict__ down,
     // a warp's first rank reads its expert id and starts that expert's weights before waiting
     // for gate_up. The ids come from route_topk, two kernels back, which had finished before
     // gate_up let this kernel launch (gate_up waits for it first); they are read through L2.
-    // Every thread waits exactly once, before it reads h or writes anything.
+    // So do the token's routing weights, into shared memory (read after the wait, they were one
+    // more L2 round trip at the very end of the MoE). Every thread waits exactly once, before it
+    // reads h or writes anything.
+    if ((int)threadIdx.x < top_k)
+        rank_weights[threadIdx.x] = load_cg(weights + t * (u64)top_k + threadIdx.x);
     bool waited = false;
     for (int r = warp; r < top_k; r += MOE_WARPS) {
         const u32 p[1] = {(u32)(t * top_k + r)};
@@ -590,9 +595,8 @@ __device__ __forceinline__ void moe_tiny_down(const void* __restrict__ down,
     if (!waited) pdl_entry();
     __syncthreads();
     if ((int)threadIdx.x < rows_here) {
-        const u64 p0 = t * (u64)top_k;
         float s = 0.0f;
-        for (int r = 0; r < top_k; ++r) s = fmaf(weights[p0 + r], ys[r][threadIdx.x], s);
+        for (int r = 0; r < top_k; ++r) s = fmaf(rank_weights[r], ys[r][threadIdx.x], s);
         out[t * hidden + row0 + threadIdx.x] = s;
     }
 }
