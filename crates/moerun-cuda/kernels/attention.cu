@@ -448,18 +448,12 @@ __device__ __forceinline__ void set_own_key(int jb, int pos, int grp, int sub, i
 // and the loads of a longer block run a step further ahead.
 // PRO (the cluster kernel's _pro builds, EARLY only): the folded prologue from `pro`, in `fold`
 // (q is read from there, not a.q); the token's own key is then the only fresh one.
-// `before_wait` (EARLY only) runs in every thread once the early rows are in flight, right before
-// the programmatic wait.
-struct NoHook {
-    __device__ __forceinline__ void operator()() const {}
-};
 template <int W, int L, int VPL, int GM, bool EARLY = false, int U = SPLIT_KEYS / VPL,
-          int DEPTH = 1, bool PRO = false, typename BeforeWait = NoHook>
+          int DEPTH = 1, bool PRO = false>
 __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, int h0, int gh, int ts,
                                             int k0, int k1, float* s_acc, float* s_ml,
                                             int fresh = 0, const PrologueArgs* pro = nullptr,
-                                            FoldSmem<GM, 4 * L * VPL>* fold = nullptr,
-                                            const BeforeWait& before_wait = BeforeWait()) {
+                                            FoldSmem<GM, 4 * L * VPL>* fold = nullptr) {
     constexpr int GROUPS = 32 * W / L;
     using S = Scatter<L, GM>;
     constexpr int OWN = S::OWN;
@@ -495,7 +489,6 @@ __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, in
             const int pos = a.positions[i];
             const bool own = pos >= k0 && pos < k1;
             const long long slot = own ? kv_offset(a, ts, pos, kh) : -1;
-            before_wait();
             pdl_wait();
             probe_mark(1);
             fold_prologue<W, GM, DMAX>(a, *pro, i, kh, h0, gh, own, slot, *fold);
@@ -513,7 +506,6 @@ __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, in
                     set_own_key<W, L, VPL, U>(k0 + STEP, pos, grp, sub, d4, *fold, kr2, vr2, ok2);
             }
         } else {
-            before_wait();
             pdl_entry();
             probe_mark(1);
             if (fresh < k1 && fresh < k0 + STEP)  // block-uniform
@@ -907,7 +899,7 @@ __device__ __forceinline__ void attn_cluster(const AttnArgs& a, const PrologueAr
     }
     __shared__ int s_last;
     // Marks (MOERUN_PROBE builds, common.cuh): 1 the programmatic wait passed, 2 the keys done,
-    // 3 the cluster barrier passed (before the programmatic wait), 4 the slices sent, 5 the inbox full, 6 the slice merged;
+    // 3 the cluster barrier passed, 4 the slices sent, 5 the inbox full, 6 the slice merged;
     // PRO builds: 7 the folded prologue done; attend_keys: 8 q loaded, 9 the keys' loop done,
     // 10 the warp's groups merged; 11 thread 0's first slice item combined over the warps, 12
     // every slice item sent (then 4: the (max, sum) pairs sent too).
@@ -976,19 +968,11 @@ __device__ __forceinline__ void attn_cluster(const AttnArgs& a, const PrologueAr
     // Two steps of rows where the registers allow (4 query heads at most: the 8-head builds
     // already hold 170-250); batch 1 takes 4-head chunks (decode_head_cap).
     constexpr int DEPTH = GM <= 4 ? 2 : 1;
-    // The cluster barrier (every mbarrier of the cluster armed) is waited for before the
-    // programmatic wait, off the chain: its acquire is a `CCTL.IVALL` in the SASS, which waits
-    // for the SM's outstanding loads; after the keys, that was o_proj's weight stream beside
-    // this kernel, and every block of a cluster left its barrier at one time, ~1,800 cycles
-    // late (docs/perf/cuda-model.md v18). Before the wait only the K/V rows and the kernel
-    // before's loads are in flight, and the wait is for that kernel's end.
     attend_keys<CL_WARPS, L, VPL, GM, true, SPLIT_KEYS / VPL, DEPTH, PRO>(
-        a, i, kh, h0, gh, ts, k0, k1, s_acc, s_ml, a.positions[first], pro, fold,
-        [] {
-            cluster_wait();
-            probe_mark(3);
-        });
+        a, i, kh, h0, gh, ts, k0, k1, s_acc, s_ml, a.positions[first], pro, fold);
     probe_mark(2);
+    cluster_wait();
+    probe_mark(3);
     // This block's state (its warps merged), sent slice by slice to the blocks that own the
     // slices: item `it` of the [gh][d] output (a float4) goes to rank it / per, the heads'
     // (max, sum) to every rank with a slice.
@@ -1022,7 +1006,7 @@ __device__ __forceinline__ void attn_cluster(const AttnArgs& a, const PrologueAr
         return;
     }
     __syncthreads();  // s_acc is read above and reused below
-    mbar_wait(smem_u32(&inbox_bar), 0);  // the inbox is this block's shared memory (common.cuh)
+    mbar_wait_cluster(smem_u32(&inbox_bar), 0);
     probe_mark(5);
 
     // Weights of the cluster's blocks per head: w [GM][CL_SIZE], then max and sum [GM] each.

@@ -294,23 +294,6 @@ __device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
                  : "memory");
 }
 
-// Wait for the phase of parity `parity` of the barrier to complete, acquiring at block scope.
-// Enough where what the phase brings lands in this block's own shared memory (st.async and bulk
-// copies from the cluster complete their bytes on it): the cluster-scope wait below differs in
-// the SASS only by a `CCTL.IVALL` after it, an invalidation of the SM's L1 (global lines), which
-// waits for the SM's outstanding loads, its neighbours' weight streams included.
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-    asm volatile(
-        "{\n.reg .pred P1;\n"
-        "WG_WAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
-        "@P1 bra WG_DONE;\n"
-        "bra WG_WAIT;\n"
-        "WG_DONE:\n}\n" ::"r"(bar),
-        "r"(parity)
-        : "memory");
-}
-
 // Wait for the phase of parity `parity` to complete, acquiring at cluster scope (what other
 // CTAs of the cluster stored or arrived with is visible after it).
 __device__ __forceinline__ void mbar_wait_cluster(u32 bar, u32 parity) {

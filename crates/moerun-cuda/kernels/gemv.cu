@@ -326,12 +326,11 @@ __device__ __forceinline__ void gemv_route(const void* __restrict__ w, const flo
         probe_end("gemv_route");
         return;
     }
-    // The logits land in this block's shared memory: a block-scope wait (common.cuh).
     if constexpr (same_type<Finish, NoPrep>::value) {
         if (t >= 32) return;
-        mbar_wait(smem_u32(&inbox), 0);
+        mbar_wait_cluster(smem_u32(&inbox), 0);
     } else {
-        mbar_wait(smem_u32(&inbox), 0);
+        mbar_wait_cluster(smem_u32(&inbox), 0);
         finish();
         if (t >= 32) return;
     }

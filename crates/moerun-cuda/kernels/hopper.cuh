@@ -6,6 +6,19 @@
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
+// Wait for the phase of parity `parity` of the barrier to complete.
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    asm volatile(
+        "{\n.reg .pred P1;\n"
+        "WG_WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+        "@P1 bra WG_DONE;\n"
+        "bra WG_WAIT;\n"
+        "WG_DONE:\n}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+
 __device__ __forceinline__ void mbar_arrive(u32 bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
