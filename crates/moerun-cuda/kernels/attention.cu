@@ -209,17 +209,24 @@ struct Scatter {
     }
 };
 
+// The pool offset of the u-th key group `grp` takes at step jb: -1 past k1 or out of range.
+template <int W, int L>
+__device__ __forceinline__ long long step_key_offset(const AttnArgs& a, int ts, int kh, int jb,
+                                                     int k1, int grp, int u) {
+    constexpr int GROUPS = 32 * W / L;
+    const int j = jb + grp + GROUPS * u;
+    return j < k1 ? kv_offset(a, ts, j, kh) : -1;
+}
+
 // Rows of the U keys group `grp` takes at step jb (zeros past k1 or out of range; ok[u] says
 // which are real).
 template <int W, int L, int VPL, int U>
 __device__ __forceinline__ void fetch_keys(const AttnArgs& a, int ts, int kh, int jb, int k1,
                                            int grp, int sub, int d4, kv4_t (&kr)[U][VPL],
                                            kv4_t (&vr)[U][VPL], bool (&ok)[U]) {
-    constexpr int GROUPS = 32 * W / L;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-        const int j = jb + grp + GROUPS * u;
-        const long long off = j < k1 ? kv_offset(a, ts, j, kh) : -1;
+        const long long off = step_key_offset<W, L>(a, ts, kh, jb, k1, grp, u);
         ok[u] = off >= 0;
 #pragma unroll
         for (int v = 0; v < VPL; ++v) {
@@ -238,11 +245,9 @@ template <int W, int L, int VPL, int U>
 __device__ __forceinline__ void stage_keys(const AttnArgs& a, int ts, int kh, int jb, int k1,
                                            int grp, int sub, int d4, kv4_t (*sk)[VPL][32 * W],
                                            kv4_t (*sv)[VPL][32 * W], bool (&ok)[U]) {
-    constexpr int GROUPS = 32 * W / L;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-        const int j = jb + grp + GROUPS * u;
-        const long long off = j < k1 ? kv_offset(a, ts, j, kh) : -1;
+        const long long off = step_key_offset<W, L>(a, ts, kh, jb, k1, grp, u);
         ok[u] = off >= 0;
 #pragma unroll
         for (int v = 0; v < VPL; ++v) {
