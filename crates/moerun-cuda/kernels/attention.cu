@@ -345,17 +345,18 @@ __device__ __forceinline__ void merge_splits(const AttnArgs& a, int i, int h0, i
 // At batch 1 the prologue kernel (fused.cu qkv_split_norm_rope) was a launch and a programmatic
 // wait of its own between the q/k/v GEMV and attention, ~3 µs a layer for ~40 KB of work. The
 // _pro builds of the cluster kernel take the GEMV's raw rows instead. Before the wait each block
-// puts the token's rotation (cos, sin) in shared memory; after it, warps 0 .. gh - 1 make the
-// block's query heads (RMSNorm by q_norm, rotate-half RoPE) in shared memory, and in the blocks
-// whose keys hold the token's own position warps GM and GM + 1 make that key (k_norm, RoPE) and
-// value, store them in the pool slot and keep them (as stored) in shared memory, from where the
-// block's own rows of that key are set (no read back from the pool). The arithmetic is
-// qkv_split_norm_rope's, lane by lane, with the same rounding helpers (common.cuh rope_cos_sin,
-// rope_pair): the same q, the same pool values, the same output bits. Both head chunks of a kv
-// head hold that position and both store it, the same bits; a block that reads it from the pool
-// (a later step of a long block) does so after its own store and a block barrier. Every token of
-// the batch must be its own sequence's only token (a decode step; the host checks): no block
-// needs a key another token's blocks make.
+// puts the token's rotation (cos, sin) and the q/k norm weights in shared memory and looks up
+// the own key's pool slot (fold_constants; no earlier kernel writes them); after it, warps 0 ..
+// gh - 1 make the block's query heads (RMSNorm by q_norm, rotate-half RoPE) in shared memory,
+// and in the blocks whose keys hold the token's own position warps GM and GM + 1 make that key
+// (k_norm, RoPE) and value, store them in the pool slot and keep them (as stored) in shared
+// memory, from where the block's own rows of that key are set (no read back from the pool). The
+// arithmetic is qkv_split_norm_rope's, lane by lane, with the same rounding helpers (common.cuh
+// rope_cos_sin, rope_pair): the same q, the same pool values, the same output bits. Both head
+// chunks of a kv head hold that position and both store it, the same bits; a block that reads it
+// from the pool (a later step of a long block) does so after its own store and a block barrier.
+// Every token of the batch must be its own sequence's only token (a decode step; the host
+// checks): no block needs a key another token's blocks make.
 struct PrologueArgs {
     // [n][(num_heads + 2 * kv_heads) * head_dim]: each token's q heads, then k heads, then v
     // heads, as the stacked projection writes them.
@@ -379,14 +380,13 @@ struct FoldSmem {
     float norm[2][DMAX];
 };
 
-// Before the wait, what the fold needs that no earlier kernel writes: token i's cos and sin per
-// rotary pair into fs.cos_sin, the q and k norm weights into fs.norm (read after the wait, the
-// weights were a second L2 round trip on the chain, behind the head's own). Every thread must
-// call it: it ends in a block barrier.
+// Before the wait, what the fold needs that no earlier kernel writes: the cos and sin of the
+// token's position `pos` per rotary pair into fs.cos_sin, the q and k norm weights into fs.norm
+// (read after the wait, the weights were a second L2 round trip on the chain, behind the head's
+// own). Every thread must call it: it ends in a block barrier.
 template <int GM, int DMAX>
-__device__ __forceinline__ void fold_constants(const AttnArgs& a, const PrologueArgs& p, int i,
+__device__ __forceinline__ void fold_constants(const AttnArgs& a, const PrologueArgs& p, int pos,
                                                FoldSmem<GM, DMAX>& fs) {
-    const int pos = a.positions[i];
     for (int t = threadIdx.x; t < p.half; t += blockDim.x)
         rope_cos_sin(p.inv_freq[t], pos, p.attention_factor, fs.cos_sin[0][t], fs.cos_sin[1][t]);
     for (int t = threadIdx.x; t < a.head_dim; t += blockDim.x) {
@@ -538,14 +538,14 @@ __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, in
         }
 #endif
         if constexpr (PRO) {
-            fold_constants<GM, DMAX>(a, *pro, i, *fold);
+            const int pos = a.positions[i];
+            fold_constants<GM, DMAX>(a, *pro, pos, *fold);
             // The token's own key, the only fresh one (the token is its sequence's only one, so
             // fresh == pos): set in the prefetched rows that hold it, not read back. (Were the
             // host's promise broken, keys fresh .. pos - 1 would stay masked: wrong, but only
             // this token's own slot is ever written.) Its pool slot comes from the positions and
             // block tables, which no earlier kernel writes: looked up before the wait (after it,
             // the two dependent reads delayed the block holding the key, the cluster's last).
-            const int pos = a.positions[i];
             const bool own = pos >= k0 && pos < k1;
             const long long slot = own ? kv_offset(a, ts, pos, kh) : -1;
             pdl_wait();
