@@ -271,6 +271,94 @@ GEMV_ROWS_KERNEL(gemv_rows_f32_m2, ChunkF32, 2, 2)
 GEMV_ROWS_KERNEL(gemv_rows_f32_m4, ChunkF32, 4, 1)
 GEMV_ROWS_KERNEL(gemv_rows_f32_m8, ChunkF32, 8, 1)
 
+// ---- block per rows with a quarter of the threads: one token's GEMV held in registers ----
+//
+// gemv_rows_narrow_<dt>_m1: block NARROW_THREADS (64), grid ceil(n / 4). Block b owns rows
+// 4b .. 4b + 3 as gemv_rows_<dt>_m1 does and gives its bits: real thread t plays that layout's
+// threads t + 64 j (j < 4; the lanes of real warp w are those of its warps w + 2 j, so each
+// virtual warp's butterfly is the same) and the 8 virtual warps' partials add in warp order.
+// Every chunk of the block's rows is loaded before the programmatic wait (rows of at most
+// 256 * NARROW_U chunks; ops/gemv.rs checks): with NARROW_U 2, 128 registers of weights a thread, ~80% of its
+// registers where the 256-thread layout holds ~50%. At batch 1 the o_proj GEMV launches beside
+// the decode attention, whose blocks hold a quarter of the register file: with the wide layout
+// ~400 of o_proj's 512 blocks fit (Qwen3-30B-A3B shapes) and the rest load their weights only
+// once attention is over; with this one all of them fit and load during attention.
+#define NARROW_THREADS 64
+#define NARROW_V (ROWS_THREADS / NARROW_THREADS)
+
+// NARROW_U: steps of 256 chunks held (2: rows of up to 512 chunks; 1: up to 256, half the
+// registers).
+template <typename C, int NARROW_U>
+__device__ __forceinline__ void gemv_rows_narrow(const void* __restrict__ w_raw,
+                                                 const float* __restrict__ x,
+                                                 float* __restrict__ y, int n, int k) {
+    constexpr int R = ROWS_PER_BLOCK;
+    constexpr int WARPS = NARROW_THREADS / 32;
+    __shared__ float partial[ROWS_WARPS][R];
+    const int t = threadIdx.x;
+    const int lane = t & 31;
+    const int warp = t >> 5;
+    const int row0 = blockIdx.x * R;
+    const int rows_here = min(R, n - row0);  // block-uniform
+    const int chunks = k / C::N;
+    const uint4* w = reinterpret_cast<const uint4*>(w_raw) + (u64)row0 * chunks;
+    uint4 q[NARROW_V][NARROW_U][R];
+#pragma unroll
+    for (int j = 0; j < NARROW_V; ++j)
+#pragma unroll
+        for (int u = 0; u < NARROW_U; ++u)
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const int c = t + NARROW_THREADS * j + ROWS_THREADS * u;
+                q[j][u][r] = c < chunks && r < rows_here
+                                 ? load_stream_early(w + (u64)r * chunks + c)
+                                 : make_uint4(0u, 0u, 0u, 0u);
+            }
+    pdl_entry();
+    probe_mark(1);
+#pragma unroll
+    for (int j = 0; j < NARROW_V; ++j) {
+        // Virtual thread v's sums, in gemv_rows_partials' order: its chunks v, v + 256, ...
+        const int v = t + NARROW_THREADS * j;
+        float acc[R][1][1];
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[r][0][0] = 0.0f;
+#pragma unroll
+        for (int u = 0; u < NARROW_U; ++u) {
+            const int c = v + ROWS_THREADS * u;
+            if (c < chunks) {
+#pragma unroll
+                for (int r = 0; r < R; ++r) fma_rows<C, 1, 1>(&q[j][u][r], x, k, c, acc[r]);
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const float s = warp_sum(acc[r][0][0]);
+            if (lane == 0) partial[warp + WARPS * j][r] = s;
+        }
+    }
+    __syncthreads();
+    if (t < rows_here) {
+        float s = 0.0f;
+#pragma unroll
+        for (int i = 0; i < ROWS_WARPS; ++i) s += partial[i][t];
+        y[row0 + t] = s;
+    }
+}
+
+#define GEMV_ROWS_NARROW_KERNEL(NAME, CHUNK, U)                                                 \
+    extern "C" __global__ void __launch_bounds__(NARROW_THREADS)                                \
+        NAME(const void* w, const float* x, float* y, int n, int k) {                           \
+        gemv_rows_narrow<CHUNK, U>(w, x, y, n, k);                                              \
+    }
+
+GEMV_ROWS_NARROW_KERNEL(gemv_rows_narrow_bf16_m1, ChunkBf16, 2)
+GEMV_ROWS_NARROW_KERNEL(gemv_rows_narrow_f16_m1, ChunkF16, 2)
+GEMV_ROWS_NARROW_KERNEL(gemv_rows_narrow_f32_m1, ChunkF32, 2)
+GEMV_ROWS_NARROW_KERNEL(gemv_rows_narrow_short_bf16_m1, ChunkBf16, 1)
+GEMV_ROWS_NARROW_KERNEL(gemv_rows_narrow_short_f16_m1, ChunkF16, 1)
+GEMV_ROWS_NARROW_KERNEL(gemv_rows_narrow_short_f32_m1, ChunkF32, 1)
+
 // ---- the router GEMV of one token with its top-k, in one cluster (sm_90) ----
 //
 // gemv_route_<dt>_l<L>: grid (ROUTE_CLUSTER), cluster (ROUTE_CLUSTER, 1, 1), block 256; experts
