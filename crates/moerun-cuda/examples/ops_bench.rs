@@ -99,11 +99,7 @@ fn gemv_rows(
     for &m in ms {
         let x = dev.upload(&rng.f32s(m * k))?;
         let mut out = dev.zeros::<f32>(m * n)?;
-        for layout in [
-            GemvLayout::WarpPerRow,
-            GemvLayout::BlockPerRows,
-            GemvLayout::BlockPerRowsNarrow,
-        ] {
+        for layout in [GemvLayout::WarpPerRow, GemvLayout::BlockPerRows] {
             // One timed repetition runs every copy once; per launch is that over `copies`.
             let ms_per = time(dev, || {
                 mats.iter()

@@ -68,9 +68,6 @@ pub(crate) struct Kernels {
     /// `[layout][dtype_slot][i]` for x-row counts `GEMV_ROWS[i]`; layout 0 is warp per row,
     /// 1 block per rows (see `ops::gemv`).
     pub gemv: [[[CudaFunction; 4]; 3]; 2],
-    /// `[gemv_rows_narrow, gemv_rows_narrow_short]_<dt>_m1` by [`dtype_slot`]: the block
-    /// layout's one-token GEMV in 64 threads, rows of up to 512 / 256 chunks (see `ops::gemv`).
-    pub gemv_narrow: [[CudaFunction; 3]; 2],
     pub elementwise: crate::ops::ElementwiseKernels,
     pub fused: crate::ops::FusedKernels,
     pub moe: crate::ops::MoeKernels,
@@ -159,18 +156,6 @@ impl Kernels {
                 get("embedding", "embed_f32")?,
             ],
             gemv: [layout("gemv")?, layout("gemv_rows")?],
-            gemv_narrow: [
-                [
-                    get("gemv", "gemv_rows_narrow_bf16_m1")?,
-                    get("gemv", "gemv_rows_narrow_f16_m1")?,
-                    get("gemv", "gemv_rows_narrow_f32_m1")?,
-                ],
-                [
-                    get("gemv", "gemv_rows_narrow_short_bf16_m1")?,
-                    get("gemv", "gemv_rows_narrow_short_f16_m1")?,
-                    get("gemv", "gemv_rows_narrow_short_f32_m1")?,
-                ],
-            ],
             elementwise: crate::ops::ElementwiseKernels::load(|f| get("elementwise", f))?,
             fused: crate::ops::FusedKernels::load(|f| get("fused", f))?,
             moe: crate::ops::MoeKernels::load(get)?,

@@ -21,41 +21,11 @@ use crate::device::{dtype_slot, GEMV_ROWS};
 use crate::error::{ensure, DriverContext, Result};
 use crate::{CudaDevice, DeviceMatrix};
 
-/// Threads of a `gemv_rows_narrow_<dt>_m1` block (`NARROW_THREADS` in kernels/gemv.cu).
-const NARROW_THREADS: u32 = 64;
-/// Widest row (in 16-byte chunks) the narrow kernel holds in registers: 256 * `NARROW_U`.
-const NARROW_MAX_CHUNKS: usize = 512;
-
-/// Whether [`CudaDevice::gemv`] takes [`GemvLayout::BlockPerRowsNarrow`] for rows of `chunks`
-/// 16-byte chunks in a matrix of `n` rows (an experiment, off by default):
-/// `MOERUN_CUDA_GEMV_NARROW=1` for rows of more than 256 chunks (which the wide layout holds in
-/// two steps of registers), `=2` for every row the narrow kernels hold in matrices of at most
-/// 65,536 rows (not an LM head), `=3` for every row they hold.
-fn narrow_wanted(chunks: usize, n: usize) -> bool {
-    static MODE: std::sync::OnceLock<u8> = std::sync::OnceLock::new();
-    let mode = *MODE.get_or_init(|| {
-        std::env::var("MOERUN_CUDA_GEMV_NARROW")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0)
-    });
-    match mode {
-        1 => chunks > 256 && chunks <= NARROW_MAX_CHUNKS,
-        2 => chunks <= NARROW_MAX_CHUNKS && n <= 65_536,
-        3 => chunks <= NARROW_MAX_CHUNKS,
-        _ => false,
-    }
-}
-
 /// How the GEMV kernel maps weight rows to threads (see the module doc).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GemvLayout {
     WarpPerRow,
     BlockPerRows,
-    /// [`GemvLayout::BlockPerRows`] whose one-row launches take 64 threads a block, every weight
-    /// of the block's rows in registers before the programmatic wait (the same bits); rows wider
-    /// than 512 16-byte chunks run in the wide layout.
-    BlockPerRowsNarrow,
 }
 
 impl GemvLayout {
@@ -67,7 +37,7 @@ impl GemvLayout {
     fn rows_per_block(self) -> usize {
         match self {
             GemvLayout::WarpPerRow => 8,
-            GemvLayout::BlockPerRows | GemvLayout::BlockPerRowsNarrow => 4,
+            GemvLayout::BlockPerRows => 4,
         }
     }
 
@@ -75,7 +45,7 @@ impl GemvLayout {
     fn slot(self) -> usize {
         match self {
             GemvLayout::WarpPerRow => 0,
-            GemvLayout::BlockPerRows | GemvLayout::BlockPerRowsNarrow => 1,
+            GemvLayout::BlockPerRows => 1,
         }
     }
 }
@@ -91,12 +61,7 @@ impl CudaDevice {
         w: &DeviceMatrix,
         out: &mut impl DevicePtrMut<f32>,
     ) -> Result<()> {
-        let chunks = w.cols() * w.dtype().size() / 16;
-        let layout = match narrow_wanted(chunks, w.rows()) {
-            true => GemvLayout::BlockPerRowsNarrow,
-            false => GemvLayout::DEFAULT,
-        };
-        self.gemv_with(layout, x, m, w, out)
+        self.gemv_with(GemvLayout::DEFAULT, x, m, w, out)
     }
 
     /// [`CudaDevice::gemv`] in an explicit layout (tests and the bench cover both).
@@ -135,24 +100,12 @@ impl CudaDevice {
         if crate::skip::gemv_skipped(n) {
             return Ok(());
         }
-        let narrow = layout == GemvLayout::BlockPerRowsNarrow && k / per_chunk <= NARROW_MAX_CHUNKS;
         let mut row = 0;
         while row < m {
             let slot = GEMV_ROWS.iter().rposition(|&r| r <= m - row).unwrap_or(0);
             let xr = xp + (row * k * 4) as u64;
             let or = op + (row * n * 4) as u64;
-            let (func, cfg) = match narrow && slot == 0 {
-                true => (
-                    &self.kernels.gemv_narrow[usize::from(k / per_chunk <= 256)]
-                        [dtype_slot(w.dtype())],
-                    LaunchConfig {
-                        block_dim: (NARROW_THREADS, 1, 1),
-                        ..cfg
-                    },
-                ),
-                false => (&kernels[slot], cfg),
-            };
-            let mut b = self.stream.launch_builder(func);
+            let mut b = self.stream.launch_builder(&kernels[slot]);
             b.arg(&wp).arg(&xr).arg(&or).arg(&n_i).arg(&k_i);
             // SAFETY: w holds n * k elements of the kernel's dtype with k a multiple of the
             // 16-byte chunk; rows row..row + GEMV_ROWS[slot] of x (k f32 each, 16-byte aligned as
