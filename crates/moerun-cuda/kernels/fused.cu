@@ -28,17 +28,30 @@
 // 4096 x 40 blocks of one warp cost 105 us a layer, scheduling-bound.
 #define QKV_HEADS_PER_BLOCK 4
 
-// Sum of `v` over the block (blockDim.x a multiple of 32, at most 1024); every thread gets it.
+// Block barrier of the block's first NT threads (NT > 0: named barrier 1; the rest of the block
+// does other work), or of the whole block (NT == 0).
+template <int NT>
+__device__ __forceinline__ void sync_threads_of() {
+    if constexpr (NT == 0) {
+        __syncthreads();
+    } else {
+        asm volatile("bar.sync 1, %0;" ::"n"(NT) : "memory");
+    }
+}
+
+// Sum of `v` over the block (blockDim.x a multiple of 32, at most 1024), or over its first NT
+// threads (NT > 0, a multiple of 32, at most 1024; only they call it); every caller gets it.
+template <int NT = 0>
 __device__ __forceinline__ float block_sum(float v) {
     __shared__ float partial[32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     v = warp_sum(v);
     if (lane == 0) partial[warp] = v;
-    __syncthreads();
-    const int warps = blockDim.x >> 5;
+    sync_threads_of<NT>();
+    const int warps = (NT == 0 ? blockDim.x : NT) >> 5;
     v = lane < warps ? partial[lane] : 0.0f;
     v = warp_sum(v);
-    __syncthreads();  // `partial` may be reused by a following call
+    sync_threads_of<NT>();  // `partial` may be reused by a following call
     return v;
 }
 
@@ -55,10 +68,18 @@ __device__ __forceinline__ float block_sum(float v) {
 // (pdl_entry_launch_first). The row's values stay in registers between the reduction and the
 // output (no second read of x or w behind the block sum). Each thread writes only the elements
 // it read itself, so out may alias x.
-template <bool ADD>
+// NT > 0: only the block's first NT threads run the row (add_rms_norm_route_f32's other warp
+// routes meanwhile). `hook(inv)` runs in every thread of the row once the inverse RMS is known.
+struct NoNormHook {
+    __device__ __forceinline__ void operator()(float) const {}
+};
+
+template <bool ADD, int NT = 0, typename Hook = NoNormHook>
 __device__ __forceinline__ void rms_norm_row(float* x, const float* __restrict__ y,
                                              const float* __restrict__ w, float* out, int width,
-                                             float eps, u16* __restrict__ out_bf16) {
+                                             float eps, u16* __restrict__ out_bf16,
+                                             const Hook& hook = Hook()) {
+    const unsigned stride = NT == 0 ? blockDim.x : (unsigned)NT;
     const u64 row = blockIdx.x;
     float* xr = x + row * width;
     const float* yr = ADD ? y + row * width : nullptr;
@@ -67,7 +88,7 @@ __device__ __forceinline__ void rms_norm_row(float* x, const float* __restrict__
     float v[ADD_NORM_EARLY], wv[ADD_NORM_EARLY];
 #pragma unroll
     for (int u = 0; u < ADD_NORM_EARLY; ++u) {
-        const int i = threadIdx.x + u * blockDim.x;
+        const int i = threadIdx.x + u * stride;
         if constexpr (ADD) v[u] = i < width ? xr[i] : 0.0f;
         wv[u] = i < width ? w[i] : 0.0f;
     }
@@ -75,7 +96,7 @@ __device__ __forceinline__ void rms_norm_row(float* x, const float* __restrict__
     float ss = 0.0f;
 #pragma unroll
     for (int u = 0; u < ADD_NORM_EARLY; ++u) {
-        const int i = threadIdx.x + u * blockDim.x;
+        const int i = threadIdx.x + u * stride;
         if constexpr (ADD) {
             if (i < width) {
                 v[u] += yr[i];
@@ -87,23 +108,24 @@ __device__ __forceinline__ void rms_norm_row(float* x, const float* __restrict__
             if (i < width) ss = __fmaf_rn(v[u], v[u], ss);
         }
     }
-    for (int i = threadIdx.x + ADD_NORM_EARLY * blockDim.x; i < width; i += blockDim.x) {
+    for (int i = threadIdx.x + ADD_NORM_EARLY * stride; i < width; i += stride) {
         const float a = ADD ? xr[i] + yr[i] : xr[i];
         if constexpr (ADD) xr[i] = a;
         ss = __fmaf_rn(a, a, ss);
     }
-    ss = block_sum(ss);
+    ss = block_sum<NT>(ss);
     const float inv = 1.0f / sqrtf(ss / (float)width + eps);
+    hook(inv);
 #pragma unroll
     for (int u = 0; u < ADD_NORM_EARLY; ++u) {
-        const int i = threadIdx.x + u * blockDim.x;
+        const int i = threadIdx.x + u * stride;
         if (i < width) {
             const float r = wv[u] * (v[u] * inv);
             o[i] = r;
             if (ob) ob[i] = f32_to_bf16(r);
         }
     }
-    for (int i = threadIdx.x + ADD_NORM_EARLY * blockDim.x; i < width; i += blockDim.x) {
+    for (int i = threadIdx.x + ADD_NORM_EARLY * stride; i < width; i += stride) {
         const float r = w[i] * (xr[i] * inv);
         o[i] = r;
         if (ob) ob[i] = f32_to_bf16(r);
@@ -115,6 +137,147 @@ extern "C" __global__ void add_rms_norm_f32(float* x, const float* __restrict__ 
                                             float eps, u16* __restrict__ out_bf16) {
     rms_norm_row<true>(x, y, w, out, width, eps, out_bf16);
 }
+
+// ---- the add+RMSNorm before a MoE layer with the layer's routing, at one token ----
+//
+// add_rms_norm_route_f32_l<L>: add_rms_norm_f32 of one row by the block's first
+// NORM_ROUTE_THREADS threads (the same code, so the same bits: x += y; out = w * x / rms) and, in
+// one more warp, the routing of that row's router logits without a router GEMV of `out`. By
+// linearity, router (w * (x + y) / rms) = (R x + M a) / rms with R = router diag(w) and M = R Wo,
+// where a is o_proj's input (y = Wo a): gemv_route_ahead made z = [M a; R x] beside o_proj (each
+// `parts` stacked products: a bf16 matrix's hi and lo halves, summed here). The rms is positive,
+// so z orders the experts as the logits do: the routing warp picks the top k of z (ties to the
+// lower index) while the norm sums, then, given 1 / rms, weighs them as warp_route_topk does
+// (softmax of the logits z / rms, then optionally renormalised in rank order). Launch: grid 1,
+// block NORM_ROUTE_THREADS + 32; L experts per lane (experts <= 32 L, k <= 32).
+#define NORM_ROUTE_THREADS 1024
+
+// The row's threads hand 1 / rms to the routing warp: thread 0 puts it in shared memory, every
+// row thread arrives at named barrier 2, where the routing warp waits.
+struct PublishInv {
+    float* slot;
+    __device__ __forceinline__ void operator()(float inv) const {
+        if (threadIdx.x == 0) *slot = inv;
+        asm volatile("bar.arrive 2, %0;" ::"n"(NORM_ROUTE_THREADS + 32) : "memory");
+    }
+};
+
+template <int L>
+__device__ __forceinline__ void route_ahead_warp(const float* z, int experts, int parts, int k,
+                                                 int renormalise, u32* __restrict__ out_ids,
+                                                 float* __restrict__ out_weights,
+                                                 const float* inv_slot) {
+    const int lane = threadIdx.x & 31;
+    pdl_entry_launch_first();
+    // z = [parts][experts] of M a, then [parts][experts] of R x; expert e = 32 s + lane.
+    float zs[L];
+    u32 key[L];
+#pragma unroll
+    for (int s = 0; s < L; ++s) {
+        const int e = 32 * s + lane;
+        float v = 0.0f;
+        if (e < experts) {
+            float za = z[e], zx = z[parts * experts + e];
+            for (int p = 1; p < parts; ++p) {
+                za += z[p * experts + e];
+                zx += z[(parts + p) * experts + e];
+            }
+            v = zx + za;
+        }
+        zs[s] = v;
+        // Keys that order like the floats (a NaN never wins: key 0, as taken).
+        const u32 b = __float_as_uint(v);
+        key[s] = e < experts && v == v ? ((b & 0x80000000u) ? ~b : (b | 0x80000000u)) : 0u;
+    }
+    // The k rounds, as warp_route_topk's: rank r's id stays with lane r % 32.
+    u32 my_id[L];
+#pragma unroll
+    for (int s = 0; s < L; ++s) my_id[s] = 0x7fffffffu;
+    for (int r = 0; r < k; ++r) {
+        u32 bk = 0u, bi = 0xffffffffu;
+#pragma unroll
+        for (int s = 0; s < L; ++s) {
+            if (key[s] > bk) {
+                bk = key[s];
+                bi = 32 * s + lane;
+            }
+        }
+        const u32 best = warp_max_u32(bk);
+        const u32 at = warp_min_u32(best != 0u && bk == best ? bi : 0xffffffffu);
+#pragma unroll
+        for (int s = 0; s < L; ++s) {
+            if (32 * s + lane == r) my_id[s] = best != 0u ? at : 0x7fffffffu;
+            if (32 * s + lane == (int)at) key[s] = 0u;
+        }
+    }
+    asm volatile("bar.sync 2, %0;" ::"n"(NORM_ROUTE_THREADS + 32) : "memory");
+    const float inv = *inv_slot;
+    // warp_route_topk's softmax of the logits z / rms.
+    float p[L];
+    float mx = __int_as_float(0xff800000);  // -inf
+#pragma unroll
+    for (int s = 0; s < L; ++s) {
+        p[s] = zs[s] * inv;
+        if (32 * s + lane < experts) mx = fmaxf(mx, p[s]);
+    }
+    mx = warp_max(mx);
+    float sum = 0.0f;
+#pragma unroll
+    for (int s = 0; s < L; ++s) {
+        if (32 * s + lane < experts) {
+            p[s] = expf(p[s] - mx);
+            sum += p[s];
+        }
+    }
+    const float isum = 1.0f / warp_sum(sum);
+#pragma unroll
+    for (int s = 0; s < L; ++s) p[s] *= isum;
+    // Rank r's weight: its expert's probability (-2 where no expert was left, as
+    // warp_route_topk), then the total in rank order.
+    float my_w[L];
+#pragma unroll
+    for (int s = 0; s < L; ++s) {
+        const u32 id = my_id[s];
+        float w = -2.0f;
+#pragma unroll
+        for (int q = 0; q < L; ++q) {
+            const float t = __shfl_sync(0xffffffffu, p[q], (int)(id & 31u));
+            if (id < (u32)experts && (int)(id >> 5) == q) w = t;
+        }
+        my_w[s] = w;
+    }
+    float total = 0.0f;
+#pragma unroll
+    for (int s = 0; s < L; ++s)
+        for (int r = 32 * s; r < k && r < 32 * s + 32; ++r)
+            total += __shfl_sync(0xffffffffu, my_w[s], r - 32 * s);
+#pragma unroll
+    for (int s = 0; s < L; ++s) {
+        const int r = 32 * s + lane;
+        if (r < k) {
+            out_ids[r] = my_id[s];
+            out_weights[r] = renormalise ? my_w[s] / total : my_w[s];
+        }
+    }
+}
+
+#define ADD_RMS_NORM_ROUTE_KERNEL(NAME, L)                                                       \
+    extern "C" __global__ void __launch_bounds__(NORM_ROUTE_THREADS + 32)                       \
+        NAME(float* x, const float* __restrict__ y, const float* __restrict__ w, float* out,    \
+             int width, float eps, const float* z, int experts, int parts, int k,               \
+             int renormalise, u32* out_ids, float* out_weights) {                               \
+        __shared__ float inv_slot;                                                               \
+        if (threadIdx.x < NORM_ROUTE_THREADS)                                                    \
+            rms_norm_row<true, NORM_ROUTE_THREADS>(x, y, w, out, width, eps, nullptr,           \
+                                                   PublishInv{&inv_slot});                      \
+        else                                                                                     \
+            route_ahead_warp<L>(z, experts, parts, k, renormalise, out_ids, out_weights,        \
+                                &inv_slot);                                                      \
+    }
+
+ADD_RMS_NORM_ROUTE_KERNEL(add_rms_norm_route_f32_l1, 1)
+ADD_RMS_NORM_ROUTE_KERNEL(add_rms_norm_route_f32_l2, 2)
+ADD_RMS_NORM_ROUTE_KERNEL(add_rms_norm_route_f32_l4, 4)
 
 // RMSNorm of wide rows (hidden states), a block per row: out may alias x (Gemma 4 runs ~8 of
 // these a layer). x is only read (rms_norm_row without ADD never writes it).

@@ -706,6 +706,71 @@ impl Backend for CudaPass<'_> {
         })
     }
 
+    fn o_proj_add_norm_moe(
+        &mut self,
+        x: &mut DeviceBuffer<f32>,
+        attn: &DeviceBuffer<f32>,
+        o_proj: &Linear,
+        (weight, eps): (&[f32], f32),
+        cfg: &MoeConfig,
+        w: &MoeWeights,
+    ) -> Result<DeviceBuffer<f32>> {
+        let m = self.m;
+        let hidden = w.router.shape[1];
+        // One token of a layer with route-ahead matrices (made at upload where asked for and
+        // the layer qualifies, upload.rs): o_proj with the router's products from its input in
+        // one launch, then the add+norm with the routing, then the experts. Otherwise the plain
+        // composition.
+        let ra = m
+            .route_ahead
+            .get(&tensor_key(&w.router))
+            .filter(|_| x.len() == hidden && weight.len() == hidden);
+        let Some(ra) = ra else {
+            return crate::forward::o_proj_add_norm_moe(
+                self,
+                x,
+                attn,
+                o_proj,
+                (weight, eps),
+                cfg,
+                w,
+            );
+        };
+        let k = cfg.top_k;
+        let shape = RouterShape {
+            experts: cfg.num_experts,
+            top_k: k,
+            renormalise: cfg.norm_topk_prob,
+        };
+        let (xn, ids, weights) = profile::timed(&m.dev, "o_proj_route_ahead", || {
+            let mut y = self.alloc(hidden)?;
+            let mut z = self.alloc(ra.z_len())?;
+            m.dev
+                .gemv_route_ahead(attn, x, m.mat(&o_proj.weight)?, ra, &mut y, &mut z)
+                .map_err(dev_err)?;
+            let mut ids = self.scratch.activation::<u32>(&m.dev, k)?;
+            let mut weights = self.alloc(k)?;
+            let mut xn = self.alloc(hidden)?;
+            m.dev
+                .add_rms_norm_route(
+                    x,
+                    &y,
+                    m.vec(weight)?,
+                    eps,
+                    &mut xn,
+                    (&z, ra),
+                    shape,
+                    &mut ids,
+                    &mut weights,
+                )
+                .map_err(dev_err)?;
+            Ok((xn, ids, weights))
+        })?;
+        profile::timed(&m.dev, "moe", || {
+            self.moe_routed(&xn, (&ids, &weights), cfg, w)
+        })
+    }
+
     fn gated_deltanet(
         &mut self,
         layer: usize,

@@ -91,6 +91,7 @@ pub(crate) fn upload(
         mats,
         vecs,
         experts,
+        route_ahead: HashMap::new(),
         qkv,
         rope,
         weight_bytes: bytes,
