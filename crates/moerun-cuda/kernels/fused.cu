@@ -28,30 +28,17 @@
 // 4096 x 40 blocks of one warp cost 105 us a layer, scheduling-bound.
 #define QKV_HEADS_PER_BLOCK 4
 
-// Block barrier of the block's first NT threads (NT > 0: named barrier 1; the rest of the block
-// does other work), or of the whole block (NT == 0).
-template <int NT>
-__device__ __forceinline__ void sync_threads_of() {
-    if constexpr (NT == 0) {
-        __syncthreads();
-    } else {
-        asm volatile("bar.sync 1, %0;" ::"n"(NT) : "memory");
-    }
-}
-
-// Sum of `v` over the block (blockDim.x a multiple of 32, at most 1024), or over its first NT
-// threads (NT > 0, a multiple of 32, at most 1024; only they call it); every caller gets it.
-template <int NT = 0>
+// Sum of `v` over the block (blockDim.x a multiple of 32, at most 1024); every thread gets it.
 __device__ __forceinline__ float block_sum(float v) {
     __shared__ float partial[32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     v = warp_sum(v);
     if (lane == 0) partial[warp] = v;
-    sync_threads_of<NT>();
-    const int warps = (NT == 0 ? blockDim.x : NT) >> 5;
+    __syncthreads();
+    const int warps = blockDim.x >> 5;
     v = lane < warps ? partial[lane] : 0.0f;
     v = warp_sum(v);
-    sync_threads_of<NT>();  // `partial` may be reused by a following call
+    __syncthreads();  // `partial` may be reused by a following call
     return v;
 }
 
@@ -68,31 +55,26 @@ __device__ __forceinline__ float block_sum(float v) {
 // (pdl_entry_launch_first). The row's values stay in registers between the reduction and the
 // output (no second read of x or w behind the block sum). Each thread writes only the elements
 // it read itself, so out may alias x.
-// NT > 0: only the block's first NT threads run the row (add_rms_norm_route_f32's other warp
-// routes meanwhile). `hook(inv)` runs in every thread of the row once the inverse RMS is known.
-struct NoNormHook {
-    __device__ __forceinline__ void operator()(float) const {}
-};
-
-template <bool ADD, int NT = 0, typename Hook = NoNormHook>
-__device__ __forceinline__ void rms_norm_row(float* x, const float* __restrict__ y,
-                                             const float* __restrict__ w, float* out, int width,
-                                             float eps, u16* __restrict__ out_bf16,
-                                             const Hook& hook = Hook()) {
-    const unsigned stride = NT == 0 ? blockDim.x : (unsigned)NT;
-    const u64 row = blockIdx.x;
-    float* xr = x + row * width;
-    const float* yr = ADD ? y + row * width : nullptr;
-    float* o = out + row * width;
-    u16* ob = out_bf16 ? out_bf16 + row * width : nullptr;
-    float v[ADD_NORM_EARLY], wv[ADD_NORM_EARLY];
+// The row's pieces, shared with add_rms_norm_route_f32 (the same bits): thread t's elements are
+// t, t + stride, ...; the first ADD_NORM_EARLY of them (and their norm weights) stay in v / wv.
+template <bool ADD>
+__device__ __forceinline__ void norm_row_early(const float* xr, const float* __restrict__ w,
+                                               int width, unsigned stride,
+                                               float (&v)[ADD_NORM_EARLY],
+                                               float (&wv)[ADD_NORM_EARLY]) {
 #pragma unroll
     for (int u = 0; u < ADD_NORM_EARLY; ++u) {
         const int i = threadIdx.x + u * stride;
         if constexpr (ADD) v[u] = i < width ? xr[i] : 0.0f;
         wv[u] = i < width ? w[i] : 0.0f;
     }
-    pdl_entry_launch_first();
+}
+
+// After the wait: x += y (written back) and this thread's sum of squares, in element order.
+template <bool ADD>
+__device__ __forceinline__ float norm_row_squares(float* xr, const float* __restrict__ yr,
+                                                  int width, unsigned stride,
+                                                  float (&v)[ADD_NORM_EARLY]) {
     float ss = 0.0f;
 #pragma unroll
     for (int u = 0; u < ADD_NORM_EARLY; ++u) {
@@ -113,9 +95,15 @@ __device__ __forceinline__ void rms_norm_row(float* x, const float* __restrict__
         if constexpr (ADD) xr[i] = a;
         ss = __fmaf_rn(a, a, ss);
     }
-    ss = block_sum<NT>(ss);
-    const float inv = 1.0f / sqrtf(ss / (float)width + eps);
-    hook(inv);
+    return ss;
+}
+
+// out = w * (x * inv) for this thread's elements (and rounded to bf16 into ob when given).
+__device__ __forceinline__ void norm_row_write(const float* xr, const float* __restrict__ w,
+                                               float* o, u16* ob, int width, unsigned stride,
+                                               float inv,
+                                               const float (&v)[ADD_NORM_EARLY],
+                                               const float (&wv)[ADD_NORM_EARLY]) {
 #pragma unroll
     for (int u = 0; u < ADD_NORM_EARLY; ++u) {
         const int i = threadIdx.x + u * stride;
@@ -132,6 +120,24 @@ __device__ __forceinline__ void rms_norm_row(float* x, const float* __restrict__
     }
 }
 
+template <bool ADD>
+__device__ __forceinline__ void rms_norm_row(float* x, const float* __restrict__ y,
+                                             const float* __restrict__ w, float* out, int width,
+                                             float eps, u16* __restrict__ out_bf16) {
+    const u64 row = blockIdx.x;
+    float* xr = x + row * width;
+    const float* yr = ADD ? y + row * width : nullptr;
+    float* o = out + row * width;
+    u16* ob = out_bf16 ? out_bf16 + row * width : nullptr;
+    float v[ADD_NORM_EARLY], wv[ADD_NORM_EARLY];
+    norm_row_early<ADD>(xr, w, width, blockDim.x, v, wv);
+    pdl_entry_launch_first();
+    float ss = norm_row_squares<ADD>(xr, yr, width, blockDim.x, v);
+    ss = block_sum(ss);
+    const float inv = 1.0f / sqrtf(ss / (float)width + eps);
+    norm_row_write(xr, w, o, ob, width, blockDim.x, inv, v, wv);
+}
+
 extern "C" __global__ void add_rms_norm_f32(float* x, const float* __restrict__ y,
                                             const float* __restrict__ w, float* out, int width,
                                             float eps, u16* __restrict__ out_bf16) {
@@ -140,38 +146,25 @@ extern "C" __global__ void add_rms_norm_f32(float* x, const float* __restrict__ 
 
 // ---- the add+RMSNorm before a MoE layer with the layer's routing, at one token ----
 //
-// add_rms_norm_route_f32_l<L>: add_rms_norm_f32 of one row by the block's first
-// NORM_ROUTE_THREADS threads (the same code, so the same bits: x += y; out = w * x / rms) and, in
-// one more warp, the routing of that row's router logits without a router GEMV of `out`. By
-// linearity, router (w * (x + y) / rms) = (R x + M a) / rms with R = router diag(w) and M = R Wo,
-// where a is o_proj's input (y = Wo a): gemv_route_ahead made z = [M a; R x] beside o_proj (each
-// `parts` stacked products: a bf16 matrix's hi and lo halves, summed here). The rms is positive,
-// so z orders the experts as the logits do: the routing warp picks the top k of z (ties to the
-// lower index) while the norm sums, then, given 1 / rms, weighs them as warp_route_topk does
-// (softmax of the logits z / rms, then optionally renormalised in rank order). Launch: grid 1,
-// block NORM_ROUTE_THREADS + 32; L experts per lane (experts <= 32 L, k <= 32).
+// add_rms_norm_route_f32_l<L>: add_rms_norm_f32 of one row (x += y; out = w * x / rms; the same
+// pieces in the same threads, so the same bits) that also routes the row's MoE layer without a
+// router GEMV of `out`. By linearity, router (w * (x + y) / rms) = (R x + M a) / rms with
+// R = router diag(w) and M = R Wo, where a is o_proj's input (y = Wo a): gemv_route_ahead made
+// z = [M a; R x] beside o_proj (each `parts` stacked products: a bf16 matrix's hi and lo halves,
+// summed here). The rms is positive, so z orders the experts as the logits do: the last warp,
+// once its share of the sum of squares is in, picks the top k of z (ties to the lower index)
+// while the other warps finish the norm, then weighs them as warp_route_topk does (softmax of the
+// logits z / rms, optionally renormalised in rank order). Launch: grid 1, block
+// NORM_ROUTE_THREADS; L experts per lane (experts <= 32 L, k <= 32).
 #define NORM_ROUTE_THREADS 1024
+#define ROUTE_WARP (NORM_ROUTE_THREADS / 32 - 1)
 
-// The row's threads hand 1 / rms to the routing warp: thread 0 puts it in shared memory, every
-// row thread arrives at named barrier 2, where the routing warp waits.
-struct PublishInv {
-    float* slot;
-    __device__ __forceinline__ void operator()(float inv) const {
-        if (threadIdx.x == 0) *slot = inv;
-        asm volatile("bar.arrive 2, %0;" ::"n"(NORM_ROUTE_THREADS + 32) : "memory");
-    }
-};
-
+// z's sum for the routing warp's experts e = 32 s + lane (z = [parts][experts] of M a, then
+// [parts][experts] of R x).
 template <int L>
-__device__ __forceinline__ void route_ahead_warp(const float* z, int experts, int parts, int k,
-                                                 int renormalise, u32* __restrict__ out_ids,
-                                                 float* __restrict__ out_weights,
-                                                 const float* inv_slot) {
+__device__ __forceinline__ void route_ahead_z(const float* z, int experts, int parts,
+                                              float (&zs)[L]) {
     const int lane = threadIdx.x & 31;
-    pdl_entry_launch_first();
-    // z = [parts][experts] of M a, then [parts][experts] of R x; expert e = 32 s + lane.
-    float zs[L];
-    u32 key[L];
 #pragma unroll
     for (int s = 0; s < L; ++s) {
         const int e = 32 * s + lane;
@@ -185,19 +178,29 @@ __device__ __forceinline__ void route_ahead_warp(const float* z, int experts, in
             v = zx + za;
         }
         zs[s] = v;
-        // Keys that order like the floats (a NaN never wins: key 0, as taken).
-        const u32 b = __float_as_uint(v);
-        key[s] = e < experts && v == v ? ((b & 0x80000000u) ? ~b : (b | 0x80000000u)) : 0u;
     }
-    // The k rounds, as warp_route_topk's: rank r's id stays with lane r % 32.
-    u32 my_id[L];
+}
+
+// The top k of zs by one warp, warp_route_topk's rounds on keys that order like the floats (a
+// NaN never wins: key 0, as taken): rank r's expert to lane r % 32's my_id[r / 32]
+// (0x7fffffff where none was left).
+template <int L>
+__device__ __forceinline__ void route_ahead_pick(const float (&zs)[L], int experts, int k,
+                                                 u32 (&my_id)[L]) {
+    const int lane = threadIdx.x & 31;
+    u32 key[L];
 #pragma unroll
-    for (int s = 0; s < L; ++s) my_id[s] = 0x7fffffffu;
+    for (int s = 0; s < L; ++s) {
+        const u32 b = __float_as_uint(zs[s]);
+        const bool real = 32 * s + lane < experts && zs[s] == zs[s];
+        key[s] = real ? ((b & 0x80000000u) ? ~b : (b | 0x80000000u)) : 0u;
+        my_id[s] = 0x7fffffffu;
+    }
     for (int r = 0; r < k; ++r) {
         u32 bk = 0u, bi = 0xffffffffu;
 #pragma unroll
         for (int s = 0; s < L; ++s) {
-            if (key[s] > bk) {
+            if (key[s] > bk) {  // ascending index within a lane: strict > keeps the lower one
                 bk = key[s];
                 bi = 32 * s + lane;
             }
@@ -210,9 +213,16 @@ __device__ __forceinline__ void route_ahead_warp(const float* z, int experts, in
             if (32 * s + lane == (int)at) key[s] = 0u;
         }
     }
-    asm volatile("bar.sync 2, %0;" ::"n"(NORM_ROUTE_THREADS + 32) : "memory");
-    const float inv = *inv_slot;
-    // warp_route_topk's softmax of the logits z / rms.
+}
+
+// The chosen experts' weights, warp_route_topk's: the softmax of the logits zs * inv (-2 for a
+// rank no expert was left for), optionally renormalised by their sum in rank order; stored.
+template <int L>
+__device__ __forceinline__ void route_ahead_weigh(const float (&zs)[L], const u32 (&my_id)[L],
+                                                  int experts, int k, int renormalise, float inv,
+                                                  u32* __restrict__ out_ids,
+                                                  float* __restrict__ out_weights) {
+    const int lane = threadIdx.x & 31;
     float p[L];
     float mx = __int_as_float(0xff800000);  // -inf
 #pragma unroll
@@ -232,8 +242,6 @@ __device__ __forceinline__ void route_ahead_warp(const float* z, int experts, in
     const float isum = 1.0f / warp_sum(sum);
 #pragma unroll
     for (int s = 0; s < L; ++s) p[s] *= isum;
-    // Rank r's weight: its expert's probability (-2 where no expert was left, as
-    // warp_route_topk), then the total in rank order.
     float my_w[L];
 #pragma unroll
     for (int s = 0; s < L; ++s) {
@@ -261,18 +269,47 @@ __device__ __forceinline__ void route_ahead_warp(const float* z, int experts, in
     }
 }
 
+template <int L>
+__device__ __forceinline__ void add_rms_norm_route(float* x, const float* __restrict__ y,
+                                                   const float* __restrict__ w, float* out,
+                                                   int width, float eps, const float* z,
+                                                   int experts, int parts, int k, int renormalise,
+                                                   u32* out_ids, float* out_weights) {
+    __shared__ float partial[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const bool router = warp == ROUTE_WARP;  // warp-uniform
+    float v[ADD_NORM_EARLY], wv[ADD_NORM_EARLY];
+    norm_row_early<true>(x, w, width, NORM_ROUTE_THREADS, v, wv);
+    pdl_entry_launch_first();
+    float zs[L];
+    if (router) route_ahead_z<L>(z, experts, parts, zs);  // its loads beside y's
+    // block_sum's steps, with the routing warp's k rounds between its partial and the total:
+    // it arrives at barrier 1 (the others wait there for every partial) and waits at barrier 2
+    // (where the others arrive once past barrier 1) before reading the partials.
+    const float ss = warp_sum(norm_row_squares<true>(x, y, width, NORM_ROUTE_THREADS, v));
+    if (lane == 0) partial[warp] = ss;
+    u32 my_id[L];
+    if (router) {
+        asm volatile("bar.arrive 1, %0;" ::"n"(NORM_ROUTE_THREADS) : "memory");
+        route_ahead_pick<L>(zs, experts, k, my_id);
+        asm volatile("bar.sync 2, %0;" ::"n"(NORM_ROUTE_THREADS) : "memory");
+    } else {
+        asm volatile("bar.sync 1, %0;" ::"n"(NORM_ROUTE_THREADS) : "memory");
+        asm volatile("bar.arrive 2, %0;" ::"n"(NORM_ROUTE_THREADS) : "memory");
+    }
+    const float total = warp_sum(partial[lane]);
+    const float inv = 1.0f / sqrtf(total / (float)width + eps);
+    norm_row_write(x, w, out, nullptr, width, NORM_ROUTE_THREADS, inv, v, wv);
+    if (router) route_ahead_weigh<L>(zs, my_id, experts, k, renormalise, inv, out_ids, out_weights);
+}
+
 #define ADD_RMS_NORM_ROUTE_KERNEL(NAME, L)                                                       \
-    extern "C" __global__ void __launch_bounds__(NORM_ROUTE_THREADS + 32)                       \
+    extern "C" __global__ void __launch_bounds__(NORM_ROUTE_THREADS)                            \
         NAME(float* x, const float* __restrict__ y, const float* __restrict__ w, float* out,    \
              int width, float eps, const float* z, int experts, int parts, int k,               \
              int renormalise, u32* out_ids, float* out_weights) {                               \
-        __shared__ float inv_slot;                                                               \
-        if (threadIdx.x < NORM_ROUTE_THREADS)                                                    \
-            rms_norm_row<true, NORM_ROUTE_THREADS>(x, y, w, out, width, eps, nullptr,           \
-                                                   PublishInv{&inv_slot});                      \
-        else                                                                                     \
-            route_ahead_warp<L>(z, experts, parts, k, renormalise, out_ids, out_weights,        \
-                                &inv_slot);                                                      \
+        add_rms_norm_route<L>(x, y, w, out, width, eps, z, experts, parts, k, renormalise,      \
+                              out_ids, out_weights);                                             \
     }
 
 ADD_RMS_NORM_ROUTE_KERNEL(add_rms_norm_route_f32_l1, 1)

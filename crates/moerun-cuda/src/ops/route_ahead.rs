@@ -7,8 +7,9 @@
 //! o_proj's output nor the norm. [`CudaDevice::gemv_route_ahead`] makes them in o_proj's launch
 //! (`kernels/gemv.cu` gemv_route_ahead: three GEMVs' blocks in one grid), and
 //! [`CudaDevice::add_rms_norm_route`] (`kernels/fused.cu` add_rms_norm_route_f32) is the
-//! add+RMSNorm before the MoE block with one more warp that routes from them: the experts by
-//! `R x + M a` (whose order is the logits', as rms > 0), their weights once the norm has the rms.
+//! add+RMSNorm before the MoE block whose last warp also routes from them: the experts by
+//! `R x + M a` (whose order is the logits', as rms > 0) while the other warps finish the norm,
+//! their weights once it has the rms.
 //! The router GEMV launch and its L2 round trip leave the decode chain.
 //!
 //! [`CudaDevice::route_ahead_weights`] makes R and M once, at upload, summing in f64: f32 as is,
@@ -26,8 +27,8 @@ use super::{blocks, to_i32, RouterShape};
 use crate::error::{ensure, CudaError, DriverContext, Result};
 use crate::{CudaDevice, DeviceMatrix};
 
-/// Threads of the add+norm in add_rms_norm_route_f32 (`NORM_ROUTE_THREADS`); one warp more
-/// routes.
+/// Threads of add_rms_norm_route_f32 (`NORM_ROUTE_THREADS`): add_rms_norm's 1,024, the last
+/// warp also routing.
 const NORM_THREADS: u32 = 1024;
 /// Weight rows of each gemv_route_ahead block (the block-rows layout's 4).
 const ROWS_PER_BLOCK: usize = 4;
@@ -355,7 +356,7 @@ impl CudaDevice {
             .trailing_zeros() as usize;
         let cfg = LaunchConfig {
             grid_dim: (1, 1, 1),
-            block_dim: (NORM_THREADS + 32, 1, 1),
+            block_dim: (NORM_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
         let mut b = self
