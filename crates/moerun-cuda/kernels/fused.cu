@@ -160,7 +160,7 @@ extern "C" __global__ void add_rms_norm_f32(float* x, const float* __restrict__ 
 #define ROUTE_WARP (NORM_ROUTE_THREADS / 32 - 1)
 
 // z's sum for the routing warp's experts e = 32 s + lane (z = [parts][experts] of M a, then
-// [parts][experts] of R x).
+// [parts][experts] of R x; parts 1 or 2).
 template <int L>
 __device__ __forceinline__ void route_ahead_z(const float* z, int experts, int parts,
                                               float (&zs)[L]) {
@@ -170,12 +170,12 @@ __device__ __forceinline__ void route_ahead_z(const float* z, int experts, int p
         const int e = 32 * s + lane;
         float v = 0.0f;
         if (e < experts) {
-            float za = z[e], zx = z[parts * experts + e];
-            for (int p = 1; p < parts; ++p) {
-                za += z[p * experts + e];
-                zx += z[(parts + p) * experts + e];
-            }
-            v = zx + za;
+            // Every load in flight at once (parts is 1 or 2): a loop over parts put each behind
+            // the one before, an L2 round trip apiece on the chain.
+            const float za = z[e], zx = z[parts * experts + e];
+            const float za2 = parts > 1 ? z[experts + e] : 0.0f;
+            const float zx2 = parts > 1 ? z[3 * experts + e] : 0.0f;
+            v = parts > 1 ? (zx + zx2) + (za + za2) : zx + za;
         }
         zs[s] = v;
     }

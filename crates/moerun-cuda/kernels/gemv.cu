@@ -152,8 +152,10 @@ struct same_type<A, A> {
 
 // `prep` runs right after the programmatic wait, before x is read (every thread calls it):
 // gemv_route_norm makes x there, so x is not __restrict__ here (prep writes it through another
-// name within this function's scope).
-template <typename C, int M, int U, int R, typename Prep = NoPrep>
+// name within this function's scope). WAIT false: x and everything else the block reads were
+// written before the kernel before this one, so it does not wait for that kernel (it only lets
+// the next one launch).
+template <typename C, int M, int U, int R, typename Prep = NoPrep, bool WAIT = true>
 __device__ __forceinline__ void gemv_rows_partials(const void* __restrict__ w_raw,
                                                    const float* x, int n, int k,
                                                    int row0, float (&partial)[ROWS_WARPS][M * R],
@@ -176,7 +178,10 @@ __device__ __forceinline__ void gemv_rows_partials(const void* __restrict__ w_ra
             q[u][r] = u < first && r < rows_here
                           ? load_stream_early(w + (u64)r * chunks + c + ROWS_THREADS * u)
                           : make_uint4(0u, 0u, 0u, 0u);
-    pdl_entry();
+    if constexpr (WAIT)
+        pdl_entry();
+    else
+        pdl_launch_dependents();
     probe_mark(1);
     prep();
     float acc[M][R];
@@ -231,8 +236,8 @@ __device__ __forceinline__ void gemv_rows_partials(const void* __restrict__ w_ra
 }
 
 // Block `block` of the layout (blockIdx.x by default; gemv_route_ahead runs three GEMVs' blocks
-// in one grid).
-template <typename C, int M, int U>
+// in one grid); WAIT as gemv_rows_partials'.
+template <typename C, int M, int U, bool WAIT = true>
 __device__ __forceinline__ void gemv_block_rows(const void* __restrict__ w_raw,
                                                 const float* __restrict__ x, float* __restrict__ y,
                                                 int n, int k, int block = -1) {
@@ -241,7 +246,7 @@ __device__ __forceinline__ void gemv_block_rows(const void* __restrict__ w_raw,
     const int tid = threadIdx.x;
     const int row0 = (block < 0 ? (int)blockIdx.x : block) * R;
     const int rows_here = min(R, n - row0);  // block-uniform
-    gemv_rows_partials<C, M, U, R>(w_raw, x, n, k, row0, partial);
+    gemv_rows_partials<C, M, U, R, NoPrep, WAIT>(w_raw, x, n, k, row0, partial);
     if (tid < M * R) {
         const int m = tid / R;
         const int r = tid - m * R;
@@ -300,7 +305,9 @@ template <typename C>
 __device__ __forceinline__ void gemv_route_ahead(const RouteAheadGemv& p) {
     const int b = blockIdx.x;
     if (b < p.br) {
-        gemv_block_rows<C, 1, 2>(p.r, p.x, p.zx, p.nr, p.kx, b);
+        // R x needs nothing of attention's: these blocks run (and leave) during it, first in
+        // the grid so that they do not hold the o_proj blocks' places until it ends.
+        gemv_block_rows<C, 1, 2, false>(p.r, p.x, p.zx, p.nr, p.kx, b);
     } else if (b < p.br + p.bm) {
         gemv_block_rows<C, 1, 2>(p.m, p.a, p.za, p.nm, p.k, b - p.br);
     } else {
