@@ -276,11 +276,21 @@ __device__ __forceinline__ void add_rms_norm_route(float* x, const float* __rest
                                                    int experts, int parts, int k, int renormalise,
                                                    u32* out_ids, float* out_weights) {
     __shared__ float partial[32];
+    // Marks (MOERUN_PROBE builds): thread 0: 1 the wait passed, 2 barrier 1 passed, 3 its row
+    // written; the routing warp's lane 0: 4 z summed, 5 the k rounds done, 6 barrier 2 passed,
+    // 7 the weights stored.
+    probe_begin();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const bool router = warp == ROUTE_WARP;  // warp-uniform
+    auto router_mark = [&](int i) {
+#ifdef MOERUN_PROBE
+        if (router && lane == 0) probe_clock[i] = clock64();
+#endif
+    };
     float v[ADD_NORM_EARLY], wv[ADD_NORM_EARLY];
     norm_row_early<true>(x, w, width, NORM_ROUTE_THREADS, v, wv);
     pdl_entry_launch_first();
+    probe_mark(1);
     float zs[L];
     if (router) route_ahead_z<L>(z, experts, parts, zs);  // its loads beside y's
     // block_sum's steps, with the routing warp's k rounds between its partial and the total:
@@ -291,16 +301,26 @@ __device__ __forceinline__ void add_rms_norm_route(float* x, const float* __rest
     u32 my_id[L];
     if (router) {
         asm volatile("bar.arrive 1, %0;" ::"n"(NORM_ROUTE_THREADS) : "memory");
+        router_mark(4);
         route_ahead_pick<L>(zs, experts, k, my_id);
+        router_mark(5);
         asm volatile("bar.sync 2, %0;" ::"n"(NORM_ROUTE_THREADS) : "memory");
+        router_mark(6);
     } else {
         asm volatile("bar.sync 1, %0;" ::"n"(NORM_ROUTE_THREADS) : "memory");
+        probe_mark(2);
         asm volatile("bar.arrive 2, %0;" ::"n"(NORM_ROUTE_THREADS) : "memory");
     }
     const float total = warp_sum(partial[lane]);
     const float inv = 1.0f / sqrtf(total / (float)width + eps);
     norm_row_write(x, w, out, nullptr, width, NORM_ROUTE_THREADS, inv, v, wv);
+    probe_mark(3);
     if (router) route_ahead_weigh<L>(zs, my_id, experts, k, renormalise, inv, out_ids, out_weights);
+    router_mark(7);
+#ifdef MOERUN_PROBE
+    __syncthreads();
+#endif
+    probe_end("add_rms_norm_route");
 }
 
 #define ADD_RMS_NORM_ROUTE_KERNEL(NAME, L)                                                       \

@@ -153,8 +153,10 @@ struct same_type<A, A> {
 // `prep` runs right after the programmatic wait, before x is read (every thread calls it):
 // gemv_route_norm makes x there, so x is not __restrict__ here (prep writes it through another
 // name within this function's scope). WAIT false: x and everything else the block reads were
-// written before the kernel before this one, so it does not wait for that kernel (it only lets
-// the next one launch).
+// written before the kernel before this one, so it reads them without waiting for that kernel
+// (it only lets the next one launch); its caller waits before storing (its output may share
+// memory with what that kernel still reads: the activation arena hands out memory in stream
+// order).
 template <typename C, int M, int U, int R, typename Prep = NoPrep, bool WAIT = true>
 __device__ __forceinline__ void gemv_rows_partials(const void* __restrict__ w_raw,
                                                    const float* x, int n, int k,
@@ -247,6 +249,7 @@ __device__ __forceinline__ void gemv_block_rows(const void* __restrict__ w_raw,
     const int row0 = (block < 0 ? (int)blockIdx.x : block) * R;
     const int rows_here = min(R, n - row0);  // block-uniform
     gemv_rows_partials<C, M, U, R, NoPrep, WAIT>(w_raw, x, n, k, row0, partial);
+    if constexpr (!WAIT) pdl_wait();
     if (tid < M * R) {
         const int m = tid / R;
         const int r = tid - m * R;
@@ -305,8 +308,8 @@ template <typename C>
 __device__ __forceinline__ void gemv_route_ahead(const RouteAheadGemv& p) {
     const int b = blockIdx.x;
     if (b < p.br) {
-        // R x needs nothing of attention's: these blocks run (and leave) during it, first in
-        // the grid so that they do not hold the o_proj blocks' places until it ends.
+        // R x needs nothing of attention's: these blocks compute it during attention (first in
+        // the grid) and only wait to store it.
         gemv_block_rows<C, 1, 2, false>(p.r, p.x, p.zx, p.nr, p.kx, b);
     } else if (b < p.br + p.bm) {
         gemv_block_rows<C, 1, 2>(p.m, p.a, p.za, p.nm, p.k, b - p.br);
