@@ -55,30 +55,27 @@ __device__ __forceinline__ float block_sum(float v) {
 // (pdl_entry_launch_first). The row's values stay in registers between the reduction and the
 // output (no second read of x or w behind the block sum). Each thread writes only the elements
 // it read itself, so out may alias x.
-// The row's pieces, shared with add_rms_norm_route_f32 (the same bits): thread t's elements are
-// t, t + stride, ...; the first ADD_NORM_EARLY of them (and their norm weights) stay in v / wv.
 template <bool ADD>
-__device__ __forceinline__ void norm_row_early(const float* xr, const float* __restrict__ w,
-                                               int width, unsigned stride,
-                                               float (&v)[ADD_NORM_EARLY],
-                                               float (&wv)[ADD_NORM_EARLY]) {
+__device__ __forceinline__ void rms_norm_row(float* x, const float* __restrict__ y,
+                                             const float* __restrict__ w, float* out, int width,
+                                             float eps, u16* __restrict__ out_bf16) {
+    const u64 row = blockIdx.x;
+    float* xr = x + row * width;
+    const float* yr = ADD ? y + row * width : nullptr;
+    float* o = out + row * width;
+    u16* ob = out_bf16 ? out_bf16 + row * width : nullptr;
+    float v[ADD_NORM_EARLY], wv[ADD_NORM_EARLY];
 #pragma unroll
     for (int u = 0; u < ADD_NORM_EARLY; ++u) {
-        const int i = threadIdx.x + u * stride;
+        const int i = threadIdx.x + u * blockDim.x;
         if constexpr (ADD) v[u] = i < width ? xr[i] : 0.0f;
         wv[u] = i < width ? w[i] : 0.0f;
     }
-}
-
-// After the wait: x += y (written back) and this thread's sum of squares, in element order.
-template <bool ADD>
-__device__ __forceinline__ float norm_row_squares(float* xr, const float* __restrict__ yr,
-                                                  int width, unsigned stride,
-                                                  float (&v)[ADD_NORM_EARLY]) {
+    pdl_entry_launch_first();
     float ss = 0.0f;
 #pragma unroll
     for (int u = 0; u < ADD_NORM_EARLY; ++u) {
-        const int i = threadIdx.x + u * stride;
+        const int i = threadIdx.x + u * blockDim.x;
         if constexpr (ADD) {
             if (i < width) {
                 v[u] += yr[i];
@@ -90,52 +87,27 @@ __device__ __forceinline__ float norm_row_squares(float* xr, const float* __rest
             if (i < width) ss = __fmaf_rn(v[u], v[u], ss);
         }
     }
-    for (int i = threadIdx.x + ADD_NORM_EARLY * stride; i < width; i += stride) {
+    for (int i = threadIdx.x + ADD_NORM_EARLY * blockDim.x; i < width; i += blockDim.x) {
         const float a = ADD ? xr[i] + yr[i] : xr[i];
         if constexpr (ADD) xr[i] = a;
         ss = __fmaf_rn(a, a, ss);
     }
-    return ss;
-}
-
-// out = w * (x * inv) for this thread's elements (and rounded to bf16 into ob when given).
-__device__ __forceinline__ void norm_row_write(const float* xr, const float* __restrict__ w,
-                                               float* o, u16* ob, int width, unsigned stride,
-                                               float inv,
-                                               const float (&v)[ADD_NORM_EARLY],
-                                               const float (&wv)[ADD_NORM_EARLY]) {
+    ss = block_sum(ss);
+    const float inv = 1.0f / sqrtf(ss / (float)width + eps);
 #pragma unroll
     for (int u = 0; u < ADD_NORM_EARLY; ++u) {
-        const int i = threadIdx.x + u * stride;
+        const int i = threadIdx.x + u * blockDim.x;
         if (i < width) {
             const float r = wv[u] * (v[u] * inv);
             o[i] = r;
             if (ob) ob[i] = f32_to_bf16(r);
         }
     }
-    for (int i = threadIdx.x + ADD_NORM_EARLY * stride; i < width; i += stride) {
+    for (int i = threadIdx.x + ADD_NORM_EARLY * blockDim.x; i < width; i += blockDim.x) {
         const float r = w[i] * (xr[i] * inv);
         o[i] = r;
         if (ob) ob[i] = f32_to_bf16(r);
     }
-}
-
-template <bool ADD>
-__device__ __forceinline__ void rms_norm_row(float* x, const float* __restrict__ y,
-                                             const float* __restrict__ w, float* out, int width,
-                                             float eps, u16* __restrict__ out_bf16) {
-    const u64 row = blockIdx.x;
-    float* xr = x + row * width;
-    const float* yr = ADD ? y + row * width : nullptr;
-    float* o = out + row * width;
-    u16* ob = out_bf16 ? out_bf16 + row * width : nullptr;
-    float v[ADD_NORM_EARLY], wv[ADD_NORM_EARLY];
-    norm_row_early<ADD>(xr, w, width, blockDim.x, v, wv);
-    pdl_entry_launch_first();
-    float ss = norm_row_squares<ADD>(xr, yr, width, blockDim.x, v);
-    ss = block_sum(ss);
-    const float inv = 1.0f / sqrtf(ss / (float)width + eps);
-    norm_row_write(xr, w, o, ob, width, blockDim.x, inv, v, wv);
 }
 
 extern "C" __global__ void add_rms_norm_f32(float* x, const float* __restrict__ y,
@@ -143,198 +115,6 @@ extern "C" __global__ void add_rms_norm_f32(float* x, const float* __restrict__ 
                                             float eps, u16* __restrict__ out_bf16) {
     rms_norm_row<true>(x, y, w, out, width, eps, out_bf16);
 }
-
-// ---- the add+RMSNorm before a MoE layer with the layer's routing, at one token ----
-//
-// add_rms_norm_route_f32_l<L>: add_rms_norm_f32 of one row (x += y; out = w * x / rms; the same
-// pieces in the same threads, so the same bits) that also routes the row's MoE layer without a
-// router GEMV of `out`. By linearity, router (w * (x + y) / rms) = (R x + M a) / rms with
-// R = router diag(w) and M = R Wo, where a is o_proj's input (y = Wo a): gemv_route_ahead made
-// z = [M a; R x] beside o_proj (each `parts` stacked products: a bf16 matrix's hi and lo halves,
-// summed here). The rms is positive, so z orders the experts as the logits do: the last warp,
-// once its share of the sum of squares is in, picks the top k of z (ties to the lower index)
-// while the other warps finish the norm, then weighs them as warp_route_topk does (softmax of the
-// logits z / rms, optionally renormalised in rank order). Launch: grid 1, block
-// NORM_ROUTE_THREADS; L experts per lane (experts <= 32 L, k <= 32).
-#define NORM_ROUTE_THREADS 1024
-#define ROUTE_WARP (NORM_ROUTE_THREADS / 32 - 1)
-
-// z's sum for the routing warp's experts e = 32 s + lane (z = [parts][experts] of M a, then
-// [parts][experts] of R x; parts 1 or 2).
-template <int L>
-__device__ __forceinline__ void route_ahead_z(const float* z, int experts, int parts,
-                                              float (&zs)[L]) {
-    const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int s = 0; s < L; ++s) {
-        const int e = 32 * s + lane;
-        float v = 0.0f;
-        if (e < experts) {
-            // Every load in flight at once (parts is 1 or 2): a loop over parts put each behind
-            // the one before, an L2 round trip apiece on the chain.
-            const float za = z[e], zx = z[parts * experts + e];
-            const float za2 = parts > 1 ? z[experts + e] : 0.0f;
-            const float zx2 = parts > 1 ? z[3 * experts + e] : 0.0f;
-            v = parts > 1 ? (zx + zx2) + (za + za2) : zx + za;
-        }
-        zs[s] = v;
-    }
-}
-
-// The top k of zs by one warp, warp_route_topk's rounds on keys that order like the floats (a
-// NaN never wins: key 0, as taken): rank r's expert to lane r % 32's my_id[r / 32]
-// (0x7fffffff where none was left).
-template <int L>
-__device__ __forceinline__ void route_ahead_pick(const float (&zs)[L], int experts, int k,
-                                                 u32 (&my_id)[L]) {
-    const int lane = threadIdx.x & 31;
-    u32 key[L];
-#pragma unroll
-    for (int s = 0; s < L; ++s) {
-        const u32 b = __float_as_uint(zs[s]);
-        const bool real = 32 * s + lane < experts && zs[s] == zs[s];
-        key[s] = real ? ((b & 0x80000000u) ? ~b : (b | 0x80000000u)) : 0u;
-        my_id[s] = 0x7fffffffu;
-    }
-    for (int r = 0; r < k; ++r) {
-        u32 bk = 0u, bi = 0xffffffffu;
-#pragma unroll
-        for (int s = 0; s < L; ++s) {
-            if (key[s] > bk) {  // ascending index within a lane: strict > keeps the lower one
-                bk = key[s];
-                bi = 32 * s + lane;
-            }
-        }
-        const u32 best = warp_max_u32(bk);
-        const u32 at = warp_min_u32(best != 0u && bk == best ? bi : 0xffffffffu);
-#pragma unroll
-        for (int s = 0; s < L; ++s) {
-            if (32 * s + lane == r) my_id[s] = best != 0u ? at : 0x7fffffffu;
-            if (32 * s + lane == (int)at) key[s] = 0u;
-        }
-    }
-}
-
-// The chosen experts' weights, warp_route_topk's: the softmax of the logits zs * inv (-2 for a
-// rank no expert was left for), optionally renormalised by their sum in rank order; stored.
-template <int L>
-__device__ __forceinline__ void route_ahead_weigh(const float (&zs)[L], const u32 (&my_id)[L],
-                                                  int experts, int k, int renormalise, float inv,
-                                                  u32* __restrict__ out_ids,
-                                                  float* __restrict__ out_weights) {
-    const int lane = threadIdx.x & 31;
-    float p[L];
-    float mx = __int_as_float(0xff800000);  // -inf
-#pragma unroll
-    for (int s = 0; s < L; ++s) {
-        p[s] = zs[s] * inv;
-        if (32 * s + lane < experts) mx = fmaxf(mx, p[s]);
-    }
-    mx = warp_max(mx);
-    float sum = 0.0f;
-#pragma unroll
-    for (int s = 0; s < L; ++s) {
-        if (32 * s + lane < experts) {
-            p[s] = expf(p[s] - mx);
-            sum += p[s];
-        }
-    }
-    const float isum = 1.0f / warp_sum(sum);
-#pragma unroll
-    for (int s = 0; s < L; ++s) p[s] *= isum;
-    float my_w[L];
-#pragma unroll
-    for (int s = 0; s < L; ++s) {
-        const u32 id = my_id[s];
-        float w = -2.0f;
-#pragma unroll
-        for (int q = 0; q < L; ++q) {
-            const float t = __shfl_sync(0xffffffffu, p[q], (int)(id & 31u));
-            if (id < (u32)experts && (int)(id >> 5) == q) w = t;
-        }
-        my_w[s] = w;
-    }
-    float total = 0.0f;
-#pragma unroll
-    for (int s = 0; s < L; ++s)
-        for (int r = 32 * s; r < k && r < 32 * s + 32; ++r)
-            total += __shfl_sync(0xffffffffu, my_w[s], r - 32 * s);
-#pragma unroll
-    for (int s = 0; s < L; ++s) {
-        const int r = 32 * s + lane;
-        if (r < k) {
-            out_ids[r] = my_id[s];
-            out_weights[r] = renormalise ? my_w[s] / total : my_w[s];
-        }
-    }
-}
-
-template <int L>
-__device__ __forceinline__ void add_rms_norm_route(float* x, const float* __restrict__ y,
-                                                   const float* __restrict__ w, float* out,
-                                                   int width, float eps, const float* z,
-                                                   int experts, int parts, int k, int renormalise,
-                                                   u32* out_ids, float* out_weights) {
-    __shared__ float partial[32];
-    // Marks (MOERUN_PROBE builds): thread 0: 1 the wait passed, 2 barrier 1 passed, 3 its row
-    // written; the routing warp's lane 0: 4 z summed, 5 the k rounds done, 6 barrier 2 passed,
-    // 7 the weights stored.
-    probe_begin();
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const bool router = warp == ROUTE_WARP;  // warp-uniform
-    auto router_mark = [&](int i) {
-#ifdef MOERUN_PROBE
-        if (router && lane == 0) probe_clock[i] = clock64();
-#endif
-    };
-    float v[ADD_NORM_EARLY], wv[ADD_NORM_EARLY];
-    norm_row_early<true>(x, w, width, NORM_ROUTE_THREADS, v, wv);
-    pdl_entry_launch_first();
-    probe_mark(1);
-    float zs[L];
-    if (router) route_ahead_z<L>(z, experts, parts, zs);  // its loads beside y's
-    // block_sum's steps, with the routing warp's k rounds between its partial and the total:
-    // it arrives at barrier 1 (the others wait there for every partial) and waits at barrier 2
-    // (where the others arrive once past barrier 1) before reading the partials.
-    const float ss = warp_sum(norm_row_squares<true>(x, y, width, NORM_ROUTE_THREADS, v));
-    if (lane == 0) partial[warp] = ss;
-    u32 my_id[L];
-    if (router) {
-        asm volatile("bar.arrive 1, %0;" ::"n"(NORM_ROUTE_THREADS) : "memory");
-        router_mark(4);
-        route_ahead_pick<L>(zs, experts, k, my_id);
-        router_mark(5);
-        asm volatile("bar.sync 2, %0;" ::"n"(NORM_ROUTE_THREADS) : "memory");
-        router_mark(6);
-    } else {
-        asm volatile("bar.sync 1, %0;" ::"n"(NORM_ROUTE_THREADS) : "memory");
-        probe_mark(2);
-        asm volatile("bar.arrive 2, %0;" ::"n"(NORM_ROUTE_THREADS) : "memory");
-    }
-    const float total = warp_sum(partial[lane]);
-    const float inv = 1.0f / sqrtf(total / (float)width + eps);
-    norm_row_write(x, w, out, nullptr, width, NORM_ROUTE_THREADS, inv, v, wv);
-    probe_mark(3);
-    if (router) route_ahead_weigh<L>(zs, my_id, experts, k, renormalise, inv, out_ids, out_weights);
-    router_mark(7);
-#ifdef MOERUN_PROBE
-    __syncthreads();
-#endif
-    probe_end("add_rms_norm_route");
-}
-
-#define ADD_RMS_NORM_ROUTE_KERNEL(NAME, L)                                                       \
-    extern "C" __global__ void __launch_bounds__(NORM_ROUTE_THREADS)                            \
-        NAME(float* x, const float* __restrict__ y, const float* __restrict__ w, float* out,    \
-             int width, float eps, const float* z, int experts, int parts, int k,               \
-             int renormalise, u32* out_ids, float* out_weights) {                               \
-        add_rms_norm_route<L>(x, y, w, out, width, eps, z, experts, parts, k, renormalise,      \
-                              out_ids, out_weights);                                             \
-    }
-
-ADD_RMS_NORM_ROUTE_KERNEL(add_rms_norm_route_f32_l1, 1)
-ADD_RMS_NORM_ROUTE_KERNEL(add_rms_norm_route_f32_l2, 2)
-ADD_RMS_NORM_ROUTE_KERNEL(add_rms_norm_route_f32_l4, 4)
 
 // RMSNorm of wide rows (hidden states), a block per row: out may alias x (Gemma 4 runs ~8 of
 // these a layer). x is only read (rms_norm_row without ADD never writes it).

@@ -152,12 +152,8 @@ struct same_type<A, A> {
 
 // `prep` runs right after the programmatic wait, before x is read (every thread calls it):
 // gemv_route_norm makes x there, so x is not __restrict__ here (prep writes it through another
-// name within this function's scope). WAIT false: x and everything else the block reads were
-// written before the kernel before this one, so it reads them without waiting for that kernel
-// (it only lets the next one launch); its caller waits before storing (its output may share
-// memory with what that kernel still reads: the activation arena hands out memory in stream
-// order).
-template <typename C, int M, int U, int R, typename Prep = NoPrep, bool WAIT = true>
+// name within this function's scope).
+template <typename C, int M, int U, int R, typename Prep = NoPrep>
 __device__ __forceinline__ void gemv_rows_partials(const void* __restrict__ w_raw,
                                                    const float* x, int n, int k,
                                                    int row0, float (&partial)[ROWS_WARPS][M * R],
@@ -180,10 +176,7 @@ __device__ __forceinline__ void gemv_rows_partials(const void* __restrict__ w_ra
             q[u][r] = u < first && r < rows_here
                           ? load_stream_early(w + (u64)r * chunks + c + ROWS_THREADS * u)
                           : make_uint4(0u, 0u, 0u, 0u);
-    if constexpr (WAIT)
-        pdl_entry();
-    else
-        pdl_launch_dependents();
+    pdl_entry();
     probe_mark(1);
     prep();
     float acc[M][R];
@@ -237,19 +230,16 @@ __device__ __forceinline__ void gemv_rows_partials(const void* __restrict__ w_ra
     __syncthreads();
 }
 
-// Block `block` of the layout (blockIdx.x by default; gemv_route_ahead runs three GEMVs' blocks
-// in one grid); WAIT as gemv_rows_partials'.
-template <typename C, int M, int U, bool WAIT = true>
+template <typename C, int M, int U>
 __device__ __forceinline__ void gemv_block_rows(const void* __restrict__ w_raw,
                                                 const float* __restrict__ x, float* __restrict__ y,
-                                                int n, int k, int block = -1) {
+                                                int n, int k) {
     constexpr int R = ROWS_PER_BLOCK;
     __shared__ float partial[ROWS_WARPS][M * R];
     const int tid = threadIdx.x;
-    const int row0 = (block < 0 ? (int)blockIdx.x : block) * R;
+    const int row0 = blockIdx.x * R;
     const int rows_here = min(R, n - row0);  // block-uniform
-    gemv_rows_partials<C, M, U, R, NoPrep, WAIT>(w_raw, x, n, k, row0, partial);
-    if constexpr (!WAIT) pdl_wait();
+    gemv_rows_partials<C, M, U, R>(w_raw, x, n, k, row0, partial);
     if (tid < M * R) {
         const int m = tid / R;
         const int r = tid - m * R;
@@ -280,52 +270,6 @@ GEMV_ROWS_KERNEL(gemv_rows_f32_m1, ChunkF32, 1, 2)
 GEMV_ROWS_KERNEL(gemv_rows_f32_m2, ChunkF32, 2, 2)
 GEMV_ROWS_KERNEL(gemv_rows_f32_m4, ChunkF32, 4, 1)
 GEMV_ROWS_KERNEL(gemv_rows_f32_m8, ChunkF32, 8, 1)
-
-// ---- o_proj of one token with the products its MoE router is made of ----
-//
-// gemv_route_ahead_<dt>: one grid of block 256 for three GEMVs of one token in the block-rows
-// layout (each the bits of gemv_rows_<dt>_m1): blocks [0, br) R x (R = router diag(norm weights),
-// [nr][kx], x the residual stream before the attention block), then [br, br + bm) M a (M = R Wo,
-// [nm][k]), then the rest Wo a (o_proj: [n][k], a the attention output). fused.cu's
-// add_rms_norm_route_f32 takes the layer's routing from z = [M a; R x] (see there); ops/
-// route_ahead.rs makes R and M.
-struct RouteAheadGemv {
-    const void* wo;  // o_proj, [n][k]
-    const float* a;
-    float* y;
-    int n, k;
-    const void* m;  // [nm][k]
-    float* za;
-    int nm;
-    const void* r;  // [nr][kx]
-    const float* x;
-    float* zx;
-    int nr, kx;
-    int br, bm;  // blocks of R x, of M a
-};
-
-template <typename C>
-__device__ __forceinline__ void gemv_route_ahead(const RouteAheadGemv& p) {
-    const int b = blockIdx.x;
-    if (b < p.br) {
-        // R x needs nothing of attention's: these blocks compute it during attention (first in
-        // the grid) and only wait to store it.
-        gemv_block_rows<C, 1, 2, false>(p.r, p.x, p.zx, p.nr, p.kx, b);
-    } else if (b < p.br + p.bm) {
-        gemv_block_rows<C, 1, 2>(p.m, p.a, p.za, p.nm, p.k, b - p.br);
-    } else {
-        gemv_block_rows<C, 1, 2>(p.wo, p.a, p.y, p.n, p.k, b - p.br - p.bm);
-    }
-}
-
-extern "C" __global__ void __launch_bounds__(ROWS_THREADS)
-    gemv_route_ahead_bf16(const RouteAheadGemv p) {
-    gemv_route_ahead<ChunkBf16>(p);
-}
-extern "C" __global__ void __launch_bounds__(ROWS_THREADS)
-    gemv_route_ahead_f32(const RouteAheadGemv p) {
-    gemv_route_ahead<ChunkF32>(p);
-}
 
 // ---- the router GEMV of one token with its top-k, in one cluster (sm_90) ----
 //

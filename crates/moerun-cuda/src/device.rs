@@ -71,7 +71,6 @@ pub(crate) struct Kernels {
     pub elementwise: crate::ops::ElementwiseKernels,
     pub fused: crate::ops::FusedKernels,
     pub moe: crate::ops::MoeKernels,
-    pub route_ahead: crate::ops::RouteAheadKernels,
     /// Indexed by [`crate::ops::KvDtype::slot`]: the builds for f32 and bf16 KV pools.
     pub attention: [crate::ops::AttentionKernels; 2],
     pub gemma: crate::ops::GemmaKernels,
@@ -160,7 +159,6 @@ impl Kernels {
             elementwise: crate::ops::ElementwiseKernels::load(|f| get("elementwise", f))?,
             fused: crate::ops::FusedKernels::load(|f| get("fused", f))?,
             moe: crate::ops::MoeKernels::load(get)?,
-            route_ahead: crate::ops::RouteAheadKernels::load(get)?,
             attention: [
                 crate::ops::AttentionKernels::load(&get, "")?,
                 crate::ops::AttentionKernels::load(&get, "_kvbf16")?,

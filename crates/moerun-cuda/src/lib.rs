@@ -39,4 +39,3 @@ pub use ops::{
 pub use ops::{DecodePass, DeviceExperts, ExpertActivation, MoePath, MoeScratch, WgmmaTile};
 pub use ops::{DeltaSeqs, DeltaShape};
 pub use ops::{DeviceRope, FoldedPrologue, GemmOut, GemvLayout, QkvShape, RouterShape};
-pub use ops::{RouteAhead, ROUTE_AHEAD_MAX_EXPERTS};

@@ -9,9 +9,7 @@ use moerun_core::Result;
 
 use crate::backend::{AttentionInputs, AttentionSpec, Backend};
 use crate::config::{ModelConfig, MoeConfig, QkNorm};
-use crate::weights::{
-    AttentionWeights, FfnWeights, Linear, MixerWeights, ModelWeights, MoeWeights,
-};
+use crate::weights::{AttentionWeights, FfnWeights, MixerWeights, ModelWeights, MoeWeights};
 
 /// Run the decoder over the batch's `tokens` and return the logits of the rows `rows`
 /// (`[rows.len(), vocab]`, on the host).
@@ -41,33 +39,21 @@ pub fn decoder_logits<B: Backend>(
     };
     let mut xn = b.rms_norm(&x, &first.input_layernorm, eps)?;
     for (l, layer) in w.layers.iter().enumerate() {
-        let post_norm = &layer.post_attention_layernorm;
-        let sliding_window = cfg.layers[l].sliding_window;
-        let ffn_out = match (&layer.mixer, &layer.ffn) {
-            // o_proj, the add+norm and the MoE block as one backend op (one token on CUDA can
-            // route from o_proj's input).
-            (MixerWeights::Attention(aw), FfnWeights::Moe(moe)) => {
-                let moe_cfg = cfg.moe.as_ref().expect("MoE weights imply a MoE config");
-                let out = attention_output(b, cfg, aw, l, sliding_window, &xn)?;
-                b.o_proj_add_norm_moe(&mut x, &out, &aw.o_proj, (post_norm, eps), moe_cfg, moe)?
+        let mixed = match &layer.mixer {
+            MixerWeights::Attention(aw) => {
+                attention_block(b, cfg, aw, l, cfg.layers[l].sliding_window, &xn)?
             }
-            (mixer, ffn) => {
-                let mixed = match mixer {
-                    MixerWeights::Attention(aw) => {
-                        attention_block(b, cfg, aw, l, sliding_window, &xn)?
-                    }
-                    MixerWeights::GatedDeltaNet(gw) => b.gated_deltanet(l, gw, &xn)?,
-                };
-                match ffn {
-                    FfnWeights::Dense(mlp) => {
-                        let post = b.add_rms_norm(&mut x, &mixed, post_norm, eps)?;
-                        b.mlp(&post, mlp)?
-                    }
-                    FfnWeights::Moe(moe) => {
-                        let moe_cfg = cfg.moe.as_ref().expect("MoE weights imply a MoE config");
-                        b.add_norm_moe(&mut x, &mixed, (post_norm, eps), moe_cfg, moe)?
-                    }
-                }
+            MixerWeights::GatedDeltaNet(gw) => b.gated_deltanet(l, gw, &xn)?,
+        };
+        let post_norm = &layer.post_attention_layernorm;
+        let ffn_out = match &layer.ffn {
+            FfnWeights::Dense(mlp) => {
+                let post = b.add_rms_norm(&mut x, &mixed, post_norm, eps)?;
+                b.mlp(&post, mlp)?
+            }
+            FfnWeights::Moe(moe) => {
+                let moe_cfg = cfg.moe.as_ref().expect("MoE weights imply a MoE config");
+                b.add_norm_moe(&mut x, &mixed, (post_norm, eps), moe_cfg, moe)?
             }
         };
         // The residual add, then the next layer's input norm (the final norm comes after the
@@ -93,19 +79,6 @@ pub(crate) fn attention_block<B: Backend>(
     sliding_window: Option<usize>,
     xn: &B::Act,
 ) -> Result<B::Act> {
-    let out = attention_output(b, cfg, w, l, sliding_window, xn)?;
-    b.linear(&out, &w.o_proj)
-}
-
-/// [`attention_block`] up to o_proj's input.
-fn attention_output<B: Backend>(
-    b: &mut B,
-    cfg: &ModelConfig,
-    w: &AttentionWeights,
-    l: usize,
-    sliding_window: Option<usize>,
-    xn: &B::Act,
-) -> Result<B::Act> {
     let d = cfg.head_dim;
     let spec = AttentionSpec {
         num_heads: cfg.num_heads,
@@ -114,21 +87,8 @@ fn attention_output<B: Backend>(
         scale: (d as f64).powf(-0.5) as f32,
         sliding_window,
     };
-    b.self_attention(l, cfg, w, &spec, xn)
-}
-
-/// o_proj of an attention block's output, then [`add_norm_moe`]: the plain composition.
-pub fn o_proj_add_norm_moe<B: Backend>(
-    b: &mut B,
-    x: &mut B::Act,
-    attn: &B::Act,
-    o_proj: &Linear,
-    norm: (&[f32], f32),
-    cfg: &MoeConfig,
-    w: &MoeWeights,
-) -> Result<B::Act> {
-    let y = b.linear(attn, o_proj)?;
-    b.add_norm_moe(x, &y, norm, cfg, w)
+    let out = b.self_attention(l, cfg, w, &spec, xn)?;
+    b.linear(&out, &w.o_proj)
 }
 
 /// The add+norm before a MoE block, then the block, as the plain composition of ops: `x += y`,

@@ -19,7 +19,6 @@ mod gemv;
 mod moe;
 mod norm;
 mod rope;
-mod route_ahead;
 mod router;
 mod tma;
 
@@ -40,8 +39,6 @@ pub use gemv::GemvLayout;
 pub(crate) use moe::MoeKernels;
 pub use moe::{DecodePass, DeviceExperts, ExpertActivation, MoePath, MoeScratch, WgmmaTile};
 pub use rope::DeviceRope;
-pub(crate) use route_ahead::RouteAheadKernels;
-pub use route_ahead::{RouteAhead, ROUTE_AHEAD_MAX_EXPERTS};
 pub use router::RouterShape;
 
 use crate::error::{CudaError, Result};

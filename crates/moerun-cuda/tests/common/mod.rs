@@ -7,8 +7,8 @@
 use std::sync::{OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use half::{bf16, f16};
-use moerun_core::{DType, MatRef};
-use moerun_cuda::{CudaDevice, CudaSlice, DeviceMatrix};
+use moerun_core::DType;
+use moerun_cuda::CudaDevice;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -111,24 +111,4 @@ pub fn stored(values: &[f32], dtype: DType) -> Vec<u8> {
             .collect(),
         DType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
     }
-}
-/// `values` (`rows` rows) stored as `dtype` in a device matrix.
-pub fn matrix(dev: &CudaDevice, values: &[f32], dtype: DType, rows: usize) -> DeviceMatrix {
-    let bytes = stored(values, dtype);
-    dev.upload_matrix(MatRef {
-        dtype,
-        rows,
-        cols: values.len() / rows,
-        data: &bytes,
-    })
-    .unwrap()
-}
-
-/// The bit patterns of a device buffer's values.
-pub fn bits_of(dev: &CudaDevice, b: &CudaSlice<f32>) -> Vec<u32> {
-    dev.download(b)
-        .unwrap()
-        .iter()
-        .map(|v| v.to_bits())
-        .collect()
 }

@@ -143,23 +143,6 @@ pub trait Backend {
     {
         crate::forward::add_norm_moe(self, x, y, norm, cfg, w)
     }
-    /// o_proj of an attention block's output `attn`, then [`Backend::add_norm_moe`] of its
-    /// result ([`crate::forward::o_proj_add_norm_moe`], the reference). A backend may route from
-    /// o_proj's input (the CUDA one can for one token, with `MOERUN_CUDA_ROUTE_AHEAD=1`).
-    fn o_proj_add_norm_moe(
-        &mut self,
-        x: &mut Self::Act,
-        attn: &Self::Act,
-        o_proj: &Linear,
-        norm: (&[f32], f32),
-        cfg: &MoeConfig,
-        w: &MoeWeights,
-    ) -> Result<Self::Act>
-    where
-        Self: Sized,
-    {
-        crate::forward::o_proj_add_norm_moe(self, x, attn, o_proj, norm, cfg, w)
-    }
     /// Qwen3.5's Gated DeltaNet layer `layer` over the normed input, advancing each sequence's
     /// state.
     fn gated_deltanet(

@@ -29,7 +29,7 @@ use moerun_core::{DType, Error, Result, Tensor};
 use moerun_cuda::{
     ActivationArena, AttentionPrefill, AttentionScratch, BatchKvBf16, CudaDevice, CudaError,
     CudaSlice, DeviceBuffer, DeviceExperts, DeviceKvPool, DeviceMatrix, DevicePtr, DeviceRepr,
-    DeviceRope, KvDtype, MoeScratch, RouteAhead,
+    DeviceRope, KvDtype, MoeScratch,
 };
 
 use crate::config::{ModelConfig, QkNorm};
@@ -63,14 +63,6 @@ pub(crate) fn bf16_gemm_inputs(bf16: bool) -> bool {
         .get_or_init(|| std::env::var_os("MOERUN_CUDA_BF16_INPUTS").is_none_or(|v| v != "0"))
 }
 
-/// Whether MoE layers after an attention block route from o_proj's input at one token
-/// (moerun-cuda's `ops::route_ahead`: the router GEMV leaves the decode chain), asked for by
-/// `MOERUN_CUDA_ROUTE_AHEAD=1` (an experiment, off by default). Read once, at upload.
-pub(crate) fn route_ahead_wanted() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var_os("MOERUN_CUDA_ROUTE_AHEAD").is_some_and(|v| v == "1"))
-}
-
 pub struct CudaModel {
     pub(crate) dev: CudaDevice,
     pub(crate) mats: HashMap<(usize, usize), DeviceMatrix>,
@@ -80,9 +72,6 @@ pub struct CudaModel {
     pub(crate) qkv: HashMap<(usize, usize), StackedQkv>,
     /// Each MoE layer's stacked experts, by its router's key.
     pub(crate) experts: HashMap<(usize, usize), DeviceExperts>,
-    /// The route-ahead matrices of each MoE layer that routes from o_proj's input at one token
-    /// (`MOERUN_CUDA_ROUTE_AHEAD=1`; see [`route_ahead_wanted`]), by its router's key.
-    pub(crate) route_ahead: HashMap<(usize, usize), RouteAhead>,
     pub(crate) rope: DeviceRope,
     /// The kernel of prefill attention tiles: bf16 tensor cores for bf16 models (head_dim 64 or
     /// 128), exact f32 otherwise.

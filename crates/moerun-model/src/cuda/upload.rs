@@ -4,9 +4,7 @@
 use std::collections::HashMap;
 
 use moerun_core::{DType, Result, Tensor};
-use moerun_cuda::{
-    AttentionPrefill, CudaDevice, CudaSlice, DeviceExperts, DeviceMatrix, RouteAhead,
-};
+use moerun_cuda::{AttentionPrefill, CudaDevice, CudaSlice, DeviceExperts, DeviceMatrix};
 
 use super::{dev_err, tensor_key, vec_key, CudaModel, StackedQkv};
 use crate::attention::Rope;
@@ -37,7 +35,6 @@ pub(crate) struct Uploader<'a> {
     pub(crate) vecs: HashMap<(usize, usize), CudaSlice<f32>>,
     pub(crate) experts: HashMap<(usize, usize), DeviceExperts>,
     pub(crate) qkv: HashMap<(usize, usize), StackedQkv>,
-    pub(crate) route_ahead: HashMap<(usize, usize), RouteAhead>,
     pub(crate) bytes: usize,
     next_seed: u64,
 }
@@ -51,7 +48,6 @@ impl<'a> Uploader<'a> {
             vecs: HashMap::new(),
             experts: HashMap::new(),
             qkv: HashMap::new(),
-            route_ahead: HashMap::new(),
             bytes: 0,
             next_seed: 0,
         }
@@ -272,42 +268,6 @@ impl<'a> Uploader<'a> {
     /// expert without biases also gets its gate, up and (if any) `shared_expert_gate` rows
     /// stacked into one matrix, found by `gate_proj`'s weight: a single-token step runs one GEMV
     /// over them and reads the three outputs as slices (`CudaPass::moe`).
-    /// The route-ahead matrices of a MoE layer after an attention block (see
-    /// [`super::route_ahead_wanted`]), made from the layer's device weights, where the device
-    /// takes the layer: an o_proj without bias, router and o_proj both bf16 or both f32, at most
-    /// 128 experts and 32 choices. Other layers route as before.
-    fn route_ahead(
-        &mut self,
-        o_proj: &Linear,
-        norm: &[f32],
-        w: &MoeWeights,
-        top_k: usize,
-    ) -> Result<()> {
-        let key = tensor_key(&w.router);
-        let missing = || moerun_core::Error::Device("internal: route ahead before upload".into());
-        let router = self.mats.get(&key).ok_or_else(missing)?;
-        let wo = self
-            .mats
-            .get(&tensor_key(&o_proj.weight))
-            .ok_or_else(missing)?;
-        let g = self.vecs.get(&vec_key(norm)).ok_or_else(missing)?;
-        if o_proj.bias.is_some()
-            || wo.dtype() != router.dtype()
-            || !self
-                .dev
-                .route_ahead_supported(router.rows(), top_k, router.dtype())
-        {
-            return Ok(());
-        }
-        let ra = self
-            .dev
-            .route_ahead_weights(router, g, wo)
-            .map_err(dev_err)?;
-        self.bytes += ra.bytes();
-        self.route_ahead.insert(key, ra);
-        Ok(())
-    }
-
     fn moe(&mut self, w: &MoeWeights) -> Result<()> {
         self.matrix(&w.router)?;
         // The stack first: the shared expert's gate and up (and its gate row) are then its row
@@ -408,13 +368,6 @@ pub(crate) fn upload(
             FfnWeights::Dense(m) => u.mlp(m)?,
             FfnWeights::Moe(m) => u.moe(m)?,
         }
-        if let (MixerWeights::Attention(a), FfnWeights::Moe(m), Some(moe)) =
-            (&layer.mixer, &layer.ffn, &cfg.moe)
-        {
-            if super::route_ahead_wanted() {
-                u.route_ahead(&a.o_proj, &layer.post_attention_layernorm, m, moe.top_k)?;
-            }
-        }
     }
     u.vector(&w.norm)?;
     u.matrix(&w.lm_head)?;
@@ -423,7 +376,6 @@ pub(crate) fn upload(
         vecs,
         experts,
         qkv,
-        route_ahead,
         bytes,
         ..
     } = u;
@@ -441,7 +393,6 @@ pub(crate) fn upload(
         mats,
         vecs,
         experts,
-        route_ahead,
         qkv,
         rope,
         weight_bytes: bytes,

@@ -91,7 +91,6 @@ pub(crate) fn upload(
         mats,
         vecs,
         experts,
-        route_ahead: HashMap::new(),
         qkv,
         rope,
         weight_bytes: bytes,
