@@ -494,3 +494,78 @@ __device__ __forceinline__ void warp_route_topk(const float* __restrict__ logits
         }
     }
 }
+
+#ifdef ROUTE_BLOCK_TOPK
+// EXPERIMENT (MOERUN_CUDA_DEFINES=-DROUTE_BLOCK_TOPK): warp_route_topk by a whole block of at least
+// 128 threads, the same ids and weights (the same operations on each value, the softmax sum in
+// its order), for experts <= 128 in shared memory (`logits`): thread t holds expert t; the max
+// from each warp's redux; every probability at once; the sum by warp 0 in warp_route_topk's
+// order (lane l adds experts l, l + 32, ... then the butterfly); then each expert's rank counted
+// at once against every key (greater, or equal at a lower index), where warp_route_topk takes k
+// dependent rounds of two warp reductions. Every thread of the block calls it.
+__device__ __forceinline__ void block_route_topk(const float* logits, int experts, int k,
+                                                 int renormalise, u32* __restrict__ out_ids,
+                                                 float* __restrict__ out_weights) {
+    __shared__ float s_max[4];
+    __shared__ float s_e[128];
+    __shared__ __align__(16) u32 s_key[128];
+    __shared__ float s_inv;
+    __shared__ u32 s_id[128];
+    __shared__ float s_w[128];
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    const bool mine = t < experts;
+    const float l = mine ? logits[t] : 0.0f;
+    // The max of the experts' logits, NaNs aside (fmaxf's): keys that order like the floats.
+    if (warp < 4) {
+        const u32 b = __float_as_uint(l);
+        const u32 key = mine && l == l ? ((b & 0x80000000u) ? ~b : (b | 0x80000000u)) : 0x007fffffu;
+        const u32 m = warp_max_u32(key);
+        if (lane == 0) s_max[warp] = __uint_as_float((m & 0x80000000u) ? (m & 0x7fffffffu) : ~m);
+    }
+    __syncthreads();
+    const float mx = fmaxf(fmaxf(s_max[0], s_max[1]), fmaxf(s_max[2], s_max[3]));
+    const float e = mine ? expf(l - mx) : 0.0f;
+    if (t < 128) s_e[t] = e;
+    __syncthreads();
+    if (warp == 0) {
+        float sum = 0.0f;
+#pragma unroll
+        for (int s = 0; s < 4; ++s)
+            if (32 * s + lane < experts) sum += s_e[32 * s + lane];
+        const float inv = 1.0f / warp_sum(sum);
+        if (lane == 0) s_inv = inv;
+    }
+    __syncthreads();
+    const float v = e * s_inv;
+    const u32 key = mine && v >= 0.0f ? __float_as_uint(v) + 1u : 0u;
+    if (t < 128) s_key[t] = key;
+    if (t < k) {  // ranks no expert takes (NaNs): warp_route_topk's (out of range, -2)
+        s_id[t] = 0x7fffffffu;
+        s_w[t] = -2.0f;
+    }
+    __syncthreads();
+    if (key != 0u) {
+        int rank = 0;
+        const uint4* k4 = reinterpret_cast<const uint4*>(s_key);
+#pragma unroll 8
+        for (int j = 0; j < 32; ++j) {
+            const uint4 q = k4[j];
+            rank += (q.x > key) + (q.x == key && 4 * j < t);
+            rank += (q.y > key) + (q.y == key && 4 * j + 1 < t);
+            rank += (q.z > key) + (q.z == key && 4 * j + 2 < t);
+            rank += (q.w > key) + (q.w == key && 4 * j + 3 < t);
+        }
+        if (rank < k) {
+            s_id[rank] = (u32)t;
+            s_w[rank] = v;
+        }
+    }
+    __syncthreads();
+    if (t < k) {
+        float total = 0.0f;  // in rank order, as warp_route_topk's rounds add them
+        for (int r = 0; r < k; ++r) total += s_w[r];
+        out_ids[t] = s_id[t];
+        out_weights[t] = renormalise ? s_w[t] / total : s_w[t];
+    }
+}
+#endif
