@@ -326,16 +326,6 @@ __device__ __forceinline__ void gemv_route(const void* __restrict__ w, const flo
         probe_end("gemv_route");
         return;
     }
-#ifdef ROUTE_BLOCK_TOPK
-    if constexpr (same_type<Finish, NoPrep>::value) {
-        if (t < 32) mbar_wait_cluster(smem_u32(&inbox), 0);
-        __syncthreads();
-        probe_mark(5);
-        block_route_topk(logits, experts, topk, renormalise, out_ids, out_weights);
-        probe_end("gemv_route");
-        return;
-    }
-#endif
     if constexpr (same_type<Finish, NoPrep>::value) {
         if (t >= 32) return;
         mbar_wait_cluster(smem_u32(&inbox), 0);
