@@ -209,24 +209,17 @@ struct Scatter {
     }
 };
 
-// The pool offset of the u-th key group `grp` takes at step jb: -1 past k1 or out of range.
-template <int W, int L>
-__device__ __forceinline__ long long step_key_offset(const AttnArgs& a, int ts, int kh, int jb,
-                                                     int k1, int grp, int u) {
-    constexpr int GROUPS = 32 * W / L;
-    const int j = jb + grp + GROUPS * u;
-    return j < k1 ? kv_offset(a, ts, j, kh) : -1;
-}
-
 // Rows of the U keys group `grp` takes at step jb (zeros past k1 or out of range; ok[u] says
 // which are real).
 template <int W, int L, int VPL, int U>
 __device__ __forceinline__ void fetch_keys(const AttnArgs& a, int ts, int kh, int jb, int k1,
                                            int grp, int sub, int d4, kv4_t (&kr)[U][VPL],
                                            kv4_t (&vr)[U][VPL], bool (&ok)[U]) {
+    constexpr int GROUPS = 32 * W / L;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-        const long long off = step_key_offset<W, L>(a, ts, kh, jb, k1, grp, u);
+        const int j = jb + grp + GROUPS * u;
+        const long long off = j < k1 ? kv_offset(a, ts, j, kh) : -1;
         ok[u] = off >= 0;
 #pragma unroll
         for (int v = 0; v < VPL; ++v) {
@@ -235,40 +228,6 @@ __device__ __forceinline__ void fetch_keys(const AttnArgs& a, int ts, int kh, in
         }
     }
 }
-
-#ifdef ATTN_STEP3_SMEM
-// EXPERIMENT (MOERUN_CUDA_DEFINES=-DATTN_STEP3_SMEM): fetch_keys' rows for step jb into this
-// thread's slots of shared memory by cp.async (no registers held; zeros where not real), for
-// the cluster kernel's third step, copied before the programmatic wait; the thread reads its own
-// slots back once its copies are done (cp.async.wait_group, no block barrier).
-template <int W, int L, int VPL, int U>
-__device__ __forceinline__ void stage_keys(const AttnArgs& a, int ts, int kh, int jb, int k1,
-                                           int grp, int sub, int d4, kv4_t (*sk)[VPL][32 * W],
-                                           kv4_t (*sv)[VPL][32 * W], bool (&ok)[U]) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-        const long long off = step_key_offset<W, L>(a, ts, kh, jb, k1, grp, u);
-        ok[u] = off >= 0;
-#pragma unroll
-        for (int v = 0; v < VPL; ++v) {
-            const int c = sub + L * v;
-            const bool real = ok[u] && c < d4;
-            const kv_t* kp = a.pool_k + (real ? off + 4 * c : 0);
-            const kv_t* vp = a.pool_v + (real ? off + 4 * c : 0);
-            const u32 dk = (u32)__cvta_generic_to_shared(&sk[u][v][threadIdx.x]);
-            const u32 dv = (u32)__cvta_generic_to_shared(&sv[u][v][threadIdx.x]);
-            constexpr int B = (int)sizeof(kv4_t);  // 16 (f32 pool) or 8 (bf16)
-            asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" ::"r"(dk), "l"(kp),
-                         "n"(B), "r"(real ? B : 0)
-                         : "memory");
-            asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" ::"r"(dv), "l"(vp),
-                         "n"(B), "r"(real ? B : 0)
-                         : "memory");
-        }
-    }
-    cp_async_commit();
-}
-#endif
 
 // Loads of partials other blocks wrote during this launch: through L2 (load_cg and this).
 __device__ __forceinline__ float4 ld_cg4(const float* p) {
@@ -514,29 +473,11 @@ __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, in
     // The next step's rows (DEPTH 2 only; unused otherwise).
     kv4_t kr2[U][VPL], vr2[U][VPL];
     bool ok2[U];
-#ifdef ATTN_STEP3_SMEM
-    // The third step's rows (DEPTH 2 with the folded prologue), staged before the wait.
-    constexpr bool STAGE3 = DEPTH == 2 && PRO;
-    constexpr int S3U = STAGE3 ? U : 1, S3V = STAGE3 ? VPL : 1, S3T = STAGE3 ? 32 * W : 1;
-    __shared__ __align__(16) kv4_t s3k[S3U][S3V][S3T];
-    __shared__ __align__(16) kv4_t s3v[S3U][S3V][S3T];
-    bool ok3[U];
-    bool staged3 = false;  // block-uniform
-    int own_pos = -1;      // PRO: the own key's position when this block holds it
-#endif
     if constexpr (EARLY) {
         const int old_end = min(k1, fresh);
         fetch_keys<W, L, VPL, U>(a, ts, kh, k0, old_end, grp, sub, d4, kr, vr, ok);
         if constexpr (DEPTH == 2)
             fetch_keys<W, L, VPL, U>(a, ts, kh, k0 + STEP, old_end, grp, sub, d4, kr2, vr2, ok2);
-#ifdef ATTN_STEP3_SMEM
-        if constexpr (STAGE3) {
-            staged3 = k0 + 2 * STEP < k1;
-            if (staged3)
-                stage_keys<W, L, VPL, U>(a, ts, kh, k0 + 2 * STEP, old_end, grp, sub, d4, s3k, s3v,
-                                         ok3);
-        }
-#endif
         if constexpr (PRO) {
             const int pos = a.positions[i];
             fold_constants<GM, DMAX>(a, *pro, pos, *fold);
@@ -564,9 +505,6 @@ __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, in
                 if constexpr (DEPTH == 2)
                     set_own_key<W, L, VPL, U>(k0 + STEP, pos, grp, sub, d4, *fold, kr2, vr2, ok2);
             }
-#ifdef ATTN_STEP3_SMEM
-            own_pos = slot >= 0 ? pos : -1;
-#endif
         } else {
             pdl_entry();
             probe_mark(1);
@@ -661,26 +599,6 @@ __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, in
         // (Shifting kr2 into kr instead would wait for the step after next before computing.)
         for (int jb = k0; jb < k1; jb += 2 * STEP) {
             attend_step(kr, vr, ok);
-#ifdef ATTN_STEP3_SMEM
-            if (STAGE3 && staged3 && jb == k0) {  // block-uniform
-                // The same rows as fetch_keys would load (the own key from the fold, as
-                // set_own_key puts it in the first two steps).
-                cp_async_wait<0>();
-#pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    ok[u] = ok3[u];
-#pragma unroll
-                    for (int v = 0; v < VPL; ++v) {
-                        kr[u][v] = s3k[STAGE3 ? u : 0][STAGE3 ? v : 0][STAGE3 ? threadIdx.x : 0];
-                        vr[u][v] = s3v[STAGE3 ? u : 0][STAGE3 ? v : 0][STAGE3 ? threadIdx.x : 0];
-                    }
-                }
-                if constexpr (PRO)
-                    if (own_pos >= 0)
-                        set_own_key<W, L, VPL, U>(k0 + 2 * STEP, own_pos, grp, sub, d4, *fold, kr,
-                                                  vr, ok);
-            } else
-#endif
                 fetch_keys<W, L, VPL, U>(a, ts, kh, jb + 2 * STEP, k1, grp, sub, d4, kr, vr, ok);
             if (jb + STEP >= k1) break;
             attend_step(kr2, vr2, ok2);
