@@ -437,17 +437,13 @@ __device__ __forceinline__ void warp_route_topk(const float* __restrict__ logits
         p[s] = i < experts ? logits[i] : 0.0f;
         if (i < experts) mx = fmaxf(mx, p[s]);
     }
-#ifdef ROUTE_FAST
-    // EXPERIMENT (-DROUTE_FAST): the warp max as one redux of keys that order like the floats
-    // (mx is never NaN: fmaxf drops them), where warp_max takes five dependent shuffles.
+    // The warp max as one redux of keys that order like the floats (mx is never NaN: fmaxf
+    // drops them; the same max), where warp_max took five dependent shuffles.
     {
         const u32 b = __float_as_uint(mx);
         const u32 m = warp_max_u32((b & 0x80000000u) ? ~b : (b | 0x80000000u));
         mx = __uint_as_float((m & 0x80000000u) ? (m & 0x7fffffffu) : ~m);
     }
-#else
-    mx = warp_max(mx);
-#endif
     float sum = 0.0f;
 #pragma unroll
     for (int s = 0; s < ROUTE_PER_LANE; ++s) {

@@ -208,16 +208,11 @@ __device__ __forceinline__ void gemv_rows_partials(const void* __restrict__ w_ra
             t[r] = r < rows_here ? load_stream(w + (u64)r * chunks + c) : make_uint4(0u, 0u, 0u, 0u);
         fma_rows<C, M, R>(t, x, k, c, acc);
     }
-#ifdef ROUTE_FAST
-    // EXPERIMENT (-DROUTE_FAST): gemv_route's 16 rows a block by the reduce-scatter (16 shuffles
-    // a warp instead of 80; the same bits).
-    constexpr bool BUTTERFLY = M == 1 && R < 16;
-#else
-    constexpr bool BUTTERFLY = M == 1;
-#endif
-    if constexpr (BUTTERFLY) {
-        // One token (batch 1): one butterfly per sum, lane 0 writing. With the reduce-scatter
-        // batch-1 decode lost 0.7-1% (H200, alternating; docs/perf/cuda-model.md v13).
+    // One token's 4 rows (gemv_rows_<dt>_m1): one butterfly per sum, lane 0 writing; with the
+    // reduce-scatter batch-1 decode lost 0.7-1% (H200, alternating; docs/perf/cuda-model.md v13).
+    // gemv_route's 16 rows a block take the reduce-scatter (16 shuffles a warp where the
+    // butterflies took 80; the same bits): +0.5% (v19).
+    if constexpr (M == 1 && R < 16) {
 #pragma unroll
         for (int r = 0; r < R; ++r) {
             const float v = warp_sum(acc[0][r]);
