@@ -681,6 +681,36 @@ __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, in
 template <int W, int GM, int N>
 __device__ __forceinline__ void combine_warps_n(const float* s_acc, const float* s_ml, int d, int h,
                                                 int e, float (&num)[N], float& mx, float& sum) {
+#ifdef ATTN_VEC_COMBINE
+    // EXPERIMENT (-DATTN_VEC_COMBINE): each warp's (max, sum) as one 8-byte load, four elements
+    // (N == 4, e a multiple of 4) as one 16-byte load: the same values, a quarter of the
+    // shared-memory loads (s_ml and s_acc rows are 16-byte aligned: d is a multiple of 4).
+    float2 ml[W];
+#pragma unroll
+    for (int w = 0; w < W; ++w) ml[w] = *reinterpret_cast<const float2*>(s_ml + (w * GM + h) * 2);
+    mx = NEG_INF;
+#pragma unroll
+    for (int w = 0; w < W; ++w) mx = fmaxf(mx, ml[w].x);
+    const float ref = softmax_ref(mx);
+    sum = 0.0f;
+#pragma unroll
+    for (int n = 0; n < N; ++n) num[n] = 0.0f;
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+        const float c = exp2f(ml[w].x - ref);
+        sum += c * ml[w].y;
+        if constexpr (N == 4) {
+            const float4 v = *reinterpret_cast<const float4*>(s_acc + (w * GM + h) * d + e);
+            num[0] += c * v.x;
+            num[1] += c * v.y;
+            num[2] += c * v.z;
+            num[3] += c * v.w;
+        } else {
+#pragma unroll
+            for (int n = 0; n < N; ++n) num[n] += c * s_acc[(w * GM + h) * d + e + n];
+        }
+    }
+#else
     mx = NEG_INF;
 #pragma unroll
     for (int w = 0; w < W; ++w) mx = fmaxf(mx, s_ml[(w * GM + h) * 2]);
@@ -695,6 +725,7 @@ __device__ __forceinline__ void combine_warps_n(const float* s_acc, const float*
 #pragma unroll
         for (int n = 0; n < N; ++n) num[n] += c * s_acc[(w * GM + h) * d + e + n];
     }
+#endif
 }
 
 // Element e of head h merged over the W warps' states attend_keys left: returns the unnormalised
