@@ -681,10 +681,10 @@ __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, in
 template <int W, int GM, int N>
 __device__ __forceinline__ void combine_warps_n(const float* s_acc, const float* s_ml, int d, int h,
                                                 int e, float (&num)[N], float& mx, float& sum) {
-#ifdef ATTN_VEC_COMBINE
-    // EXPERIMENT (-DATTN_VEC_COMBINE): each warp's (max, sum) as one 8-byte load, four elements
-    // (N == 4, e a multiple of 4) as one 16-byte load: the same values, a quarter of the
-    // shared-memory loads (s_ml and s_acc rows are 16-byte aligned: d is a multiple of 4).
+    // Each warp's (max, sum) as one 8-byte load, four elements (N == 4, e a multiple of 4) as
+    // one 16-byte load: the same values, a quarter of the shared-memory loads, which the send
+    // phase of the cluster kernel waits on (s_ml and s_acc rows are 16-byte aligned: d is a
+    // multiple of 4). Batch-1 decode +0.6% (H200, alternating; docs/perf/cuda-model.md v19).
     float2 ml[W];
 #pragma unroll
     for (int w = 0; w < W; ++w) ml[w] = *reinterpret_cast<const float2*>(s_ml + (w * GM + h) * 2);
@@ -710,22 +710,6 @@ __device__ __forceinline__ void combine_warps_n(const float* s_acc, const float*
             for (int n = 0; n < N; ++n) num[n] += c * s_acc[(w * GM + h) * d + e + n];
         }
     }
-#else
-    mx = NEG_INF;
-#pragma unroll
-    for (int w = 0; w < W; ++w) mx = fmaxf(mx, s_ml[(w * GM + h) * 2]);
-    const float ref = softmax_ref(mx);
-    sum = 0.0f;
-#pragma unroll
-    for (int n = 0; n < N; ++n) num[n] = 0.0f;
-#pragma unroll
-    for (int w = 0; w < W; ++w) {
-        const float c = exp2f(s_ml[(w * GM + h) * 2] - ref);
-        sum += c * s_ml[(w * GM + h) * 2 + 1];
-#pragma unroll
-        for (int n = 0; n < N; ++n) num[n] += c * s_acc[(w * GM + h) * d + e + n];
-    }
-#endif
 }
 
 // Element e of head h merged over the W warps' states attend_keys left: returns the unnormalised
