@@ -363,49 +363,6 @@ __device__ __forceinline__ void prologue_head(const float* src, const float* nor
                                               const PrologueArgs& p, int d,
                                               const float (&cos_sin)[2][DMAX / 2], float* hd) {
     const int lane = threadIdx.x & 31;
-#ifdef FOLD_REGS
-    // EXPERIMENT (-DFOLD_REGS): with rotary halves a multiple of 32 (head_dim 64 and 128), lane
-    // l's elements l + 32 m hold both halves of its rotary pairs, so the head stays in registers
-    // from its load to its one store (the same operations in the same order): no shared-memory
-    // round trip between the norm and the rotation, every load of the head in flight at once.
-    constexpr int NE = (DMAX + 31) / 32;
-    if (p.half % 32 == 0 && 2 * p.half <= d) {  // warp-uniform
-        float v[NE];
-        float ss = 0.0f;
-#pragma unroll
-        for (int m = 0; m < NE; ++m) {
-            const int i = lane + 32 * m;
-            v[m] = i < d ? src[i] : 0.0f;
-        }
-#pragma unroll
-        for (int m = 0; m < NE; ++m)
-            if (lane + 32 * m < d) ss += v[m] * v[m];
-        if (norm) {
-            ss = warp_sum(ss);
-            const float inv = 1.0f / sqrtf(ss / (float)d + p.eps);
-#pragma unroll
-            for (int m = 0; m < NE; ++m) {
-                const int i = lane + 32 * m;
-                if (i < d) v[m] = norm[i] * (v[m] * inv);
-            }
-        }
-        if (rotate) {
-            const int hm = p.half / 32;  // element m pairs with m + hm
-#pragma unroll
-            for (int m = 0; m < NE; ++m)
-#pragma unroll
-                for (int m2 = 0; m2 < NE; ++m2)
-                    if (m < hm && m2 == m + hm)
-                        rope_pair(v[m], v[m2], cos_sin[0][lane + 32 * m],
-                                  cos_sin[1][lane + 32 * m]);
-        }
-#pragma unroll
-        for (int m = 0; m < NE; ++m)
-            if (lane + 32 * m < d) hd[lane + 32 * m] = v[m];
-        __syncwarp();
-        return;
-    }
-#endif
     float ss = stage_head(src, hd, d, lane);
     if (norm) {
         ss = warp_sum(ss);
@@ -710,13 +667,8 @@ __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, in
                     if (c < d4) st4(s_acc + (warp * GM + h) * d + 4 * c, acc[h][v]);
                 }
                 if (lane == 0) {
-#ifdef ATTN_ML_VEC
-                    // EXPERIMENT (-DATTN_ML_VEC): the pair in one 8-byte store.
+                    // The pair in one 8-byte store (s_ml is 16-byte aligned).
                     *reinterpret_cast<float2*>(s_ml + (warp * GM + h) * 2) = make_float2(m[h], l[h]);
-#else
-                    s_ml[(warp * GM + h) * 2] = m[h];
-                    s_ml[(warp * GM + h) * 2 + 1] = l[h];
-#endif
                 }
             }
         }
@@ -1082,15 +1034,10 @@ __device__ __forceinline__ void attn_cluster(const AttnArgs& a, const PrologueAr
         const int h = t / CL_SIZE;
         float m = NEG_INF, l = 0.0f;
         if (h < gh) {
-#ifdef ATTN_ML_VEC
-            // EXPERIMENT (-DATTN_ML_VEC): the pair in one 8-byte load.
+            // The pair in one 8-byte load (in_ml follows the float4 items).
             const float2 ml = *reinterpret_cast<const float2*>(in_ml + (src * GM + h) * 2);
             m = ml.x;
             l = ml.y;
-#else
-            m = in_ml[(src * GM + h) * 2];
-            l = in_ml[(src * GM + h) * 2 + 1];
-#endif
         }
         float mx = m;
 #pragma unroll
