@@ -599,7 +599,7 @@ __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, in
         // (Shifting kr2 into kr instead would wait for the step after next before computing.)
         for (int jb = k0; jb < k1; jb += 2 * STEP) {
             attend_step(kr, vr, ok);
-                fetch_keys<W, L, VPL, U>(a, ts, kh, jb + 2 * STEP, k1, grp, sub, d4, kr, vr, ok);
+            fetch_keys<W, L, VPL, U>(a, ts, kh, jb + 2 * STEP, k1, grp, sub, d4, kr, vr, ok);
             if (jb + STEP >= k1) break;
             attend_step(kr2, vr2, ok2);
             fetch_keys<W, L, VPL, U>(a, ts, kh, jb + 3 * STEP, k1, grp, sub, d4, kr2, vr2, ok2);
