@@ -415,6 +415,13 @@ __device__ __forceinline__ u32 warp_min_u32(u32 v) {
     asm volatile("redux.sync.min.u32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v));
     return r;
 }
+// Warp-wide max of a float that is not NaN (warp_max's value) as one redux of keys that order
+// like the floats: sign bit set, the rest kept, for >= +0; all bits flipped below.
+__device__ __forceinline__ float warp_max_redux(float v) {
+    const u32 b = __float_as_uint(v);
+    const u32 m = warp_max_u32((b & 0x80000000u) ? ~b : (b | 0x80000000u));
+    return __uint_as_float((m & 0x80000000u) ? (m & 0x7fffffffu) : ~m);
+}
 
 // One token's routing by one warp, the steps of moerun-model's `route`: softmax of the f32 router
 // logits (max-subtracted; each lane sums its experts lane, lane + 32, ... in order, then a fixed
@@ -437,13 +444,7 @@ __device__ __forceinline__ void warp_route_topk(const float* __restrict__ logits
         p[s] = i < experts ? logits[i] : 0.0f;
         if (i < experts) mx = fmaxf(mx, p[s]);
     }
-    // The warp max as one redux of keys that order like the floats (mx is never NaN: fmaxf
-    // drops them; the same max), where warp_max took five dependent shuffles.
-    {
-        const u32 b = __float_as_uint(mx);
-        const u32 m = warp_max_u32((b & 0x80000000u) ? ~b : (b | 0x80000000u));
-        mx = __uint_as_float((m & 0x80000000u) ? (m & 0x7fffffffu) : ~m);
-    }
+    mx = warp_max_redux(mx);  // one redux where warp_max took five dependent shuffles
     float sum = 0.0f;
 #pragma unroll
     for (int s = 0; s < ROUTE_PER_LANE; ++s) {

@@ -565,11 +565,11 @@ __device__ __forceinline__ void moe_tiny_down(const void* __restrict__ down,
     const int rows_here = min(MOE_DOWN_ROWS, hidden - row0);  // >= 1: grid.x = ceil(H / 4)
     // Under programmatic dependent launch (common.cuh) this kernel starts while gate_up runs:
     // a warp's first rank reads its expert id and starts that expert's weights before waiting
-    // for gate_up. The ids come from route_topk, two kernels back, which had finished before
-    // gate_up let this kernel launch (gate_up waits for it first); they are read through L2.
-    // So do the token's routing weights, into shared memory (read after the wait, they were one
-    // more L2 round trip at the very end of the MoE). Every thread waits exactly once, before it
-    // reads h or writes anything.
+    // for gate_up. The ids come from the routing (gemv_route at one token, else route_topk), two
+    // kernels back, which had finished before gate_up let this kernel launch (gate_up waits for
+    // it first); they are read through L2. So do the token's routing weights, into shared memory
+    // (read after the wait, they were one more L2 round trip at the very end of the MoE). Every
+    // thread waits exactly once, before it reads h or writes anything.
     if ((int)threadIdx.x < top_k)
         rank_weights[threadIdx.x] = load_cg(weights + t * (u64)top_k + threadIdx.x);
     bool waited = false;

@@ -435,7 +435,7 @@ pub fn cache_file_name(
 
 /// The cubin of `file` for `arch`: from the cache when present, else compiled and stored there
 /// (written to a temporary name, then renamed, so concurrent processes never read half a file).
-pub(crate) fn cubin(file: &KernelFile, arch: &str, report: &mut CacheReport) -> Result<Vec<u8>> {
+fn cubin(file: &KernelFile, arch: &str, report: &mut CacheReport) -> Result<Vec<u8>> {
     let path = match &report.dir {
         Some(dir) => Some(dir.join(cache_file_name(
             file,
