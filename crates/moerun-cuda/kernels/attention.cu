@@ -210,16 +210,17 @@ struct Scatter {
 };
 
 // Rows of the U keys group `grp` takes at step jb (zeros past k1 or out of range; ok[u] says
-// which are real).
+// which are real); block-table entries below TAB_N from `tab` when given (kv_offset).
 template <int W, int L, int VPL, int U>
 __device__ __forceinline__ void fetch_keys(const AttnArgs& a, int ts, int kh, int jb, int k1,
                                            int grp, int sub, int d4, kv4_t (&kr)[U][VPL],
-                                           kv4_t (&vr)[U][VPL], bool (&ok)[U]) {
+                                           kv4_t (&vr)[U][VPL], bool (&ok)[U],
+                                           const int* tab = nullptr) {
     constexpr int GROUPS = 32 * W / L;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
         const int j = jb + grp + GROUPS * u;
-        const long long off = j < k1 ? kv_offset(a, ts, j, kh) : -1;
+        const long long off = j < k1 ? kv_offset(a, ts, j, kh, tab) : -1;
         ok[u] = off >= 0;
 #pragma unroll
         for (int v = 0; v < VPL; ++v) {
@@ -304,8 +305,9 @@ __device__ __forceinline__ void merge_splits(const AttnArgs& a, int i, int h0, i
 // At batch 1 the prologue kernel (fused.cu qkv_split_norm_rope) was a launch and a programmatic
 // wait of its own between the q/k/v GEMV and attention, ~3 µs a layer for ~40 KB of work. The
 // _pro builds of the cluster kernel take the GEMV's raw rows instead. Before the wait each block
-// puts the token's rotation (cos, sin) and the q/k norm weights in shared memory and looks up
-// the own key's pool slot (fold_constants; no earlier kernel writes them); after it, warps 0 ..
+// puts the token's rotation (cos, sin), the q/k norm weights and the block table's first entries
+// in shared memory and looks up the own key's pool slot (fold_loads, fold_constants; no earlier
+// kernel writes them); after it, warps 0 ..
 // gh - 1 make the block's query heads (RMSNorm by q_norm, rotate-half RoPE) in shared memory,
 // and in the blocks whose keys hold the token's own position warps GM and GM + 1 make that key
 // (k_norm, RoPE) and value, store them in the pool slot and keep them (as stored) in shared
@@ -337,21 +339,46 @@ struct FoldSmem {
     kv_t kv_stored[2][DMAX];
     float cos_sin[2][DMAX / 2];
     float norm[2][DMAX];
+    int tab[TAB_N];  // block_tables[0 .. TAB_N), -1 past its end (fold_loads)
 };
 
-// Before the wait, what the fold needs that no earlier kernel writes: the cos and sin of the
-// token's position `pos` per rotary pair into fs.cos_sin, the q and k norm weights into fs.norm
-// (read after the wait, the weights were a second L2 round trip on the chain, behind the head's
-// own). Every thread must call it: it ends in a block barrier.
+// What the fold needs that no earlier kernel writes, one thread's share (the _pro builds'
+// head_dim <= 128 < the block's 256 threads = TAB_N: one element each): the rotary inverse
+// frequency, the q and k norm weights and an entry of the block table. Loaded at the kernel's
+// entry, all in the round trip of the token's position, because at batch 1 the way to the
+// programmatic wait is on the critical path (the blocks reach the wait after the q/k/v GEMV has
+// finished, so each dependent round trip before it delays the layer): loaded where they were
+// used, the constants were one round trip more (decode +1.3% without it) and the keys' table
+// entries, which depend on the position, another (+1.4% more; H200, docs/perf/cuda-model.md v20).
+struct FoldLoads {
+    float inv_freq, q_norm, k_norm;
+    int tab;
+};
+__device__ __forceinline__ FoldLoads fold_loads(const AttnArgs& a, const PrologueArgs& p) {
+    const int t = threadIdx.x;
+    FoldLoads f;
+    f.inv_freq = t < p.half ? p.inv_freq[t] : 0.0f;
+    f.q_norm = p.q_norm && t < a.head_dim ? p.q_norm[t] : 0.0f;
+    f.k_norm = p.k_norm && t < a.head_dim ? p.k_norm[t] : 0.0f;
+    f.tab = t < a.tables_len ? a.block_tables[t] : -1;
+    return f;
+}
+
+// Before the wait, from fold_loads' values: the cos and sin of the token's position `pos` per
+// rotary pair into fs.cos_sin, the q and k norm weights into fs.norm (read after the wait, the
+// weights were a second L2 round trip on the chain, behind the head's own), the block table's
+// first entries into fs.tab. Every thread must call it: it ends in a block barrier.
 template <int GM, int DMAX>
 __device__ __forceinline__ void fold_constants(const AttnArgs& a, const PrologueArgs& p, int pos,
-                                               FoldSmem<GM, DMAX>& fs) {
-    for (int t = threadIdx.x; t < p.half; t += blockDim.x)
-        rope_cos_sin(p.inv_freq[t], pos, p.attention_factor, fs.cos_sin[0][t], fs.cos_sin[1][t]);
-    for (int t = threadIdx.x; t < a.head_dim; t += blockDim.x) {
-        if (p.q_norm) fs.norm[0][t] = p.q_norm[t];
-        if (p.k_norm) fs.norm[1][t] = p.k_norm[t];
+                                               const FoldLoads& f, FoldSmem<GM, DMAX>& fs) {
+    const int t = threadIdx.x;
+    if (t < p.half)
+        rope_cos_sin(f.inv_freq, pos, p.attention_factor, fs.cos_sin[0][t], fs.cos_sin[1][t]);
+    if (t < a.head_dim) {
+        if (p.q_norm) fs.norm[0][t] = f.q_norm;
+        if (p.k_norm) fs.norm[1][t] = f.k_norm;
     }
+    if (t < TAB_N) fs.tab[t] = f.tab;
     __syncthreads();
 }
 
@@ -453,7 +480,8 @@ template <int W, int L, int VPL, int GM, bool EARLY = false, int U = SPLIT_KEYS 
 __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, int h0, int gh, int ts,
                                             int k0, int k1, float* s_acc, float* s_ml,
                                             int fresh = 0, const PrologueArgs* pro = nullptr,
-                                            FoldSmem<GM, 4 * L * VPL>* fold = nullptr) {
+                                            FoldSmem<GM, 4 * L * VPL>* fold = nullptr,
+                                            const FoldLoads* early = nullptr) {
     constexpr int GROUPS = 32 * W / L;
     using S = Scatter<L, GM>;
     constexpr int OWN = S::OWN;
@@ -473,14 +501,19 @@ __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, in
     // The next step's rows (DEPTH 2 only; unused otherwise).
     kv4_t kr2[U][VPL], vr2[U][VPL];
     bool ok2[U];
+    // The folded builds look their keys up in the fold's copy of the block table, so their
+    // constants go to shared memory first.
+    const int* tab = nullptr;
+    if constexpr (PRO) tab = fold->tab;
     if constexpr (EARLY) {
         const int old_end = min(k1, fresh);
-        fetch_keys<W, L, VPL, U>(a, ts, kh, k0, old_end, grp, sub, d4, kr, vr, ok);
+        if constexpr (PRO) fold_constants<GM, DMAX>(a, *pro, a.positions[i], *early, *fold);
+        fetch_keys<W, L, VPL, U>(a, ts, kh, k0, old_end, grp, sub, d4, kr, vr, ok, tab);
         if constexpr (DEPTH == 2)
-            fetch_keys<W, L, VPL, U>(a, ts, kh, k0 + STEP, old_end, grp, sub, d4, kr2, vr2, ok2);
+            fetch_keys<W, L, VPL, U>(a, ts, kh, k0 + STEP, old_end, grp, sub, d4, kr2, vr2, ok2,
+                                     tab);
         if constexpr (PRO) {
             const int pos = a.positions[i];
-            fold_constants<GM, DMAX>(a, *pro, pos, *fold);
             // The token's own key, the only fresh one (the token is its sequence's only one, so
             // fresh == pos): set in the prefetched rows that hold it, not read back. (Were the
             // host's promise broken, keys fresh .. pos - 1 would stay masked: wrong, but only
@@ -488,7 +521,7 @@ __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, in
             // block tables, which no earlier kernel writes: looked up before the wait (after it,
             // the two dependent reads delayed the block holding the key, the cluster's last).
             const bool own = pos >= k0 && pos < k1;
-            const long long slot = own ? kv_offset(a, ts, pos, kh) : -1;
+            const long long slot = own ? kv_offset(a, ts, pos, kh, tab) : -1;
             pdl_wait();
             probe_mark(1);
             fold_prologue<W, GM, DMAX>(a, *pro, i, kh, h0, gh, own, slot, *fold);
@@ -599,10 +632,13 @@ __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, in
         // (Shifting kr2 into kr instead would wait for the step after next before computing.)
         for (int jb = k0; jb < k1; jb += 2 * STEP) {
             attend_step(kr, vr, ok);
-            fetch_keys<W, L, VPL, U>(a, ts, kh, jb + 2 * STEP, k1, grp, sub, d4, kr, vr, ok);
+            probe_mark(jb == k0 ? 13 : 15);  // the first / third step computed
+            fetch_keys<W, L, VPL, U>(a, ts, kh, jb + 2 * STEP, k1, grp, sub, d4, kr, vr, ok, tab);
             if (jb + STEP >= k1) break;
             attend_step(kr2, vr2, ok2);
-            fetch_keys<W, L, VPL, U>(a, ts, kh, jb + 3 * STEP, k1, grp, sub, d4, kr2, vr2, ok2);
+            probe_mark(jb == k0 ? 14 : 15);  // the second step computed
+            fetch_keys<W, L, VPL, U>(a, ts, kh, jb + 3 * STEP, k1, grp, sub, d4, kr2, vr2, ok2,
+                                     tab);
         }
     } else {
         for (int jb = k0; jb < k1; jb += STEP) {
@@ -917,8 +953,11 @@ __device__ __forceinline__ void attn_cluster(const AttnArgs& a, const PrologueAr
     // 3 the cluster barrier passed, 4 the slices sent, 5 the inbox full, 6 the slice merged;
     // PRO builds: 7 the folded prologue done; attend_keys: 8 q loaded, 9 the keys' loop done,
     // 10 the warp's groups merged; 11 thread 0's first slice item combined over the warps, 12
-    // every slice item sent (then 4: the (max, sum) pairs sent too).
+    // every slice item sent (then 4: the (max, sum) pairs sent too); 13 / 14 / 15 the loop's
+    // first / second / last later step computed (attend_keys, two steps ahead).
     probe_begin();
+    FoldLoads early{};  // the fold's constants, loaded first (fold_loads)
+    if constexpr (PRO) early = fold_loads(a, *pro);
     const int i = a.token0 + blockIdx.x;
     const int kh = blockIdx.z / a.head_chunks;
     const int hc = blockIdx.z - kh * a.head_chunks;
@@ -984,7 +1023,7 @@ __device__ __forceinline__ void attn_cluster(const AttnArgs& a, const PrologueAr
     // already hold 170-250); batch 1 takes 4-head chunks (decode_head_cap).
     constexpr int DEPTH = GM <= 4 ? 2 : 1;
     attend_keys<CL_WARPS, L, VPL, GM, true, SPLIT_KEYS / VPL, DEPTH, PRO>(
-        a, i, kh, h0, gh, ts, k0, k1, s_acc, s_ml, a.positions[first], pro, fold);
+        a, i, kh, h0, gh, ts, k0, k1, s_acc, s_ml, a.positions[first], pro, fold, &early);
     probe_mark(2);
     cluster_wait();
     probe_mark(3);

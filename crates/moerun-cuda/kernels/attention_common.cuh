@@ -134,8 +134,12 @@ struct AttnArgs {
     u16* out_bf16;
 };
 
+// Block-table entries the folded decode kernels keep in shared memory (attention.cu fold_loads).
+#define TAB_N 256
+
 // Element offset of position `pos` (kv head `kh`) in the pool, or -1 when out of range.
-__device__ __forceinline__ long long kv_offset(const AttnArgs& a, int ts, int pos, int kh) {
+__device__ __forceinline__ long long kv_offset(const AttnArgs& a, int ts, int pos, int kh,
+                                               const int* tab = nullptr) {
     if (pos < 0) return -1;
     int bi, slot;
     if (a.block_shift >= 0) {
@@ -147,7 +151,8 @@ __device__ __forceinline__ long long kv_offset(const AttnArgs& a, int ts, int po
     }
     const int ti = ts + bi;
     if (ti < 0 || ti >= a.tables_len) return -1;
-    const int blk = a.block_tables[ti];
+    // `tab`: the table's first TAB_N entries in shared memory (the folded decode kernels').
+    const int blk = tab && ti < TAB_N ? tab[ti] : a.block_tables[ti];
     if (blk < 0 || blk >= a.blocks) return -1;
     return (((long long)blk * a.block_size + slot) * a.kv_heads + kh) * (long long)a.head_dim;
 }
