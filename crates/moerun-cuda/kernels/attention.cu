@@ -956,6 +956,9 @@ __device__ __forceinline__ void attn_cluster(const AttnArgs& a, const PrologueAr
     // every slice item sent (then 4: the (max, sum) pairs sent too); 13 / 14 / 15 the loop's
     // first / second / last later step computed (attend_keys, two steps ahead).
     probe_begin();
+    // fold_loads and fold_constants take one element a thread.
+    static_assert(!PRO || (CL_THREADS == TAB_N && 4 * L * VPL <= CL_THREADS),
+                  "the fold's constants and table entries: one a thread");
     FoldLoads early{};  // the fold's constants, loaded first (fold_loads)
     if constexpr (PRO) early = fold_loads(a, *pro);
     const int i = a.token0 + blockIdx.x;
