@@ -307,11 +307,11 @@ __device__ __forceinline__ void merge_splits(const AttnArgs& a, int i, int h0, i
 // _pro builds of the cluster kernel take the GEMV's raw rows instead. Before the wait each block
 // puts the token's rotation (cos, sin), the q/k norm weights and the block table's first entries
 // in shared memory and looks up the own key's pool slot (fold_loads, fold_constants; no earlier
-// kernel writes them); after it, warps 0 ..
-// gh - 1 make the block's query heads (RMSNorm by q_norm, rotate-half RoPE) in shared memory,
-// and in the blocks whose keys hold the token's own position warps GM and GM + 1 make that key
-// (k_norm, RoPE) and value, store them in the pool slot and keep them (as stored) in shared
-// memory, from where the block's own rows of that key are set (no read back from the pool). The
+// kernel writes them); after it, warps 0 .. gh - 1 make the block's query heads (RMSNorm by
+// q_norm, rotate-half RoPE) in shared memory, and in the blocks whose keys hold the token's own
+// position warps GM and GM + 1 make that key (k_norm, RoPE) and value, store them in the pool
+// slot and keep them (as stored) in shared memory, from where the block's own rows of that key
+// are set (no read back from the pool). The
 // arithmetic is qkv_split_norm_rope's, lane by lane, with the same rounding helpers (common.cuh
 // rope_cos_sin, rope_pair): the same q, the same pool values, the same output bits. Both head
 // chunks of a kv head hold that position and both store it, the same bits; a block that reads it
@@ -347,9 +347,10 @@ struct FoldSmem {
 // frequency, the q and k norm weights and an entry of the block table. Loaded at the kernel's
 // entry, all in the round trip of the token's position, because at batch 1 the way to the
 // programmatic wait is on the critical path (the blocks reach the wait after the q/k/v GEMV has
-// finished, so each dependent round trip before it delays the layer): loaded where they were
-// used, the constants were one round trip more (decode +1.3% without it) and the keys' table
-// entries, which depend on the position, another (+1.4% more; H200, docs/perf/cuda-model.md v20).
+// finished, so each dependent round trip before it delays the layer). Loaded where they are
+// used, the constants took a round trip of their own (loading them here: decode +1.3%) and the
+// keys' table entries, which need the position, another (+1.4% more; H200,
+// docs/perf/cuda-model.md v20).
 struct FoldLoads {
     float inv_freq, q_norm, k_norm;
     int tab;
