@@ -9,6 +9,8 @@
 #   bash scripts/gpu-ab.sh 3 '@base' '' --like qwen3-30b-a3b --prompt 512 --gen 256
 #   bash scripts/gpu-ab.sh 2 'MOERUN_CUDA_FUSED_ROUTE=0' 'MOERUN_CUDA_FUSED_ROUTE=1' \
 #       --like qwen3-30b-a3b --prompt 512 --gen 256
+# A setting is split as `env -S` splits its string, so a value with spaces is quoted inside it:
+#   bash scripts/gpu-ab.sh 2 '' 'MOERUN_CUDA_DEFINES="-DATTN_MERGE2 -DATTN_MERGE3"' ...
 #
 # Prints one line per run: the setting, decode tok/s and prefill tok/s (from --json).
 set -uo pipefail
@@ -29,7 +31,7 @@ for ((r = 1; r <= rounds; r++)); do
             ;;
         esac
         [ -x "$exe" ] || { echo "no $(basename "$exe") in .gpu-bin (GPU_BUILD_BASE/ALSO)"; exit 2; }
-        json=$(env $vars "$exe" bench "$@" --device cuda --json 2>/dev/null)
+        json=$(env -S "$vars" "$exe" bench "$@" --device cuda --json 2>/dev/null)
         printf '%-40s %s\n' "${setting:-(default)}" "$(python3 -c '
 import json, sys
 j = json.loads(sys.argv[1])
