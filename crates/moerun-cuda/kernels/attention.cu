@@ -311,13 +311,13 @@ __device__ __forceinline__ void merge_splits(const AttnArgs& a, int i, int h0, i
 // q_norm, rotate-half RoPE) in shared memory, and in the blocks whose keys hold the token's own
 // position warps GM and GM + 1 make that key (k_norm, RoPE) and value, store them in the pool
 // slot and keep them (as stored) in shared memory, from where the block's own rows of that key
-// are set (no read back from the pool). The
-// arithmetic is qkv_split_norm_rope's, lane by lane, with the same rounding helpers (common.cuh
-// rope_cos_sin, rope_pair): the same q, the same pool values, the same output bits. Both head
-// chunks of a kv head hold that position and both store it, the same bits; a block that reads it
-// from the pool (a later step of a long block) does so after its own store and a block barrier.
-// Every token of the batch must be its own sequence's only token (a decode step; the host
-// checks): no block needs a key another token's blocks make.
+// are set (no read back from the pool). The arithmetic is qkv_split_norm_rope's, lane by lane,
+// with the same rounding helpers (common.cuh rope_cos_sin, rope_pair): the same q, the same pool
+// values, the same output bits. Both head chunks of a kv head hold that position and both
+// store it, the same bits; a block that reads it from the pool (a later step of a long block)
+// does so after its own store and a block barrier. Every token of the batch must be its own
+// sequence's only token (a decode step; the host checks): no block needs a key another token's
+// blocks make.
 struct PrologueArgs {
     // [n][(num_heads + 2 * kv_heads) * head_dim]: each token's q heads, then k heads, then v
     // heads, as the stacked projection writes them.
@@ -504,17 +504,16 @@ __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, in
     bool ok2[U];
     // The folded builds look their keys up in the fold's copy of the block table, so their
     // constants go to shared memory first.
-    const int* tab = nullptr;
-    if constexpr (PRO) tab = fold->tab;
+    const int* tab = PRO ? fold->tab : nullptr;
     if constexpr (EARLY) {
         const int old_end = min(k1, fresh);
-        if constexpr (PRO) fold_constants<GM, DMAX>(a, *pro, a.positions[i], *early, *fold);
+        const int pos = PRO ? a.positions[i] : 0;  // the token's position (the folded builds)
+        if constexpr (PRO) fold_constants<GM, DMAX>(a, *pro, pos, *early, *fold);
         fetch_keys<W, L, VPL, U>(a, ts, kh, k0, old_end, grp, sub, d4, kr, vr, ok, tab);
         if constexpr (DEPTH == 2)
             fetch_keys<W, L, VPL, U>(a, ts, kh, k0 + STEP, old_end, grp, sub, d4, kr2, vr2, ok2,
                                      tab);
         if constexpr (PRO) {
-            const int pos = a.positions[i];
             // The token's own key, the only fresh one (the token is its sequence's only one, so
             // fresh == pos): set in the prefetched rows that hold it, not read back. (Were the
             // host's promise broken, keys fresh .. pos - 1 would stay masked: wrong, but only
@@ -1124,7 +1123,7 @@ __device__ __forceinline__ void attn_cluster(const AttnArgs& a, const PrologueAr
         lane_w = wr;
         lane_sum = sum;
         if (h < GM && (!REG_W || t < 32)) {
-            cw[h * CL_SIZE + src] = wr;
+            if constexpr (!REG_W) cw[h * CL_SIZE + src] = wr;
             if (src == 0) {
                 cmax[h] = mx;
                 csum[h] = sum;
@@ -1145,11 +1144,12 @@ __device__ __forceinline__ void attn_cluster(const AttnArgs& a, const PrologueAr
         int h = 0, c = 0;
         float4 v = zero4();
         if constexpr (REG_W) {
+            // Every lane takes part in the shuffles (h is 0 past the slice), so h and c come
+            // first for every lane; without REG_W they are made where they are used.
             if (ok) {
                 h = item / d4;
                 c = item - h * d4;
             }
-            // Every lane takes part in the shuffles (h is 0 past the slice).
             const float w = __shfl_sync(0xffffffffu, lane_w, h * CL_SIZE + src);
             head_sum = __shfl_sync(0xffffffffu, lane_sum, h * CL_SIZE);
             if (ok) v = scale4(in_acc[src * per + (item - beg)], w);
