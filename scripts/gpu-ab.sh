@@ -10,7 +10,7 @@
 #   bash scripts/gpu-ab.sh 2 'MOERUN_CUDA_FUSED_ROUTE=0' 'MOERUN_CUDA_FUSED_ROUTE=1' \
 #       --like qwen3-30b-a3b --prompt 512 --gen 256
 # A setting is split as `env -S` splits its string, so a value with spaces is quoted inside it:
-#   bash scripts/gpu-ab.sh 2 '' 'MOERUN_CUDA_DEFINES="-DATTN_MERGE2 -DATTN_MERGE3"' ...
+#   bash scripts/gpu-ab.sh 2 '' 'MOERUN_CUDA_DEFINES="-DMOERUN_PROBE -DMOERUN_PROBE_FROM=6000"' ...
 #
 # Prints one line per run: the setting, decode tok/s and prefill tok/s (from --json).
 set -uo pipefail

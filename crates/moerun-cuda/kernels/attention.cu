@@ -1013,16 +1013,8 @@ __device__ __forceinline__ void attn_cluster(const AttnArgs& a, const PrologueAr
     // its mbarrier is ready. Before the keys: the wait is long passed when the sends start.
     if (threadIdx.x == 0 && beg < end) {
         mbar_init(smem_u32(&inbox_bar), 1);
-#ifdef ATTN_MERGE2
-        // Only the (max, sum) pairs of the heads the slice touches come with its items.
-        const int slice_heads = (end - 1) / d4 - beg / d4 + 1;
-        mbar_expect_tx(smem_u32(&inbox_bar),
-                       (u32)(CL_SIZE * ((end - beg) * sizeof(float4) +
-                                        slice_heads * 2 * sizeof(float))));
-#else
         mbar_expect_tx(smem_u32(&inbox_bar),
                        (u32)(CL_SIZE * ((end - beg) * sizeof(float4) + gh * 2 * sizeof(float))));
-#endif
     }
     fence_mbarrier_init();
     cluster_arrive_relaxed();
@@ -1053,17 +1045,8 @@ __device__ __forceinline__ void attn_cluster(const AttnArgs& a, const PrologueAr
         const int at = (int)me * per + (it - (int)dst * per);
         st_async4(cluster_addr(in_acc + at, dst), v,
                   cluster_addr(&inbox_bar, dst));
-#ifdef ATTN_MERGE2
-        // The first item of head h in dst's slice brings dst the head's (max, sum) too: the
-        // pairs combine_warps_n has just made (the same operations as combine_warps), where a
-        // pass of its own after the items recomputed them for every head and every rank.
-        if (it == max((int)dst * per, h * d4))
-            st_async2(cluster_addr(in_ml + (me * GM + h) * 2, dst), mx, sum,
-                      cluster_addr(&inbox_bar, dst));
-#endif
     }
     probe_mark(12);
-#ifndef ATTN_MERGE2
     for (int t = threadIdx.x; t < gh * CL_SIZE; t += CL_THREADS) {
         const int h = t / CL_SIZE;
         const u32 dst = (u32)(t - h * CL_SIZE);
@@ -1074,7 +1057,6 @@ __device__ __forceinline__ void attn_cluster(const AttnArgs& a, const PrologueAr
                       cluster_addr(&inbox_bar, dst));
         }
     }
-#endif
     probe_mark(4);
     if (beg >= end) {  // block-uniform: nothing to merge, nothing sent to this block
         probe_end("attn_cluster");
@@ -1090,24 +1072,10 @@ __device__ __forceinline__ void attn_cluster(const AttnArgs& a, const PrologueAr
     float* csum = cmax + GM;
     const int t = threadIdx.x;
     const int src = t & (CL_SIZE - 1);  // the rank this thread reads
-#ifdef ATTN_MERGE3
-    // Every warp makes the weights of all heads and ranks in its lanes (GM * CL_SIZE <= 32: lane
-    // h * CL_SIZE + src), and the items take theirs by shuffles: no shared-memory round trip and
-    // no block barrier between the inbox and the items. Warp 0 still stores the max and sum for
-    // the partials of several clusters.
-    constexpr bool REG_W = GM * CL_SIZE <= 32;
-#else
-    constexpr bool REG_W = false;
-#endif
-    float lane_w = 0.0f, lane_sum = 0.0f;  // REG_W: this lane's weight and its head's sum
-    if (REG_W || (t >> 5) < (GM * CL_SIZE + 31) / 32) {
-        const int h = (REG_W ? t & 31 : t) / CL_SIZE;
+    if ((t >> 5) < (GM * CL_SIZE + 31) / 32) {
+        const int h = t / CL_SIZE;
         float m = NEG_INF, l = 0.0f;
-#ifdef ATTN_MERGE2
-        if (h >= beg / d4 && h <= (end - 1) / d4) {  // the heads of the slice (their pairs came)
-#else
         if (h < gh) {
-#endif
             // The pair in one 8-byte load (in_ml follows the float4 items).
             const float2 ml = *reinterpret_cast<const float2*>(in_ml + (src * GM + h) * 2);
             m = ml.x;
@@ -1120,40 +1088,24 @@ __device__ __forceinline__ void attn_cluster(const AttnArgs& a, const PrologueAr
         float sum = wr * l;
 #pragma unroll
         for (int o = CL_SIZE / 2; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-        lane_w = wr;
-        lane_sum = sum;
-        if (h < GM && (!REG_W || t < 32)) {
-            if constexpr (!REG_W) cw[h * CL_SIZE + src] = wr;
+        if (h < GM) {
+            cw[h * CL_SIZE + src] = wr;
             if (src == 0) {
                 cmax[h] = mx;
                 csum[h] = sum;
             }
         }
     }
-    if constexpr (REG_W)
-        __syncwarp();  // warp 0's lanes t < gh read cmax and csum below (several clusters)
-    else
-        __syncthreads();
+    __syncthreads();
 
     // Slice items merged over the ranks: CL_SIZE adjacent lanes per item, one rank each.
     const bool direct = act == 1;
     for (int base = beg; base < beg + per; base += CL_THREADS / CL_SIZE) {
-        float head_sum = 0.0f;  // REG_W: the item's head's softmax sum
         const int item = base + t / CL_SIZE;
         const bool ok = item < end;
         int h = 0, c = 0;
         float4 v = zero4();
-        if constexpr (REG_W) {
-            // Every lane takes part in the shuffles (h is 0 past the slice), so h and c come
-            // first for every lane; without REG_W they are made where they are used.
-            if (ok) {
-                h = item / d4;
-                c = item - h * d4;
-            }
-            const float w = __shfl_sync(0xffffffffu, lane_w, h * CL_SIZE + src);
-            head_sum = __shfl_sync(0xffffffffu, lane_sum, h * CL_SIZE);
-            if (ok) v = scale4(in_acc[src * per + (item - beg)], w);
-        } else if (ok) {
+        if (ok) {
             h = item / d4;
             c = item - h * d4;
             v = scale4(in_acc[src * per + (item - beg)], cw[h * CL_SIZE + src]);
@@ -1166,7 +1118,7 @@ __device__ __forceinline__ void attn_cluster(const AttnArgs& a, const PrologueAr
         if (ok && src == 0) {
             const u64 row = (u64)i * a.num_heads + h0 + h;
             if (direct) {
-                const float sum = REG_W ? head_sum : csum[h];
+                const float sum = csum[h];
                 st4(a.out + row * d + 4 * c,
                     sum > 0.0f ? make_float4(v.x / sum, v.y / sum, v.z / sum, v.w / sum) : zero4());
             } else {
