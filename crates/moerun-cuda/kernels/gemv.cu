@@ -273,6 +273,144 @@ GEMV_ROWS_KERNEL(gemv_rows_f32_m2, ChunkF32, 2, 2)
 GEMV_ROWS_KERNEL(gemv_rows_f32_m4, ChunkF32, 4, 1)
 GEMV_ROWS_KERNEL(gemv_rows_f32_m8, ChunkF32, 8, 1)
 
+// ---- one token's GEMV with the residual add and RMSNorm before it folded in ----
+//
+// gemv_rows_norm_<dt>: grid ceil(n / 4), block 256, one token: y = W . rmsnorm(x + r), where
+// add_rms_norm_f32 and gemv_rows_<dt>_m1 took two launches (the add+norm before a decode
+// layer's q/k/v projection: ~1.7 us of a batch-1 layer's chain, for 8 KiB). The norm's scale is
+// one scalar, so it comes out of the sums: y[i] = inv * sum_j W[i, j] (s[j] nw[j]), s = x + r,
+// inv = 1 / sqrt(mean(s^2) + eps). Each block sums the squares of the s values it reads anyway,
+// beside its rows' products (one more warp sum, one more shared-memory slot): no block waits for
+// a normed row to be made first, which is what the router's fold (gemv_route_norm) pays for.
+// Block 0 writes s, the new residual, to x_out. The residual x and the norm weights load before
+// the programmatic wait (no kernel right before this one writes them:
+// graph::EARLY_ACTIVATION_READERS), r after it. Every row of a launch gets the same inv; the bits
+// are not those of the two launches (the squares' tree and where inv applies differ, by a few
+// ulp).
+
+// A coherent 16-byte load of activations before the programmatic wait (see load_stream_early:
+// ptxas moves the wait above ld.global.nc).
+__device__ __forceinline__ float4 load_early4(const float* p) {
+    float4 r;
+    asm volatile("ld.global.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w)
+                 : "l"(p));
+    return r;
+}
+
+template <typename C, int U>
+__device__ __forceinline__ void gemv_rows_norm(const void* __restrict__ w_raw,
+                                               const float* __restrict__ x,
+                                               const float* __restrict__ r,
+                                               const float* __restrict__ nw, float eps,
+                                               float* __restrict__ x_out, float* __restrict__ y,
+                                               int n, int k) {
+    constexpr int R = ROWS_PER_BLOCK;
+    constexpr int V = C::N / 4;  // float4 of activations per chunk
+    __shared__ float partial[ROWS_WARPS][R + 1];  // each warp's row sums, then its squares
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int row0 = blockIdx.x * R;
+    const int rows_here = min(R, n - row0);  // block-uniform
+    const int chunks = k / C::N;
+    const uint4* w = reinterpret_cast<const uint4*>(w_raw) + (u64)row0 * chunks;
+    // Before the wait: the first U steps' weights, residual and norm weights.
+    uint4 q[U][R];
+    float4 xe[U][V], ne[U][V];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const int c = tid + ROWS_THREADS * u;
+        const bool in = c < chunks;
+#pragma unroll
+        for (int i = 0; i < R; ++i)
+            q[u][i] = in && i < rows_here ? load_stream_early(w + (u64)i * chunks + c)
+                                          : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+            xe[u][v] = in ? load_early4(x + (u64)c * C::N + 4 * v) : make_float4(0.f, 0.f, 0.f, 0.f);
+            ne[u][v] = in ? load_early4(nw + (u64)c * C::N + 4 * v) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+    }
+    pdl_entry();
+    float acc[R];
+#pragma unroll
+    for (int i = 0; i < R; ++i) acc[i] = 0.0f;
+    float ss = 0.0f;
+    // Chunk c: s = x + r (stored by block 0), its squares, then the rows' products with s * nw,
+    // added as fma_rows adds them.
+    auto step = [&](const uint4 (&qq)[R], int c, const float4 (&xv)[V], const float4 (&nv)[V]) {
+        float4 a[V];
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+            const float4 rv = *reinterpret_cast<const float4*>(r + (u64)c * C::N + 4 * v);
+            const float4 s = make_float4(xv[v].x + rv.x, xv[v].y + rv.y, xv[v].z + rv.z,
+                                         xv[v].w + rv.w);
+            if (blockIdx.x == 0) *reinterpret_cast<float4*>(x_out + (u64)c * C::N + 4 * v) = s;
+            ss = __fmaf_rn(s.x, s.x, ss);
+            ss = __fmaf_rn(s.y, s.y, ss);
+            ss = __fmaf_rn(s.z, s.z, ss);
+            ss = __fmaf_rn(s.w, s.w, ss);
+            a[v] = make_float4(s.x * nv[v].x, s.y * nv[v].y, s.z * nv[v].z, s.w * nv[v].w);
+        }
+        float f[R][C::N];
+#pragma unroll
+        for (int i = 0; i < R; ++i) C::widen(qq[i], f[i]);
+#pragma unroll
+        for (int v = 0; v < V; ++v)
+#pragma unroll
+            for (int i = 0; i < R; ++i)
+                acc[i] += f[i][4 * v] * a[v].x + f[i][4 * v + 1] * a[v].y +
+                          f[i][4 * v + 2] * a[v].z + f[i][4 * v + 3] * a[v].w;
+    };
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+        if (tid + ROWS_THREADS * u < chunks) step(q[u], tid + ROWS_THREADS * u, xe[u], ne[u]);
+    for (int c = tid + ROWS_THREADS * U; c < chunks; c += ROWS_THREADS) {
+        uint4 t[R];
+        float4 xv[V], nv[V];
+#pragma unroll
+        for (int i = 0; i < R; ++i)
+            t[i] = i < rows_here ? load_stream(w + (u64)i * chunks + c) : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+            xv[v] = *reinterpret_cast<const float4*>(x + (u64)c * C::N + 4 * v);
+            nv[v] = *reinterpret_cast<const float4*>(nw + (u64)c * C::N + 4 * v);
+        }
+        step(t, c, xv, nv);
+    }
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+        const float v = warp_sum(acc[i]);
+        if (lane == 0) partial[warp][i] = v;
+    }
+    const float sq = warp_sum(ss);
+    if (lane == 0) partial[warp][R] = sq;
+    __syncthreads();
+    if (tid < rows_here) {
+        float s = 0.0f, t = 0.0f;
+#pragma unroll
+        for (int i = 0; i < ROWS_WARPS; ++i) {
+            s += partial[i][tid];
+            t += partial[i][R];
+        }
+        y[row0 + tid] = s * (1.0f / sqrtf(t / (float)k + eps));
+    }
+}
+
+// One step ahead of the wait (U = 1): two held the bf16 build at 90 registers (2 blocks an SM
+// where gemv_rows_bf16_m1 has 4); one holds it at 60, and covers rows of up to 2,048 bf16.
+#define GEMV_ROWS_NORM_KERNEL(NAME, CHUNK)                                                      \
+    extern "C" __global__ void __launch_bounds__(ROWS_THREADS)                                  \
+        NAME(const void* w, const float* x, const float* r, const float* nw, float eps,         \
+             float* x_out, float* y, int n, int k) {                                             \
+        gemv_rows_norm<CHUNK, 1>(w, x, r, nw, eps, x_out, y, n, k);                              \
+    }
+
+GEMV_ROWS_NORM_KERNEL(gemv_rows_norm_bf16, ChunkBf16)
+GEMV_ROWS_NORM_KERNEL(gemv_rows_norm_f16, ChunkF16)
+GEMV_ROWS_NORM_KERNEL(gemv_rows_norm_f32, ChunkF32)
+
 // ---- the router GEMV of one token with its top-k, in one cluster (sm_90) ----
 //
 // gemv_route_<dt>_l<L>: grid (ROUTE_CLUSTER), cluster (ROUTE_CLUSTER, 1, 1), block 256; experts

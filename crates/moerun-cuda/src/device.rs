@@ -68,6 +68,8 @@ pub(crate) struct Kernels {
     /// `[layout][dtype_slot][i]` for x-row counts `GEMV_ROWS[i]`; layout 0 is warp per row,
     /// 1 block per rows (see `ops::gemv`).
     pub gemv: [[[CudaFunction; 4]; 3]; 2],
+    /// `gemv_rows_norm_<dt>` (one token's add+norm folded into the GEMV), by [`dtype_slot`].
+    pub gemv_rows_norm: [CudaFunction; 3],
     pub elementwise: crate::ops::ElementwiseKernels,
     pub fused: crate::ops::FusedKernels,
     pub moe: crate::ops::MoeKernels,
@@ -156,6 +158,11 @@ impl Kernels {
                 get("embedding", "embed_f32")?,
             ],
             gemv: [layout("gemv")?, layout("gemv_rows")?],
+            gemv_rows_norm: [
+                get("gemv", "gemv_rows_norm_bf16")?,
+                get("gemv", "gemv_rows_norm_f16")?,
+                get("gemv", "gemv_rows_norm_f32")?,
+            ],
             elementwise: crate::ops::ElementwiseKernels::load(|f| get("elementwise", f))?,
             fused: crate::ops::FusedKernels::load(|f| get("fused", f))?,
             moe: crate::ops::MoeKernels::load(get)?,

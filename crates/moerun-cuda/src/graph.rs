@@ -72,12 +72,17 @@ pub const LAUNCH_FIRST_KERNELS: &[&str] = &[
 ];
 
 /// Kernels of [`PDL_KERNELS`] whose pre-wait part reads activations an earlier kernel of the pass
-/// wrote (add_rms_norm and gemv_route_norm the residual, moe_tiny_down its expert ids): safe
+/// wrote (add_rms_norm, gemv_route_norm and gemv_rows_norm the residual, moe_tiny_down its expert
+/// ids): safe
 /// behind a kernel that
 /// waits before it lets them launch, not behind one of [`LAUNCH_FIRST_KERNELS`]. Such an edge
 /// keeps its ordinary dependency.
-pub const EARLY_ACTIVATION_READERS: &[&str] =
-    &["add_rms_norm_f32", "gemv_route_norm_*", "moe_tiny_down_*"];
+pub const EARLY_ACTIVATION_READERS: &[&str] = &[
+    "add_rms_norm_f32",
+    "gemv_route_norm_*",
+    "gemv_rows_norm_*",
+    "moe_tiny_down_*",
+];
 
 fn named_in(list: &[&str], name: &str) -> bool {
     list.iter().any(|k| pdl_entry_names(k, name))

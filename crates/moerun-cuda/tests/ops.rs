@@ -583,6 +583,60 @@ fn gemv_route_norm_gives_the_bits_of_add_rms_norm_then_gemv_route() {
     );
 }
 
+/// One token's add+norm folded into the GEMV after it: the residual `x + r` bit for bit that of
+/// add_rms_norm, the products within 1e-5 of add_rms_norm then the GEMV (the norm's scale applied
+/// after the sums, and the squares summed in another order: a few ulp), for rows of one chunk a
+/// thread, more, and a ragged last one, every dtype, row counts not a multiple of 4.
+#[test]
+fn gemv_add_norm_matches_add_rms_norm_then_the_gemv() {
+    let Some(dev) = device() else { return };
+    let mut r = rng("gemv_add_norm");
+    for (n, k, dtype) in [
+        (5120usize, 2048usize, DType::BF16),
+        (1030, 4096, DType::BF16),
+        (33, 3000, DType::BF16),
+        (100, 1000, DType::F16),
+        (64, 1024, DType::F32),
+        (7, 4104, DType::F32),
+    ] {
+        let w = matrix(dev, &uniform(&mut r, n * k, -0.1, 0.1), dtype, n);
+        let x = uniform(&mut r, k, -2.0, 2.0);
+        let y = dev.upload(&uniform(&mut r, k, -2.0, 2.0)).unwrap();
+        let norm = dev.upload(&uniform(&mut r, k, 0.5, 1.5)).unwrap();
+        let eps = 1e-6;
+        let mut want_x = dev.upload(&x).unwrap();
+        let mut xn = dev.upload(&poison(k)).unwrap();
+        dev.add_rms_norm(&mut want_x, &y, &norm, eps, &mut xn)
+            .unwrap();
+        let mut want = dev.upload(&poison(n)).unwrap();
+        dev.gemv(&xn, 1, &w, &mut want).unwrap();
+        let xd = dev.upload(&x).unwrap();
+        let mut got_x = dev.upload(&poison(k)).unwrap();
+        let mut got = dev.upload(&poison(n)).unwrap();
+        dev.gemv_add_norm((&xd, &y, &norm, eps), &w, &mut got_x, &mut got)
+            .unwrap();
+        let name = format!("gemv_add_norm {n} x {k} {dtype}");
+        assert_eq!(
+            bits_of(dev, &got_x),
+            bits_of(dev, &want_x),
+            "{name}: the residual"
+        );
+        let want = widen(&dev.download(&want).unwrap());
+        check(&name, rel_err(&dev.download(&got).unwrap(), &want), 1e-5);
+    }
+    // Lengths that do not fit the matrix: refused by name.
+    let w = matrix(dev, &vec![0.0; 8 * 64], DType::BF16, 8);
+    let row = |len| dev.zeros::<f32>(len).unwrap();
+    let (x, y, norm, mut x_out, mut out) = (row(64), row(60), row(64), row(64), row(8));
+    let err = dev
+        .gemv_add_norm((&x, &y, &norm, 1e-6), &w, &mut x_out, &mut out)
+        .unwrap_err();
+    assert!(
+        matches!(err, CudaError::InvalidArgument(ref m) if m.contains("r 60")),
+        "{err}"
+    );
+}
+
 /// The engine's greedy pick, written out: strictly greater wins, so the lowest index among equal
 /// values, NaN never, and 0 when nothing is above -inf.
 fn argmax_cpu(row: &[f32]) -> u32 {

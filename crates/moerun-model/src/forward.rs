@@ -34,16 +34,22 @@ pub fn decoder_logits<B: Backend>(
 ) -> Result<B::Act> {
     let eps = cfg.rms_norm_eps;
     let mut x = b.embed(&w.embed_tokens, tokens)?;
-    let Some(first) = w.layers.first() else {
+    if w.layers.is_empty() {
         return Err(moerun_core::Error::Config("a model without layers".into()));
-    };
-    let mut xn = b.rms_norm(&x, &first.input_layernorm, eps)?;
+    }
+    // The layer before's FFN output, added to the residual with the next input norm (so that a
+    // backend may fold that add+norm into the next layer's first op).
+    let mut pending: Option<B::Act> = None;
     for (l, layer) in w.layers.iter().enumerate() {
+        let input_norm = (&layer.input_layernorm[..], eps);
         let mixed = match &layer.mixer {
             MixerWeights::Attention(aw) => {
-                attention_block(b, cfg, aw, l, cfg.layers[l].sliding_window, &xn)?
+                b.add_norm_attention(l, cfg, aw, &mut x, pending.as_ref(), input_norm)?
             }
-            MixerWeights::GatedDeltaNet(gw) => b.gated_deltanet(l, gw, &xn)?,
+            MixerWeights::GatedDeltaNet(gw) => {
+                let xn = add_norm(b, &mut x, pending.as_ref(), input_norm)?;
+                b.gated_deltanet(l, gw, &xn)?
+            }
         };
         let post_norm = &layer.post_attention_layernorm;
         let ffn_out = match &layer.ffn {
@@ -56,12 +62,11 @@ pub fn decoder_logits<B: Backend>(
                 b.add_norm_moe(&mut x, &mixed, (post_norm, eps), moe_cfg, moe)?
             }
         };
-        // The residual add, then the next layer's input norm (the final norm comes after the
-        // rows are selected, below).
-        match w.layers.get(l + 1) {
-            Some(next) => xn = b.add_rms_norm(&mut x, &ffn_out, &next.input_layernorm, eps)?,
-            None => b.add_assign(&mut x, &ffn_out)?,
-        }
+        pending = Some(ffn_out);
+    }
+    // The last residual add (the final norm comes after the rows are selected, below).
+    if let Some(y) = pending {
+        b.add_assign(&mut x, &y)?;
     }
     let last = b.select_rows(&x, cfg.hidden_size, rows)?;
     let last = b.rms_norm(&last, &w.norm, eps)?;
@@ -79,16 +84,52 @@ pub(crate) fn attention_block<B: Backend>(
     sliding_window: Option<usize>,
     xn: &B::Act,
 ) -> Result<B::Act> {
+    let spec = attention_spec(cfg, sliding_window);
+    let out = b.self_attention(l, cfg, w, &spec, xn)?;
+    b.linear(&out, &w.o_proj)
+}
+
+/// `x += y` where there is a `y` (the layer before's FFN output), then `x` normed by `(weight,
+/// eps)`.
+fn add_norm<B: Backend>(
+    b: &mut B,
+    x: &mut B::Act,
+    y: Option<&B::Act>,
+    (weight, eps): (&[f32], f32),
+) -> Result<B::Act> {
+    match y {
+        Some(y) => b.add_rms_norm(x, y, weight, eps),
+        None => b.rms_norm(x, weight, eps),
+    }
+}
+
+/// The add+norm before layer `l`'s self-attention, then its attention block, as the plain
+/// composition of ops: `x += y` where there is a `y` (the layer before's FFN output), then
+/// [`attention_block`] of `x` normed by `(weight, eps)`.
+pub fn add_norm_attention<B: Backend>(
+    b: &mut B,
+    l: usize,
+    cfg: &ModelConfig,
+    w: &AttentionWeights,
+    x: &mut B::Act,
+    y: Option<&B::Act>,
+    norm: (&[f32], f32),
+) -> Result<B::Act> {
+    let xn = add_norm(b, x, y, norm)?;
+    attention_block(b, cfg, w, l, cfg.layers[l].sliding_window, &xn)
+}
+
+/// The shape of a layer's attention (`sliding_window`: the layer's) as
+/// [`Backend::self_attention`] takes it.
+pub(crate) fn attention_spec(cfg: &ModelConfig, sliding_window: Option<usize>) -> AttentionSpec {
     let d = cfg.head_dim;
-    let spec = AttentionSpec {
+    AttentionSpec {
         num_heads: cfg.num_heads,
         num_kv_heads: cfg.num_kv_heads,
         head_dim: d,
         scale: (d as f64).powf(-0.5) as f32,
         sliding_window,
-    };
-    let out = b.self_attention(l, cfg, w, &spec, xn)?;
-    b.linear(&out, &w.o_proj)
+    }
 }
 
 /// The add+norm before a MoE block, then the block, as the plain composition of ops: `x += y`,

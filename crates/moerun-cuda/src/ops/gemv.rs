@@ -14,6 +14,8 @@
 //! layout, never by m or the other rows, so GEMV results are batch invariant among themselves (but
 //! not bit-equal to the CPU's or to the cuBLAS GEMM's).
 
+use std::sync::OnceLock;
+
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
 use super::{blocks, to_i32};
@@ -114,6 +116,101 @@ impl CudaDevice {
             unsafe { b.launch(cfg) }.ctx("gemv")?;
             row += GEMV_ROWS[slot];
         }
+        Ok(())
+    }
+}
+
+impl CudaDevice {
+    /// Whether a forward pass should fold one token's add+norm into the GEMV after it
+    /// ([`CudaDevice::gemv_add_norm`]): yes, but for `MOERUN_CUDA_NORM_QKV=0` (a measuring
+    /// knob).
+    pub fn gemv_add_norm_wanted(&self) -> bool {
+        static OFF: OnceLock<bool> = OnceLock::new();
+        !*OFF.get_or_init(|| std::env::var_os("MOERUN_CUDA_NORM_QKV").is_some_and(|v| v == "0"))
+    }
+
+    /// One token's [`CudaDevice::add_rms_norm`] then [`CudaDevice::gemv`] in one launch
+    /// (`gemv_rows_norm_<dt>`): `x_out = x + r` and `out = w · (norm ⊙ s / sqrt(mean(s²) +
+    /// eps))` with `s = x + r`. The norm's scale comes out of the sums (each block squares the
+    /// values it reads anyway), so `out` differs from the two launches' by a few ulp and `x_out`
+    /// not at all. `x`, `r`, `norm` and `x_out` hold `w.cols()` values, `out` `w.rows()`.
+    /// Under programmatic launch `x` and `norm` are read before the kernel waits: no kernel right
+    /// before it may write them (graph::EARLY_ACTIVATION_READERS).
+    pub fn gemv_add_norm(
+        &self,
+        (x, r, norm, eps): (
+            &impl DevicePtr<f32>,
+            &impl DevicePtr<f32>,
+            &impl DevicePtr<f32>,
+            f32,
+        ),
+        w: &DeviceMatrix,
+        x_out: &mut impl DevicePtrMut<f32>,
+        out: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        let (n, k) = (w.rows(), w.cols());
+        ensure(
+            x.len() == k && r.len() == k && norm.len() == k && x_out.len() == k,
+            || {
+                format!(
+                    "gemv_add_norm: x {}, r {}, norm {}, x_out {} for a matrix of {k} columns",
+                    x.len(),
+                    r.len(),
+                    norm.len(),
+                    x_out.len()
+                )
+            },
+        )?;
+        ensure(out.len() == n, || {
+            format!(
+                "gemv_add_norm: out holds {}, the matrix has {n} rows",
+                out.len()
+            )
+        })?;
+        let per_chunk = 16 / w.dtype().size();
+        ensure(k.is_multiple_of(per_chunk), || {
+            format!(
+                "gemv_add_norm: k = {k} must be a multiple of {per_chunk} for {} weights",
+                w.dtype()
+            )
+        })?;
+        if n == 0 || k == 0 {
+            return Ok(());
+        }
+        let wp = w.device_ptr(self, "gemv_add_norm w")?;
+        let xp = self.ptr(x, "gemv_add_norm x")?;
+        let rp = self.ptr(r, "gemv_add_norm r")?;
+        let np = self.ptr(norm, "gemv_add_norm norm")?;
+        let xo = self.ptr_mut(x_out, "gemv_add_norm x_out")?;
+        let op = self.ptr_mut(out, "gemv_add_norm out")?;
+        ensure(
+            [wp, xp, rp, np, xo].iter().all(|p| p.is_multiple_of(16)),
+            || "gemv_add_norm: w, x, r, norm and x_out must start 16-byte aligned".to_string(),
+        )?;
+        let (n_i, k_i) = (to_i32(n, "n")?, to_i32(k, "k")?);
+        let cfg = LaunchConfig {
+            grid_dim: (blocks(n, GemvLayout::BlockPerRows.rows_per_block())?, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        if crate::skip::gemv_skipped(n) {
+            return Ok(());
+        }
+        let mut b = self
+            .stream
+            .launch_builder(&self.kernels.gemv_rows_norm[dtype_slot(w.dtype())]);
+        b.arg(&wp)
+            .arg(&xp)
+            .arg(&rp)
+            .arg(&np)
+            .arg(&eps)
+            .arg(&xo)
+            .arg(&op);
+        b.arg(&n_i).arg(&k_i);
+        // SAFETY: w holds n * k elements of the kernel's dtype with k a multiple of the 16-byte
+        // chunk; x, r, norm and x_out hold k f32 each, out n (checked above), all vectors
+        // 16-byte aligned; the grid covers n rows at 4 a block.
+        unsafe { b.launch(cfg) }.ctx("gemv_rows_norm")?;
         Ok(())
     }
 }

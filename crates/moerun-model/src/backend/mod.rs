@@ -94,6 +94,24 @@ pub trait Backend {
     {
         crate::forward::self_attention(self, layer, cfg, w, spec, xn)
     }
+    /// The residual add and input norm before layer `layer`'s self-attention, then its attention
+    /// block up to and including o_proj ([`crate::forward::add_norm_attention`], the reference):
+    /// `x += y` where the layer before left a `y`. A backend may fold the add+norm into the q/k/v
+    /// projection (the CUDA one does for one token).
+    fn add_norm_attention(
+        &mut self,
+        layer: usize,
+        cfg: &ModelConfig,
+        w: &AttentionWeights,
+        x: &mut Self::Act,
+        y: Option<&Self::Act>,
+        norm: (&[f32], f32),
+    ) -> Result<Self::Act>
+    where
+        Self: Sized,
+    {
+        crate::forward::add_norm_attention(self, layer, cfg, w, x, y, norm)
+    }
     /// `x · Wᵀ (+ b)`.
     fn linear(&mut self, x: &Self::Act, l: &Linear) -> Result<Self::Act>;
     /// `x · Wᵀ` for a bare matrix (the LM head, which may be the tied embedding).

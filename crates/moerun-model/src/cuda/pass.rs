@@ -235,6 +235,70 @@ impl<'a> CudaPass<'a> {
         Ok(qkv)
     }
 
+    /// The stacked q/k/v weights of layer `layer` where its self-attention takes the folded
+    /// path (the q/k/v GEMV, then one launch for the prologue and attention: a decode step the
+    /// cluster kernel's folded build takes); None where it takes the composition of ops.
+    fn folded_attention_qkv(
+        &self,
+        layer: usize,
+        cfg: &ModelConfig,
+        w: &AttentionWeights,
+        spec: &AttentionSpec,
+    ) -> Option<&'a StackedQkv> {
+        let m = self.m;
+        let stacked = m.qkv.get(&tensor_key(&w.q_proj.weight))?;
+        if cfg.attention_output_gate {
+            return None;
+        }
+        let at = placement(self.at, spec.sliding_window.is_some());
+        let pool = self.pools[layer].as_ref()?;
+        m.dev
+            .attention_prologue_folds(&at, &attention_shape(spec), pool, &self.scratch.attention)
+            .then_some(stacked)
+    }
+
+    /// The folded path's prologue and attention (see `folded_attention_qkv`) from the q/k/v
+    /// GEMV's output `qkv`.
+    fn folded_attention(
+        &mut self,
+        layer: usize,
+        cfg: &ModelConfig,
+        w: &AttentionWeights,
+        spec: &AttentionSpec,
+        qkv: &DeviceBuffer<f32>,
+    ) -> Result<DeviceBuffer<f32>> {
+        let m = self.m;
+        let shape = attention_shape(spec);
+        let at = placement(self.at, spec.sliding_window.is_some());
+        profile::timed(&m.dev, "attention", || {
+            let rows = qkv.len()
+                / (spec.num_heads * spec.head_dim + 2 * spec.num_kv_heads * spec.head_dim);
+            let mut out = self.alloc(rows * spec.num_heads * spec.head_dim)?;
+            let (q_norm, k_norm) = self.head_norms(w)?;
+            let prologue = FoldedPrologue {
+                q_norm,
+                k_norm,
+                rope: &m.rope,
+                eps: cfg.rms_norm_eps,
+            };
+            let pool = self.pools[layer]
+                .as_mut()
+                .ok_or_else(|| Error::Device(format!("layer {layer} has no KV pool")))?;
+            m.dev
+                .paged_attention_folded(
+                    qkv,
+                    prologue,
+                    pool,
+                    &at,
+                    &shape,
+                    &mut out,
+                    &mut self.scratch.attention,
+                )
+                .map_err(dev_err)?;
+            Ok(out)
+        })
+    }
+
     /// The device copies of a layer's per-head q and k norm weights (none where it has none).
     fn head_norms(&self, w: &AttentionWeights) -> Result<HeadNorms<'a>> {
         let m = self.m;
@@ -438,52 +502,61 @@ impl Backend for CudaPass<'_> {
         spec: &AttentionSpec,
         xn: &DeviceBuffer<f32>,
     ) -> Result<DeviceBuffer<f32>> {
-        let m = self.m;
-        let stacked = match m.qkv.get(&tensor_key(&w.q_proj.weight)) {
-            Some(s) if !cfg.attention_output_gate => s,
-            _ => return crate::forward::self_attention(self, layer, cfg, w, spec, xn),
-        };
-        let shape = attention_shape(spec);
-        let at = placement(self.at, spec.sliding_window.is_some());
-        let folds = match self.pools[layer].as_ref() {
-            Some(pool) => {
-                m.dev
-                    .attention_prologue_folds(&at, &shape, pool, &self.scratch.attention)
-            }
-            None => false,
-        };
-        if !folds {
+        let Some(stacked) = self.folded_attention_qkv(layer, cfg, w, spec) else {
             return crate::forward::self_attention(self, layer, cfg, w, spec, xn);
-        }
+        };
         // A decode step that the cluster kernel's folded build takes: the q/k/v GEMV, then one
         // launch for the prologue (norms, RoPE, this token's K/V into the pool) and attention.
-        let qkv = profile::timed(&m.dev, "qkv_prologue", || self.stacked_qkv(xn, stacked))?;
-        profile::timed(&m.dev, "attention", || {
-            let rows = xn.len() / cfg.hidden_size;
-            let mut out = self.alloc(rows * spec.num_heads * spec.head_dim)?;
-            let (q_norm, k_norm) = self.head_norms(w)?;
-            let prologue = FoldedPrologue {
-                q_norm,
-                k_norm,
-                rope: &m.rope,
-                eps: cfg.rms_norm_eps,
-            };
-            let pool = self.pools[layer]
-                .as_mut()
-                .ok_or_else(|| Error::Device(format!("layer {layer} has no KV pool")))?;
+        let qkv = profile::timed(&self.m.dev, "qkv_prologue", || {
+            self.stacked_qkv(xn, stacked)
+        })?;
+        self.folded_attention(layer, cfg, w, spec, &qkv)
+    }
+
+    fn add_norm_attention(
+        &mut self,
+        layer: usize,
+        cfg: &ModelConfig,
+        w: &AttentionWeights,
+        x: &mut DeviceBuffer<f32>,
+        y: Option<&DeviceBuffer<f32>>,
+        (weight, eps): (&[f32], f32),
+    ) -> Result<DeviceBuffer<f32>> {
+        let m = self.m;
+        let hidden = cfg.hidden_size;
+        let spec = crate::forward::attention_spec(cfg, cfg.layers[layer].sliding_window);
+        let folded = match y {
+            Some(_)
+                if x.len() == hidden && weight.len() == hidden && m.dev.gemv_add_norm_wanted() =>
+            {
+                self.folded_attention_qkv(layer, cfg, w, &spec)
+            }
+            _ => None,
+        };
+        let (Some(y), Some(stacked)) = (y, folded) else {
+            return crate::forward::add_norm_attention(self, layer, cfg, w, x, y, (weight, eps));
+        };
+        // One token: the residual add and the input norm folded into the q/k/v GEMV (one launch
+        // and its wait fewer on the step's chain), then the folded attention.
+        let qkv = profile::timed(&m.dev, "qkv_prologue", || {
+            let mut sum = self.alloc(hidden)?;
+            let mut qkv = self.alloc(stacked.weight.rows())?;
             m.dev
-                .paged_attention_folded(
-                    &qkv,
-                    prologue,
-                    pool,
-                    &at,
-                    &shape,
-                    &mut out,
-                    &mut self.scratch.attention,
+                .gemv_add_norm(
+                    (&*x, y, m.vec(weight)?, eps),
+                    &stacked.weight,
+                    &mut sum,
+                    &mut qkv,
                 )
                 .map_err(dev_err)?;
-            Ok(out)
-        })
+            *x = sum;
+            if let Some(b) = &stacked.bias {
+                m.dev.add_bias(&mut qkv, b).map_err(dev_err)?;
+            }
+            Ok(qkv)
+        })?;
+        let out = self.folded_attention(layer, cfg, w, &spec, &qkv)?;
+        self.linear(&out, &w.o_proj)
     }
 
     fn add_assign(&mut self, x: &mut DeviceBuffer<f32>, y: &DeviceBuffer<f32>) -> Result<()> {
