@@ -136,28 +136,10 @@ __device__ __forceinline__ void fma_rows(const uint4* q, const float* __restrict
 // The block's R rows from row0 (those < n) . x: each warp's sums of every row (and token) into
 // partial[warp] (one lane per total), ending in a block barrier. Each row's sums do not depend on
 // R: gemv_route's 16 rows a block give the bits of gemv_rows_<dt>_m1's 4.
-// Nothing to do after the wait (gemv_rows_partials' default `prep`).
-struct NoPrep {
-    __device__ __forceinline__ void operator()() const {}
-};
-// Whether two types are one (no standard headers under NVRTC).
-template <typename A, typename B>
-struct same_type {
-    static constexpr bool value = false;
-};
-template <typename A>
-struct same_type<A, A> {
-    static constexpr bool value = true;
-};
-
-// `prep` runs right after the programmatic wait, before x is read (every thread calls it):
-// gemv_route_norm makes x there, so x is not __restrict__ here (prep writes it through another
-// name within this function's scope).
-template <typename C, int M, int U, int R, typename Prep = NoPrep>
+template <typename C, int M, int U, int R>
 __device__ __forceinline__ void gemv_rows_partials(const void* __restrict__ w_raw,
                                                    const float* x, int n, int k,
-                                                   int row0, float (&partial)[ROWS_WARPS][M * R],
-                                                   const Prep& prep = Prep()) {
+                                                   int row0, float (&partial)[ROWS_WARPS][M * R]) {
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
@@ -178,7 +160,6 @@ __device__ __forceinline__ void gemv_rows_partials(const void* __restrict__ w_ra
                           : make_uint4(0u, 0u, 0u, 0u);
     pdl_entry();
     probe_mark(1);
-    prep();
     float acc[M][R];
 #pragma unroll
     for (int m = 0; m < M; ++m)
@@ -275,18 +256,21 @@ GEMV_ROWS_KERNEL(gemv_rows_f32_m8, ChunkF32, 8, 1)
 
 // ---- one token's GEMV with the residual add and RMSNorm before it folded in ----
 //
-// gemv_rows_norm_<dt>: grid ceil(n / 4), block 256, one token: y = W . rmsnorm(x + r), where
-// add_rms_norm_f32 and gemv_rows_<dt>_m1 took two launches (the add+norm before a decode
-// layer's q/k/v projection: ~1.7 us of a batch-1 layer's chain, for 8 KiB). The norm's scale is
-// one scalar, so it comes out of the sums: y[i] = inv * sum_j W[i, j] (s[j] nw[j]), s = x + r,
-// inv = 1 / sqrt(mean(s^2) + eps). Each block sums the squares of the s values it reads anyway,
-// beside its rows' products (one more warp sum, one more shared-memory slot): no block waits for
-// a normed row to be made first, which is what the router's fold (gemv_route_norm) pays for.
-// Block 0 writes s, the new residual, to x_out. The residual x and the norm weights load before
-// the programmatic wait (no kernel right before this one writes them:
+// y = W . rmsnorm(x + r) for one token, where add_rms_norm_f32 and a GEMV took two launches (a
+// decode layer's add+norm: ~1.3-1.7 us of a batch-1 layer's chain each, for 8 KiB). The norm's
+// scale is one scalar, so it comes out of the sums: y[i] = inv * sum_j W[i, j] (s[j] nw[j]),
+// s = x + r, inv = 1 / sqrt(mean(s^2) + eps). Each block sums the squares of the s values it
+// reads anyway, beside its rows' products (one more warp sum, one more shared-memory slot): no
+// block waits for a normed row to be made first. One block writes s, the new residual, to
+// x_out (not x: the other blocks may still be reading x). The residual x and the norm weights
+// load before the programmatic wait (no kernel right before this one writes them:
 // graph::EARLY_ACTIVATION_READERS), r after it. Every row of a launch gets the same inv; the bits
 // are not those of the two launches (the squares' tree and where inv applies differ, by a few
 // ulp).
+// - gemv_rows_norm_<dt>: grid ceil(n / 4), block 256: gemv_rows_<dt>_m1's layout (the q/k/v
+//   projection of a decode step); block 0 writes x_out.
+// - gemv_route_norm_<dt>_l<L> (below, with gemv_route): the router GEMV and its top-k; its block
+//   0 writes x_out and the normed row (the experts' input).
 
 // A coherent 16-byte load of activations before the programmatic wait (see load_stream_early:
 // ptxas moves the wait above ld.global.nc).
@@ -298,86 +282,93 @@ __device__ __forceinline__ float4 load_early4(const float* p) {
     return r;
 }
 
-template <typename C, int U>
-__device__ __forceinline__ void gemv_rows_norm(const void* __restrict__ w_raw,
-                                               const float* __restrict__ x,
-                                               const float* __restrict__ r,
-                                               const float* __restrict__ nw, float eps,
-                                               float* __restrict__ x_out, float* __restrict__ y,
-                                               int n, int k) {
-    constexpr int R = ROWS_PER_BLOCK;
+__device__ __forceinline__ float4 add4f(float4 a, float4 b) {
+    return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+}
+__device__ __forceinline__ float4 mul4f(float4 a, float4 b) {
+    return make_float4(a.x * b.x, a.y * b.y, a.z * b.z, a.w * b.w);
+}
+
+// Rows w[0 .. rows_here) (chunks each) . (s * nw), s = x + r: each warp's sums of every row into
+// partial[warp][0 .. R) and of s's squares into partial[warp][R], ending in a block barrier. The
+// first step's weights, x and nw load before the programmatic wait, r after it; `write`: this
+// block stores s to x_out. sv, nv: s and nw of the thread's first chunk (chunk tid; zeros past
+// the row), for a caller that writes the normed row. x, r and x_out are not __restrict__: with
+// them NVRTC read r (the kernel before's output) through ld.global.nc, which the compiler may
+// order before the programmatic wait.
+template <typename C, int R>
+__device__ __forceinline__ void norm_rows_partials(const uint4* w, int rows_here, int chunks,
+                                                   const float* x, const float* r, const float* nw,
+                                                   float* x_out,
+                                                   bool write, float (&partial)[ROWS_WARPS][R + 1],
+                                                   float4 (&sv)[C::N / 4],
+                                                   float4 (&nv)[C::N / 4]) {
     constexpr int V = C::N / 4;  // float4 of activations per chunk
-    __shared__ float partial[ROWS_WARPS][R + 1];  // each warp's row sums, then its squares
+    constexpr int G = R < 4 ? R : 4;  // rows widened at once (fma_rows' groups)
+    static_assert(R % G == 0, "rows in groups of 4");
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
-    const int row0 = blockIdx.x * R;
-    const int rows_here = min(R, n - row0);  // block-uniform
-    const int chunks = k / C::N;
-    const uint4* w = reinterpret_cast<const uint4*>(w_raw) + (u64)row0 * chunks;
-    // Before the wait: the first U steps' weights, residual and norm weights.
-    uint4 q[U][R];
-    float4 xe[U][V], ne[U][V];
+    const bool in = tid < chunks;
+    uint4 q[R];
+    float4 xv[V];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-        const int c = tid + ROWS_THREADS * u;
-        const bool in = c < chunks;
+    for (int i = 0; i < R; ++i)
+        q[i] = in && i < rows_here ? load_stream_early(w + (u64)i * chunks + tid)
+                                   : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
-        for (int i = 0; i < R; ++i)
-            q[u][i] = in && i < rows_here ? load_stream_early(w + (u64)i * chunks + c)
-                                          : make_uint4(0u, 0u, 0u, 0u);
-#pragma unroll
-        for (int v = 0; v < V; ++v) {
-            xe[u][v] = in ? load_early4(x + (u64)c * C::N + 4 * v) : make_float4(0.f, 0.f, 0.f, 0.f);
-            ne[u][v] = in ? load_early4(nw + (u64)c * C::N + 4 * v) : make_float4(0.f, 0.f, 0.f, 0.f);
-        }
+    for (int v = 0; v < V; ++v) {
+        xv[v] = in ? load_early4(x + (u64)tid * C::N + 4 * v) : make_float4(0.f, 0.f, 0.f, 0.f);
+        nv[v] = in ? load_early4(nw + (u64)tid * C::N + 4 * v) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
     pdl_entry();
     float acc[R];
 #pragma unroll
     for (int i = 0; i < R; ++i) acc[i] = 0.0f;
     float ss = 0.0f;
-    // Chunk c: s = x + r (stored by block 0), its squares, then the rows' products with s * nw,
-    // added as fma_rows adds them.
-    auto step = [&](const uint4 (&qq)[R], int c, const float4 (&xv)[V], const float4 (&nv)[V]) {
+    // Chunk c: s (stored where `write`), its squares, then the rows' products with s * nw, added
+    // as fma_rows adds them.
+    auto step = [&](const uint4 (&qq)[R], int c, const float4 (&xc)[V], const float4 (&nc)[V],
+                    float4 (&sc)[V]) {
         float4 a[V];
 #pragma unroll
         for (int v = 0; v < V; ++v) {
-            const float4 rv = *reinterpret_cast<const float4*>(r + (u64)c * C::N + 4 * v);
-            const float4 s = make_float4(xv[v].x + rv.x, xv[v].y + rv.y, xv[v].z + rv.z,
-                                         xv[v].w + rv.w);
-            if (blockIdx.x == 0) *reinterpret_cast<float4*>(x_out + (u64)c * C::N + 4 * v) = s;
-            ss = __fmaf_rn(s.x, s.x, ss);
-            ss = __fmaf_rn(s.y, s.y, ss);
-            ss = __fmaf_rn(s.z, s.z, ss);
-            ss = __fmaf_rn(s.w, s.w, ss);
-            a[v] = make_float4(s.x * nv[v].x, s.y * nv[v].y, s.z * nv[v].z, s.w * nv[v].w);
+            sc[v] = add4f(xc[v], *reinterpret_cast<const float4*>(r + (u64)c * C::N + 4 * v));
+            if (write) *reinterpret_cast<float4*>(x_out + (u64)c * C::N + 4 * v) = sc[v];
+            ss = __fmaf_rn(sc[v].x, sc[v].x, ss);
+            ss = __fmaf_rn(sc[v].y, sc[v].y, ss);
+            ss = __fmaf_rn(sc[v].z, sc[v].z, ss);
+            ss = __fmaf_rn(sc[v].w, sc[v].w, ss);
+            a[v] = mul4f(sc[v], nc[v]);
         }
-        float f[R][C::N];
 #pragma unroll
-        for (int i = 0; i < R; ++i) C::widen(qq[i], f[i]);
+        for (int g = 0; g < R; g += G) {
+            float f[G][C::N];
 #pragma unroll
-        for (int v = 0; v < V; ++v)
+            for (int i = 0; i < G; ++i) C::widen(qq[g + i], f[i]);
 #pragma unroll
-            for (int i = 0; i < R; ++i)
-                acc[i] += f[i][4 * v] * a[v].x + f[i][4 * v + 1] * a[v].y +
-                          f[i][4 * v + 2] * a[v].z + f[i][4 * v + 3] * a[v].w;
+            for (int v = 0; v < V; ++v)
+#pragma unroll
+                for (int i = 0; i < G; ++i)
+                    acc[g + i] += f[i][4 * v] * a[v].x + f[i][4 * v + 1] * a[v].y +
+                                  f[i][4 * v + 2] * a[v].z + f[i][4 * v + 3] * a[v].w;
+        }
     };
 #pragma unroll
-    for (int u = 0; u < U; ++u)
-        if (tid + ROWS_THREADS * u < chunks) step(q[u], tid + ROWS_THREADS * u, xe[u], ne[u]);
-    for (int c = tid + ROWS_THREADS * U; c < chunks; c += ROWS_THREADS) {
+    for (int v = 0; v < V; ++v) sv[v] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (in) step(q, tid, xv, nv, sv);
+    for (int c = tid + ROWS_THREADS; c < chunks; c += ROWS_THREADS) {
         uint4 t[R];
-        float4 xv[V], nv[V];
+        float4 xc[V], nc[V], sc[V];
 #pragma unroll
         for (int i = 0; i < R; ++i)
             t[i] = i < rows_here ? load_stream(w + (u64)i * chunks + c) : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
         for (int v = 0; v < V; ++v) {
-            xv[v] = *reinterpret_cast<const float4*>(x + (u64)c * C::N + 4 * v);
-            nv[v] = *reinterpret_cast<const float4*>(nw + (u64)c * C::N + 4 * v);
+            xc[v] = *reinterpret_cast<const float4*>(x + (u64)c * C::N + 4 * v);
+            nc[v] = *reinterpret_cast<const float4*>(nw + (u64)c * C::N + 4 * v);
         }
-        step(t, c, xv, nv);
+        step(t, c, xc, nc, sc);
     }
 #pragma unroll
     for (int i = 0; i < R; ++i) {
@@ -387,24 +378,48 @@ __device__ __forceinline__ void gemv_rows_norm(const void* __restrict__ w_raw,
     const float sq = warp_sum(ss);
     if (lane == 0) partial[warp][R] = sq;
     __syncthreads();
-    if (tid < rows_here) {
-        float s = 0.0f, t = 0.0f;
+}
+
+// The norm's scale from norm_rows_partials' squares (the same value in every thread and block).
+template <int R>
+__device__ __forceinline__ float norm_inv(const float (&partial)[ROWS_WARPS][R + 1], int k,
+                                          float eps) {
+    float t = 0.0f;
 #pragma unroll
-        for (int i = 0; i < ROWS_WARPS; ++i) {
-            s += partial[i][tid];
-            t += partial[i][R];
-        }
-        y[row0 + tid] = s * (1.0f / sqrtf(t / (float)k + eps));
+    for (int i = 0; i < ROWS_WARPS; ++i) t += partial[i][R];
+    return 1.0f / sqrtf(t / (float)k + eps);
+}
+
+template <typename C>
+__device__ __forceinline__ void gemv_rows_norm(const void* __restrict__ w_raw,
+                                               const float* x, const float* r, const float* nw,
+                                               float eps, float* x_out, float* __restrict__ y,
+                                               int n, int k) {
+    constexpr int R = ROWS_PER_BLOCK;
+    __shared__ float partial[ROWS_WARPS][R + 1];
+    const int row0 = blockIdx.x * R;
+    const int rows_here = min(R, n - row0);  // block-uniform
+    const int chunks = k / C::N;
+    const uint4* w = reinterpret_cast<const uint4*>(w_raw) + (u64)row0 * chunks;
+    float4 sv[C::N / 4], nv[C::N / 4];
+    norm_rows_partials<C, R>(w, rows_here, chunks, x, r, nw, x_out, blockIdx.x == 0, partial, sv,
+                             nv);
+    const int tid = threadIdx.x;
+    if (tid < rows_here) {
+        float s = 0.0f;
+#pragma unroll
+        for (int i = 0; i < ROWS_WARPS; ++i) s += partial[i][tid];
+        y[row0 + tid] = s * norm_inv<R>(partial, k, eps);
     }
 }
 
-// One step ahead of the wait (U = 1): two held the bf16 build at 90 registers (2 blocks an SM
-// where gemv_rows_bf16_m1 has 4); one holds it at 60, and covers rows of up to 2,048 bf16.
+// One step ahead of the wait: two held the bf16 build at 90 registers (2 blocks an SM where
+// gemv_rows_bf16_m1 has 4); one holds it at 60.
 #define GEMV_ROWS_NORM_KERNEL(NAME, CHUNK)                                                      \
     extern "C" __global__ void __launch_bounds__(ROWS_THREADS)                                  \
         NAME(const void* w, const float* x, const float* r, const float* nw, float eps,         \
              float* x_out, float* y, int n, int k) {                                             \
-        gemv_rows_norm<CHUNK, 1>(w, x, r, nw, eps, x_out, y, n, k);                              \
+        gemv_rows_norm<CHUNK>(w, x, r, nw, eps, x_out, y, n, k);                                 \
     }
 
 GEMV_ROWS_NORM_KERNEL(gemv_rows_norm_bf16, ChunkBf16)
@@ -424,16 +439,23 @@ GEMV_ROWS_NORM_KERNEL(gemv_rows_norm_f32, ChunkF32)
 #define ROUTE_ROWS 16
 #define ROUTE_CLUSTER 8
 
-// `prep`: gemv_rows_partials'. `finish` runs in every thread of block 0 once every block's logits
-// are in (so every block is past its prep), before its first warp routes them.
-template <typename C, int L, typename Prep = NoPrep, typename Finish = NoPrep>
+// The add+norm fold's arguments (gemv_route_norm): s = x + r goes to x_out, nw * (s * inv) to xn.
+struct RouteNorm {
+    const float* r;
+    const float* nw;
+    float eps;
+    float* x_out;
+    float* xn;
+};
+
+// NORM: gemv_route_norm (norm_rows_partials, with `nrm` its arguments).
+template <typename C, int L, bool NORM = false>
 __device__ __forceinline__ void gemv_route(const void* __restrict__ w, const float* x,
                                            int experts, int k, int topk, int renormalise,
                                            u32* __restrict__ out_ids,
                                            float* __restrict__ out_weights,
-                                           const Prep& prep = Prep(),
-                                           const Finish& finish = Finish()) {
-    __shared__ float partial[ROWS_WARPS][ROUTE_ROWS];
+                                           const RouteNorm& nrm = RouteNorm{}) {
+    __shared__ float partial[ROWS_WARPS][ROUTE_ROWS + (NORM ? 1 : 0)];
     __shared__ __align__(16) float logits[ROUTE_ROWS * ROUTE_CLUSTER];
     __shared__ __align__(8) u64 inbox;
     // Marks (MOERUN_PROBE builds, common.cuh): 1 the programmatic wait passed, 2 the rows
@@ -449,7 +471,18 @@ __device__ __forceinline__ void gemv_route(const void* __restrict__ w, const flo
     }
     fence_mbarrier_init();
     cluster_arrive_relaxed();
-    gemv_rows_partials<C, 1, 1, ROUTE_ROWS>(w, x, experts, k, row0, partial, prep);
+    constexpr int V = C::N / 4;
+    float4 sv[V], nv[V];  // NORM: the thread's first chunk of s and nw
+    float inv = 1.0f;     // NORM: the norm's scale
+    if constexpr (NORM) {
+        const int chunks = k / C::N;
+        norm_rows_partials<C, ROUTE_ROWS>(
+            reinterpret_cast<const uint4*>(w) + (u64)row0 * chunks, min(ROUTE_ROWS, experts - row0),
+            chunks, x, nrm.r, nrm.nw, nrm.x_out, rank == 0, partial, sv, nv);
+        inv = norm_inv<ROUTE_ROWS>(partial, k, nrm.eps);
+    } else {
+        gemv_rows_partials<C, 1, 1, ROUTE_ROWS>(w, x, experts, k, row0, partial);
+    }
     probe_mark(2);
     cluster_wait();  // block 0's mbarrier is ready
     probe_mark(3);
@@ -458,6 +491,7 @@ __device__ __forceinline__ void gemv_route(const void* __restrict__ w, const flo
         float s = 0.0f;
 #pragma unroll
         for (int i = 0; i < ROWS_WARPS; ++i) s += partial[i][t];
+        if constexpr (NORM) s *= inv;
         st_async1(cluster_addr(logits + row0 + t, 0), s,
                   cluster_addr(&inbox, 0));
     }
@@ -466,14 +500,25 @@ __device__ __forceinline__ void gemv_route(const void* __restrict__ w, const flo
         probe_end("gemv_route");
         return;
     }
-    if constexpr (same_type<Finish, NoPrep>::value) {
-        if (t >= 32) return;
-        mbar_wait_cluster(smem_u32(&inbox), 0);
-    } else {
-        mbar_wait_cluster(smem_u32(&inbox), 0);
-        finish();
-        if (t >= 32) return;
+    if constexpr (NORM) {
+        // Block 0: the normed row, nw * (s * inv) as add_rms_norm makes it, from the chunk each
+        // thread holds (s past a thread's first chunk read back from its own x_out stores).
+        const int chunks = k / C::N;
+        if (t < chunks) {
+#pragma unroll
+            for (int v = 0; v < V; ++v)
+                *reinterpret_cast<float4*>(nrm.xn + (u64)t * C::N + 4 * v) = mul4f(
+                    nv[v], make_float4(sv[v].x * inv, sv[v].y * inv, sv[v].z * inv, sv[v].w * inv));
+        }
+        for (int c = t + ROWS_THREADS; c < chunks; c += ROWS_THREADS)
+#pragma unroll
+            for (int j = 0; j < C::N; ++j) {
+                const u64 i = (u64)c * C::N + j;
+                nrm.xn[i] = nrm.nw[i] * (nrm.x_out[i] * inv);
+            }
     }
+    if (t >= 32) return;
+    mbar_wait_cluster(smem_u32(&inbox), 0);
     probe_mark(5);
     warp_route_topk<L>(logits, experts, topk, renormalise, out_ids, out_weights);
     probe_end("gemv_route");
@@ -486,98 +531,26 @@ __device__ __forceinline__ void gemv_route(const void* __restrict__ w, const flo
              u32* out_ids, float* out_weights) {                                                \
         gemv_route<CHUNK, L>(w, x, experts, k, topk, renormalise, out_ids, out_weights);        \
     }
+#define GEMV_ROUTE_NORM_KERNEL(NAME, CHUNK, L)                                                   \
+    extern "C" __global__ void __launch_bounds__(ROWS_THREADS) __cluster_dims__(ROUTE_CLUSTER, 1, 1) \
+        NAME(const void* w, const float* x, const float* r, const float* nw, float eps,         \
+             float* x_out, float* xn, int experts, int k, int topk, int renormalise,             \
+             u32* out_ids, float* out_weights) {                                                \
+        gemv_route<CHUNK, L, true>(w, x, experts, k, topk, renormalise, out_ids, out_weights,   \
+                                   RouteNorm{r, nw, eps, x_out, xn});                            \
+    }
 #else
 // Elsewhere the entry points exist (the host loads every name) but stay empty and are never
 // launched (ops/router.rs checks the compute capability).
 #define GEMV_ROUTE_KERNEL(NAME, CHUNK, L)                                                        \
     extern "C" __global__ void NAME(const void* w, const float* x, int experts, int k, int topk, \
                                     int renormalise, u32* out_ids, float* out_weights) {}
+#define GEMV_ROUTE_NORM_KERNEL(NAME, CHUNK, L)                                                   \
+    extern "C" __global__ void NAME(const void* w, const float* x, const float* r,              \
+                                    const float* nw, float eps, float* x_out, float* xn,         \
+                                    int experts, int k, int topk, int renormalise,               \
+                                    u32* out_ids, float* out_weights) {}
 #endif
-
-// ---- the add+RMSNorm before a MoE layer folded into its router (sm_90) ----
-//
-// gemv_route_norm_<dt>_l<L>: gemv_route of the row add_rms_norm_f32 makes first (x += y; out =
-// nw * x / rms(x)), in the same launch. Each block makes that row itself in shared memory (the
-// residual and the norm weights loaded before the programmatic wait, as add_rms_norm loads them:
-// no kernel right before this one writes the residual; y after the wait) and takes its router
-// rows' products from there; block 0 also writes the sum back to x (the residual) and the normed
-// row to `out` (the experts' input). The bits of add_rms_norm_f32 then gemv_route: the sum of
-// squares is add_rms_norm's, whose 1,024 threads each sum elements t, t + 1,024, ... in order
-// (fused multiply-adds), then warp sums, then the sum of the 32 warps' sums; here 256 threads
-// play those 1,024 as t = r + 256 j, and the lanes of a real warp are then exactly the lanes of
-// virtual warp (warp + 8 j). Width <= NORM_ROUTE_MAX_WIDTH (ops/router.rs checks).
-#define NORM_ROUTE_MAX_WIDTH 4096
-
-template <typename C, int L>
-__device__ __forceinline__ void gemv_route_norm(const void* __restrict__ w, float* x,
-                                                const float* __restrict__ y,
-                                                const float* __restrict__ nw, float eps,
-                                                float* out, int experts, int k, int topk,
-                                                int renormalise, u32* __restrict__ out_ids,
-                                                float* __restrict__ out_weights) {
-    __shared__ __align__(16) float xs[NORM_ROUTE_MAX_WIDTH];
-    __shared__ __align__(16) float ws[NORM_ROUTE_MAX_WIDTH];
-    __shared__ float warp_sums[32];
-    const int r = threadIdx.x;
-    // Before the wait: the residual and the norm weights, all in flight at once (k a multiple of
-    // 4, both 16-byte aligned: ops/router.rs).
-    for (int c = r; 4 * c < k; c += ROWS_THREADS) {
-        cp_async16(xs + 4 * c, x + 4 * c, 16);
-        cp_async16(ws + 4 * c, nw + 4 * c, 16);
-    }
-    cp_async_commit();
-    // After the wait: x + y (into xs), its sum of squares in add_rms_norm's tree, the normed row
-    // (into xs, the sum kept in ws). Thread r's elements are r + 256 m throughout.
-    // y's values all load at once, into registers, before any use: read inside the sums' loop,
-    // each was an L2 round trip of its own on the chain (batch-1 decode 403.1 tok/s against
-    // 415.5 without the fold; loaded at once 409.2 against 412.6, still a loss: H200,
-    // docs/perf/cuda-model.md v17).
-    auto add_norm = [&]() {
-        constexpr int PER = NORM_ROUTE_MAX_WIDTH / ROWS_THREADS;
-        float yv[PER];
-#pragma unroll
-        for (int m = 0; m < PER; ++m) {
-            const int i = r + ROWS_THREADS * m;
-            yv[m] = i < k ? y[i] : 0.0f;
-        }
-        cp_async_wait<0>();
-        __syncthreads();
-        const int lane = r & 31, warp = r >> 5;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            float ss = 0.0f;
-#pragma unroll
-            for (int m = j; m < PER; m += 4) {
-                const int i = r + ROWS_THREADS * m;  // r + 256 j + 1024 (m - j) / 4: in order
-                if (i >= k) break;
-                const float v = xs[i] + yv[m];
-                xs[i] = v;
-                ss = __fmaf_rn(v, v, ss);
-            }
-            ss = warp_sum(ss);
-            if (lane == 0) warp_sums[warp + 8 * j] = ss;
-        }
-        __syncthreads();
-        const float total = warp_sum(warp_sums[lane]);
-        const float inv = 1.0f / sqrtf(total / (float)k + eps);
-        for (int i = r; i < k; i += ROWS_THREADS) {
-            const float v = xs[i];
-            xs[i] = ws[i] * (v * inv);
-            ws[i] = v;
-        }
-        __syncthreads();
-    };
-    // Block 0 writes the residual and the normed row only once every block has its logits in,
-    // so past its own reads of the residual (the other blocks read it before their wait).
-    auto write_back = [&]() {
-        for (int i = r; i < k; i += ROWS_THREADS) {
-            x[i] = ws[i];
-            out[i] = xs[i];
-        }
-    };
-    gemv_route<C, L>(w, xs, experts, k, topk, renormalise, out_ids, out_weights, add_norm,
-                     write_back);
-}
 
 GEMV_ROUTE_KERNEL(gemv_route_bf16_l1, ChunkBf16, 1)
 GEMV_ROUTE_KERNEL(gemv_route_bf16_l2, ChunkBf16, 2)
@@ -588,21 +561,6 @@ GEMV_ROUTE_KERNEL(gemv_route_f16_l4, ChunkF16, 4)
 GEMV_ROUTE_KERNEL(gemv_route_f32_l1, ChunkF32, 1)
 GEMV_ROUTE_KERNEL(gemv_route_f32_l2, ChunkF32, 2)
 GEMV_ROUTE_KERNEL(gemv_route_f32_l4, ChunkF32, 4)
-
-#if __CUDA_ARCH__ >= 900
-#define GEMV_ROUTE_NORM_KERNEL(NAME, CHUNK, L)                                                   \
-    extern "C" __global__ void __launch_bounds__(ROWS_THREADS) __cluster_dims__(ROUTE_CLUSTER, 1, 1) \
-        NAME(const void* w, float* x, const float* y, const float* nw, float eps, float* out,   \
-             int experts, int k, int topk, int renormalise, u32* out_ids, float* out_weights) {  \
-        gemv_route_norm<CHUNK, L>(w, x, y, nw, eps, out, experts, k, topk, renormalise,         \
-                                  out_ids, out_weights);                                         \
-    }
-#else
-#define GEMV_ROUTE_NORM_KERNEL(NAME, CHUNK, L)                                                   \
-    extern "C" __global__ void NAME(const void* w, float* x, const float* y, const float* nw,   \
-                                    float eps, float* out, int experts, int k, int topk,         \
-                                    int renormalise, u32* out_ids, float* out_weights) {}
-#endif
 
 GEMV_ROUTE_NORM_KERNEL(gemv_route_norm_bf16_l1, ChunkBf16, 1)
 GEMV_ROUTE_NORM_KERNEL(gemv_route_norm_bf16_l2, ChunkBf16, 2)

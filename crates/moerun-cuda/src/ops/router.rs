@@ -9,9 +9,9 @@
 //! [`CudaDevice::gemv_route`] is the router GEMV of one token and its routing in one launch
 //! (`kernels/gemv.cu`'s `gemv_route`, one thread-block cluster on Hopper): the bits of
 //! [`CudaDevice::gemv`] then [`CudaDevice::route_topk`], one launch and no L2 round trip fewer
-//! on every MoE layer of a batch-1 decode step. [`CudaDevice::gemv_route_norm`] also makes that
-//! token's row first: the add+RMSNorm before the MoE layer (add_rms_norm's bits), one more
-//! launch and L2 round trip fewer.
+//! on every MoE layer of a batch-1 decode step. [`CudaDevice::gemv_route_norm`] also folds in
+//! the add+RMSNorm before the MoE layer (the norm's scale applied after the sums, as
+//! [`CudaDevice::gemv_add_norm`] does), one more launch and wait fewer.
 
 use std::sync::OnceLock;
 
@@ -30,10 +30,6 @@ pub const MAX_EXPERTS: usize = 512;
 
 /// Experts [`CudaDevice::gemv_route`] covers: 16 router rows in each of a cluster's 8 blocks.
 pub const GEMV_ROUTE_MAX_EXPERTS: usize = 128;
-
-/// Widest row [`CudaDevice::gemv_route_norm`] norms (`NORM_ROUTE_MAX_WIDTH` in kernels/gemv.cu:
-/// each block holds the row and its norm weights in shared memory).
-pub const NORM_ROUTE_MAX_WIDTH: usize = 4096;
 
 /// The gemv_route kernels' launch: one cluster of 8 blocks of 256 (their `__cluster_dims__`).
 const ROUTE_CLUSTER_LAUNCH: LaunchConfig = LaunchConfig {
@@ -199,59 +195,58 @@ impl CudaDevice {
         Ok(())
     }
 
-    /// Whether [`CudaDevice::gemv_route_norm`] takes a router of `experts` rows over rows of
-    /// `width` here: where [`CudaDevice::gemv_route_supported`], for rows of at most
-    /// [`NORM_ROUTE_MAX_WIDTH`].
-    pub fn gemv_route_norm_supported(&self, experts: usize, width: usize) -> bool {
-        self.gemv_route_supported(experts) && (1..=NORM_ROUTE_MAX_WIDTH).contains(&width)
-    }
-
-    /// Whether a forward pass should fold its add+norm into the routing where
-    /// [`CudaDevice::gemv_route_norm_supported`]: only with `MOERUN_CUDA_NORM_ROUTE=1`. Measured
-    /// on the H200 it loses: batch-1 decode 409.2 against 412.6 tok/s without it (its row made
-    /// in each of the router's 8 blocks takes longer on the chain than the add+norm kernel and
-    /// its launch; docs/perf/cuda-model.md v17).
+    /// Whether a forward pass should fold one token's add+norm before a MoE layer into its
+    /// routing ([`CudaDevice::gemv_route_norm`]) where [`CudaDevice::gemv_route_supported`]: yes,
+    /// but for `MOERUN_CUDA_NORM_ROUTE=0` (a measuring knob).
     pub fn norm_route_wanted(&self) -> bool {
-        static ON: OnceLock<bool> = OnceLock::new();
-        *ON.get_or_init(|| std::env::var_os("MOERUN_CUDA_NORM_ROUTE").is_some_and(|v| v == "1"))
+        static OFF: OnceLock<bool> = OnceLock::new();
+        !*OFF.get_or_init(|| std::env::var_os("MOERUN_CUDA_NORM_ROUTE").is_some_and(|v| v == "0"))
     }
 
-    /// [`CudaDevice::add_rms_norm`] of one row (`x += y`, `out` = `norm` · x / rms(x)) and
-    /// [`CudaDevice::gemv_route`] of `out`, in one launch: `x`, `out` and the routing get exactly
-    /// what those two give. Refused where [`CudaDevice::gemv_route_norm_supported`] is false.
+    /// One token's [`CudaDevice::add_rms_norm`] then [`CudaDevice::gemv_route`] of its output, in
+    /// one launch: `x_out = x + y` (add_rms_norm's bits), `xn` = `norm` ⊙ s / rms(s) and the
+    /// routing of `w · xn`, with the norm's scale applied after the router's sums (each block
+    /// squares the values it reads anyway; a few ulp from the two launches' `xn` and logits).
+    /// Refused where [`CudaDevice::gemv_route_supported`] is false. Under programmatic launch
+    /// `x` and `norm` are read before the kernel waits (graph::EARLY_ACTIVATION_READERS).
     #[allow(clippy::too_many_arguments)] // add_rms_norm's arguments, then gemv_route's
     pub fn gemv_route_norm(
         &self,
         (x, y, norm, eps): (
-            &mut impl DevicePtrMut<f32>,
+            &impl DevicePtr<f32>,
             &impl DevicePtr<f32>,
             &CudaSlice<f32>,
             f32,
         ),
-        out: &mut impl DevicePtrMut<f32>,
+        (x_out, xn): (&mut impl DevicePtrMut<f32>, &mut impl DevicePtrMut<f32>),
         w: &DeviceMatrix,
         shape: RouterShape,
         out_experts: &mut impl DevicePtrMut<u32>,
         out_weights: &mut impl DevicePtrMut<f32>,
     ) -> Result<()> {
         let width = w.cols();
-        ensure(self.gemv_route_norm_supported(shape.experts, width), || {
+        ensure(self.gemv_route_supported(shape.experts), || {
             format!(
-                "gemv_route_norm: {} experts over rows of {width} on compute capability \
-                     {:?}; it needs sm_90+, at most {GEMV_ROUTE_MAX_EXPERTS} experts and rows \
-                     of at most {NORM_ROUTE_MAX_WIDTH}",
+                "gemv_route_norm: {} experts on compute capability {:?}; it needs sm_90+ and \
+                 at most {GEMV_ROUTE_MAX_EXPERTS} experts",
                 shape.experts,
                 self.info().compute_capability
             )
         })?;
         ensure(
-            y.len() == width && norm.len() == width && out.len() == width && eps.is_finite(),
+            y.len() == width
+                && norm.len() == width
+                && x_out.len() == width
+                && xn.len() == width
+                && eps.is_finite(),
             || {
                 format!(
-                    "gemv_route_norm: y {}, norm {}, out {} for rows of {width} (eps {eps})",
+                    "gemv_route_norm: y {}, norm {}, x_out {}, xn {} for rows of {width} (eps \
+                     {eps})",
                     y.len(),
                     norm.len(),
-                    out.len()
+                    x_out.len(),
+                    xn.len()
                 )
             },
         )?;
@@ -263,23 +258,31 @@ impl CudaDevice {
             out_experts,
             out_weights,
         )?;
-        let xp = self.ptr_mut(x, "gemv_route_norm x")?;
+        let xp = self.ptr(x, "gemv_route_norm x")?;
         let yp = self.ptr(y, "gemv_route_norm y")?;
         let np = self.ptr(norm, "gemv_route_norm norm")?;
-        let op = self.ptr_mut(out, "gemv_route_norm out")?;
-        ensure(xp.is_multiple_of(16) && np.is_multiple_of(16), || {
-            "gemv_route_norm: x and norm must start 16-byte aligned".to_string()
-        })?;
+        let xo = self.ptr_mut(x_out, "gemv_route_norm x_out")?;
+        let op = self.ptr_mut(xn, "gemv_route_norm xn")?;
+        ensure(
+            [xp, yp, np, xo, op].iter().all(|p| p.is_multiple_of(16)),
+            || "gemv_route_norm: x, y, norm, x_out and xn must start 16-byte aligned".to_string(),
+        )?;
         if crate::skip::skipped("gemv_route") {
             return Ok(());
         }
         let func = &self.kernels.gemv_route_norm[dtype_slot(w.dtype())][shape.lane_slot()];
         let mut b = self.stream.launch_builder(func);
-        b.arg(&a.w).arg(&xp).arg(&yp).arg(&np).arg(&eps).arg(&op);
+        b.arg(&a.w)
+            .arg(&xp)
+            .arg(&yp)
+            .arg(&np)
+            .arg(&eps)
+            .arg(&xo)
+            .arg(&op);
         a.push(&mut b);
-        // SAFETY: as gemv_route's; x, y, norm and out hold `width` (<= NORM_ROUTE_MAX_WIDTH, the
-        // kernel's shared rows; a multiple of 4, route_args' chunk check) f32 each, x and norm
-        // 16-byte aligned for its cp.async (checked); the argument list matches the kernel's.
+        // SAFETY: as gemv_route's; x, y, norm, x_out and xn hold `width` f32 each (a multiple of
+        // 4: route_args' chunk check), 16-byte aligned (checked); the argument list matches the
+        // kernel's.
         unsafe { b.launch(ROUTE_CLUSTER_LAUNCH) }.ctx("gemv_route_norm_<dt>_l<L>")?;
         Ok(())
     }

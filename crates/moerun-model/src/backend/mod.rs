@@ -147,7 +147,7 @@ pub trait Backend {
     fn moe(&mut self, x: &Self::Act, cfg: &MoeConfig, w: &MoeWeights) -> Result<Self::Act>;
     /// The residual add and norm before a MoE block, then the block
     /// ([`crate::forward::add_norm_moe`], the reference). A backend may fold the norm into the
-    /// routing (the CUDA one can for one token, with `MOERUN_CUDA_NORM_ROUTE=1`).
+    /// routing (the CUDA one does for one token).
     fn add_norm_moe(
         &mut self,
         x: &mut Self::Act,

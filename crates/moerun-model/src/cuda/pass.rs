@@ -745,17 +745,18 @@ impl Backend for CudaPass<'_> {
         let folds = m.dev.norm_route_wanted()
             && x.len() == hidden
             && weight.len() == hidden
-            && m.dev.gemv_route_norm_supported(cfg.num_experts, hidden);
+            && m.dev.gemv_route_supported(cfg.num_experts);
         if !folds {
             return crate::forward::add_norm_moe(self, x, y, (weight, eps), cfg, w);
         }
         let router = m.mat(&w.router)?;
-        // One token: the add+norm and the routing in one launch (add_rms_norm's and
-        // gemv_route's bits), then the experts.
+        // One token: the add+norm folded into the routing (one launch and its wait fewer on the
+        // step's chain), then the experts.
         let k = cfg.top_k;
         let (xn, ids, weights) = profile::timed(&m.dev, "add_rms_norm", || {
             let mut ids = self.scratch.activation::<u32>(&m.dev, k)?;
             let mut weights = self.alloc(k)?;
+            let mut sum = self.alloc(hidden)?;
             let mut xn = self.alloc(hidden)?;
             let shape = RouterShape {
                 experts: cfg.num_experts,
@@ -764,14 +765,15 @@ impl Backend for CudaPass<'_> {
             };
             m.dev
                 .gemv_route_norm(
-                    (x, y, m.vec(weight)?, eps),
-                    &mut xn,
+                    (&*x, y, m.vec(weight)?, eps),
+                    (&mut sum, &mut xn),
                     router,
                     shape,
                     &mut ids,
                     &mut weights,
                 )
                 .map_err(dev_err)?;
+            *x = sum;
             Ok((xn, ids, weights))
         })?;
         profile::timed(&m.dev, "moe", || {
