@@ -475,7 +475,8 @@ __device__ __forceinline__ void set_own_key(int jb, int pos, int grp, int sub, i
 // ahead once used), so a block of two steps has all its rows loaded when it starts computing,
 // and the loads of a longer block run a step further ahead.
 // PRO (the cluster kernel's _pro builds, EARLY only): the folded prologue from `pro`, in `fold`
-// (q is read from there, not a.q); the token's own key is then the only fresh one.
+// (q is read from there, not a.q); the token's own key is then the only fresh one, and the
+// first DEPTH steps' rows load right after the wait, not before it (see there).
 template <int W, int L, int VPL, int GM, bool EARLY = false, int U = SPLIT_KEYS / VPL,
           int DEPTH = 1, bool PRO = false>
 __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, int h0, int gh, int ts,
@@ -509,21 +510,30 @@ __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, in
         const int old_end = min(k1, fresh);
         const int pos = PRO ? a.positions[i] : 0;  // the token's position (the folded builds)
         if constexpr (PRO) fold_constants<GM, DMAX>(a, *pro, pos, *early, *fold);
-        fetch_keys<W, L, VPL, U>(a, ts, kh, k0, old_end, grp, sub, d4, kr, vr, ok, tab);
-        if constexpr (DEPTH == 2)
-            fetch_keys<W, L, VPL, U>(a, ts, kh, k0 + STEP, old_end, grp, sub, d4, kr2, vr2, ok2,
-                                     tab);
+        probe_mark(16);
+        // The rows of keys earlier passes wrote load before the wait, but in the folded builds,
+        // whose way to the wait is on the chain (fold_loads): there they load right after it,
+        // beside the prologue's reads. Before it, their ~880 instructions of addresses and
+        // loads, issued while the q/k/v GEMV's last blocks stream, took ~3,300 cycles (probe
+        // marks 16-17); after it they overlap the prologue (batch-1 decode +0.65%; H200,
+        // docs/perf/cuda-model.md v21).
         if constexpr (PRO) {
             // The token's own key, the only fresh one (the token is its sequence's only one, so
-            // fresh == pos): set in the prefetched rows that hold it, not read back. (Were the
+            // fresh == pos): set in the fetched rows that hold it, not read back. (Were the
             // host's promise broken, keys fresh .. pos - 1 would stay masked: wrong, but only
             // this token's own slot is ever written.) Its pool slot comes from the positions and
             // block tables, which no earlier kernel writes: looked up before the wait (after it,
             // the two dependent reads delayed the block holding the key, the cluster's last).
             const bool own = pos >= k0 && pos < k1;
             const long long slot = own ? kv_offset(a, ts, pos, kh, tab) : -1;
+            probe_mark(18);
             pdl_wait();
             probe_mark(1);
+            fetch_keys<W, L, VPL, U>(a, ts, kh, k0, old_end, grp, sub, d4, kr, vr, ok, tab);
+            if constexpr (DEPTH == 2)
+                fetch_keys<W, L, VPL, U>(a, ts, kh, k0 + STEP, old_end, grp, sub, d4, kr2, vr2,
+                                         ok2, tab);
+            probe_mark(17);
             fold_prologue<W, GM, DMAX>(a, *pro, i, kh, h0, gh, own, slot, *fold);
             probe_mark(7);
             // The o_proj GEMV launches (and streams its weights) from here, not from the wait:
@@ -539,6 +549,10 @@ __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, in
                     set_own_key<W, L, VPL, U>(k0 + STEP, pos, grp, sub, d4, *fold, kr2, vr2, ok2);
             }
         } else {
+            fetch_keys<W, L, VPL, U>(a, ts, kh, k0, old_end, grp, sub, d4, kr, vr, ok, tab);
+            if constexpr (DEPTH == 2)
+                fetch_keys<W, L, VPL, U>(a, ts, kh, k0 + STEP, old_end, grp, sub, d4, kr2, vr2,
+                                         ok2, tab);
             pdl_entry();
             probe_mark(1);
             if (fresh < k1 && fresh < k0 + STEP)  // block-uniform
@@ -954,13 +968,16 @@ __device__ __forceinline__ void attn_cluster(const AttnArgs& a, const PrologueAr
     // PRO builds: 7 the folded prologue done; attend_keys: 8 q loaded, 9 the keys' loop done,
     // 10 the warp's groups merged; 11 thread 0's first slice item combined over the warps, 12
     // every slice item sent (then 4: the (max, sum) pairs sent too); 13 / 14 / 15 the loop's
-    // first / second / last later step computed (attend_keys, two steps ahead).
+    // first / second / last later step computed (attend_keys, two steps ahead); PRO builds: 19
+    // the fold's loads issued, 16 its constants in shared memory, 18 the own key's slot known
+    // (then the wait, 1), 17 the first steps' key loads issued.
     probe_begin();
     // fold_loads and fold_constants take one element a thread.
     static_assert(!PRO || (CL_THREADS == TAB_N && 4 * L * VPL <= CL_THREADS),
                   "the fold's constants and table entries: one a thread");
     FoldLoads early{};  // the fold's constants, loaded first (fold_loads)
     if constexpr (PRO) early = fold_loads(a, *pro);
+    probe_mark(19);  // (the fold's loads issued)
     const int i = a.token0 + blockIdx.x;
     const int kh = blockIdx.z / a.head_chunks;
     const int hc = blockIdx.z - kh * a.head_chunks;

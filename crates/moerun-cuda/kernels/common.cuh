@@ -350,7 +350,7 @@ __device__ __forceinline__ u32 cluster_addr(const void* p, u32 rank) {
 // kernel file, so probe one kernel per file): the block, its SM, its start and end times (ns)
 // and each mark's cycles since its start (-1: not reached). scripts/probes/phases.py
 // summarises them. Without MOERUN_PROBE all three are empty.
-#define PROBE_MARKS 16
+#define PROBE_MARKS 20
 #ifdef MOERUN_PROBE
 #ifndef MOERUN_PROBE_FROM
 #define MOERUN_PROBE_FROM 2000
@@ -392,9 +392,10 @@ __device__ __forceinline__ void probe_end(const char* name) {
     for (int i = 1; i < PROBE_MARKS; ++i)
         m[i] = probe_clock[i] < 0 ? -1 : probe_clock[i] - probe_clock[0];
     printf("PROBE %s launch %u block %u %u %u sm %u t0 %llu t1 %llu marks %lld %lld %lld %lld %lld "
-           "%lld %lld %lld %lld %lld %lld %lld %lld %lld %lld\n",
+           "%lld %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld %lld\n",
            name, launch, blockIdx.x, blockIdx.y, blockIdx.z, sm, probe_t0, t1, m[1], m[2], m[3],
-           m[4], m[5], m[6], m[7], m[8], m[9], m[10], m[11], m[12], m[13], m[14], m[15]);
+           m[4], m[5], m[6], m[7], m[8], m[9], m[10], m[11], m[12], m[13], m[14], m[15], m[16],
+           m[17], m[18], m[19]);
 }
 #else
 __device__ __forceinline__ void probe_begin() {}
