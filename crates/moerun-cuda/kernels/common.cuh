@@ -178,6 +178,16 @@ __device__ __forceinline__ uint4 load_stream_early(const uint4* p) {
     return r;
 }
 
+// Four f32 activations for a kernel's loads before its programmatic wait, through the coherent
+// path as load_stream_early (the kernel before does not write them: they may not come from it).
+__device__ __forceinline__ float4 load_early4(const float* p) {
+    float4 r;
+    asm volatile("ld.global.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w)
+                 : "l"(p));
+    return r;
+}
+
 // A 16-byte chunk of weights widened to f32.
 struct ChunkBf16 {
     static constexpr int N = 8;

@@ -107,6 +107,15 @@ GEMV_KERNEL(gemv_f32_m8, ChunkF32, 8)
 // acc[m][r] += chunk r of the weights . chunk c of x row m, for R rows: each x chunk is read once
 // for up to 4 rows (more rows go in groups of 4, so that at most 4 x 8 widened weights are live;
 // each row's additions are the same whatever R).
+// acc[i] += values 4 v .. 4 v + 3 of the group's widened row i . xx, for its G rows.
+template <int G, int N>
+__device__ __forceinline__ void fma_group(const float (&f)[G][N], int v, float4 xx, float* acc) {
+#pragma unroll
+    for (int i = 0; i < G; ++i)
+        acc[i] += f[i][4 * v] * xx.x + f[i][4 * v + 1] * xx.y + f[i][4 * v + 2] * xx.z +
+                  f[i][4 * v + 3] * xx.w;
+}
+
 template <typename C, int M, int R>
 __device__ __forceinline__ void fma_rows(const uint4* q, const float* __restrict__ x, int k, int c,
                                          float (&acc)[M][R]) {
@@ -121,14 +130,7 @@ __device__ __forceinline__ void fma_rows(const uint4* q, const float* __restrict
         for (int m = 0; m < M; ++m) {
             const float4* xv = reinterpret_cast<const float4*>(x + (u64)m * k + (u64)c * C::N);
 #pragma unroll
-            for (int v = 0; v < C::N / 4; ++v) {
-                const float4 xx = xv[v];
-#pragma unroll
-                for (int r = 0; r < G; ++r) {
-                    acc[m][g + r] += f[r][4 * v] * xx.x + f[r][4 * v + 1] * xx.y +
-                                     f[r][4 * v + 2] * xx.z + f[r][4 * v + 3] * xx.w;
-                }
-            }
+            for (int v = 0; v < C::N / 4; ++v) fma_group<G, C::N>(f, v, xv[v], &acc[m][g]);
         }
     }
 }
@@ -272,16 +274,6 @@ GEMV_ROWS_KERNEL(gemv_rows_f32_m8, ChunkF32, 8, 1)
 // - gemv_route_norm_<dt>_l<L> (below, with gemv_route): the router GEMV and its top-k; its block
 //   0 writes x_out and the normed row (the experts' input).
 
-// A coherent 16-byte load of activations before the programmatic wait (see load_stream_early:
-// ptxas moves the wait above ld.global.nc).
-__device__ __forceinline__ float4 load_early4(const float* p) {
-    float4 r;
-    asm volatile("ld.global.v4.f32 {%0, %1, %2, %3}, [%4];"
-                 : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w)
-                 : "l"(p));
-    return r;
-}
-
 __device__ __forceinline__ float4 add4f(float4 a, float4 b) {
     return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
 }
@@ -347,11 +339,7 @@ __device__ __forceinline__ void norm_rows_partials(const uint4* w, int rows_here
 #pragma unroll
             for (int i = 0; i < G; ++i) C::widen(qq[g + i], f[i]);
 #pragma unroll
-            for (int v = 0; v < V; ++v)
-#pragma unroll
-                for (int i = 0; i < G; ++i)
-                    acc[g + i] += f[i][4 * v] * a[v].x + f[i][4 * v + 1] * a[v].y +
-                                  f[i][4 * v + 2] * a[v].z + f[i][4 * v + 3] * a[v].w;
+            for (int v = 0; v < V; ++v) fma_group<G, C::N>(f, v, a[v], &acc[g]);
         }
     };
 #pragma unroll
