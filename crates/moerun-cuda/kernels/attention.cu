@@ -530,12 +530,21 @@ __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, in
             pdl_wait();
             probe_mark(1);
             fetch_keys<W, L, VPL, U>(a, ts, kh, k0, old_end, grp, sub, d4, kr, vr, ok, tab);
-            if constexpr (DEPTH == 2)
+#ifdef ATTN_POST2
+            // Experiment: the second step's rows after the prologue (its reads go out sooner).
+            constexpr bool LATE2 = true;
+#else
+            constexpr bool LATE2 = false;
+#endif
+            if constexpr (DEPTH == 2 && !LATE2)
                 fetch_keys<W, L, VPL, U>(a, ts, kh, k0 + STEP, old_end, grp, sub, d4, kr2, vr2,
                                          ok2, tab);
             probe_mark(17);
             fold_prologue<W, GM, DMAX>(a, *pro, i, kh, h0, gh, own, slot, *fold);
             probe_mark(7);
+            if constexpr (DEPTH == 2 && LATE2)
+                fetch_keys<W, L, VPL, U>(a, ts, kh, k0 + STEP, old_end, grp, sub, d4, kr2, vr2,
+                                         ok2, tab);
             // The o_proj GEMV launches (and streams its weights) from here, not from the wait:
             // launched at the wait, its stream overlapped this kernel's own key fetches, and the
             // keys' loop took ~3,900 cycles more (MOERUN_PROBE marks 8-9, Qwen3-30B-A3B shapes at
