@@ -401,8 +401,9 @@ __device__ __forceinline__ void gemv_rows_norm(const void* __restrict__ w_raw,
     }
 }
 
-// One step ahead of the wait: two held the bf16 build at 90 registers (2 blocks an SM where
-// gemv_rows_bf16_m1 has 4); one holds it at 60.
+// Only the first chunk of each row loads before the wait (a thread's chunks past it after):
+// with two, as gemv_rows_bf16_m1 has, the bf16 build held 90 registers (2 blocks an SM where
+// gemv_rows_bf16_m1 has 4); with one, 60, and rows of up to 2,048 bf16 still load whole.
 #define GEMV_ROWS_NORM_KERNEL(NAME, CHUNK)                                                      \
     extern "C" __global__ void __launch_bounds__(ROWS_THREADS)                                  \
         NAME(const void* w, const float* x, const float* r, const float* nw, float eps,         \
