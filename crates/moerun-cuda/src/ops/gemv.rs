@@ -13,6 +13,10 @@
 //! launch), each reading the weights once. Each output is summed in an order fixed by k and the
 //! layout, never by m or the other rows, so GEMV results are batch invariant among themselves (but
 //! not bit-equal to the CPU's or to the cuBLAS GEMM's).
+//!
+//! [`CudaDevice::gemv_add_norm`] is one token's GEMV with the residual add and RMSNorm before it
+//! folded in (block per rows; the norm's scale applied after the sums): a decode step's q/k/v
+//! projection without the add+norm launch before it.
 
 use std::sync::OnceLock;
 
