@@ -105,7 +105,7 @@ fn add_norm<B: Backend>(
 
 /// The add+norm before layer `l`'s self-attention, then its attention block, as the plain
 /// composition of ops: `x += y` where there is a `y` (the layer before's FFN output), then
-/// [`attention_block`] of `x` normed by `(weight, eps)`.
+/// `attention_block` of `x` normed by `(weight, eps)`.
 pub fn add_norm_attention<B: Backend>(
     b: &mut B,
     l: usize,

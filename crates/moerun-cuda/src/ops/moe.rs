@@ -520,7 +520,7 @@ impl CudaDevice {
             .unwrap_or_else(|| MoePath::for_batch(tokens, experts.dtype))
     }
 
-    /// out[t] = Σ_{r=0..k} weights[t,r] · expert_{ids[t,r]}(x[t]), summed in rank order
+    /// `out[t] = Σ_{r=0..k} weights[t,r] · expert_{ids[t,r]}(x[t])`, summed in rank order
     /// (out is overwritten, not accumulated). x, out: [n, H] f32; ids, weights: [n, k].
     ///
     /// An id `>= E` is a caller bug: the decode and wgmma prefill paths make that token's output

@@ -154,7 +154,7 @@ impl CudaDevice {
     }
 
     /// Whether [`CudaDevice::gemv_route`] takes a router of `experts` rows here: on Hopper
-    /// (thread-block clusters) and for at most [`GEMV_ROUTE_MAX_EXPERTS`]; never with
+    /// (thread-block clusters) and for at most `GEMV_ROUTE_MAX_EXPERTS`; never with
     /// `MOERUN_CUDA_GEMV_ROUTE=0` (a measuring knob: the GEMV and route_topk instead).
     pub fn gemv_route_supported(&self, experts: usize) -> bool {
         static OFF: OnceLock<bool> = OnceLock::new();

@@ -96,7 +96,7 @@ impl LinearPlacement {
     }
 
     /// The placement of `batch`, whose sequence `i` keeps its state at `addrs[i]`
-    /// ([`LinearStateCache::device_slots`]).
+    /// (`LinearStateCache::device_slots`).
     pub fn of_batch(
         dev: &CudaDevice,
         cfg: &ModelConfig,
