@@ -230,6 +230,21 @@ __device__ __forceinline__ void fetch_keys(const AttnArgs& a, int ts, int kh, in
     }
 }
 
+// The rows of a block's first DEPTH steps from k0 (keys below k1): fetch_keys into kr (and kr2,
+// one step on, for DEPTH 2).
+template <int W, int L, int VPL, int U, int DEPTH>
+__device__ __forceinline__ void fetch_first_steps(const AttnArgs& a, int ts, int kh, int k0,
+                                                  int k1, int grp, int sub, int d4,
+                                                  kv4_t (&kr)[U][VPL], kv4_t (&vr)[U][VPL],
+                                                  bool (&ok)[U], kv4_t (&kr2)[U][VPL],
+                                                  kv4_t (&vr2)[U][VPL], bool (&ok2)[U],
+                                                  const int* tab) {
+    constexpr int STEP = 32 * W / L * U;  // attend_keys' step: its groups' U keys each
+    fetch_keys<W, L, VPL, U>(a, ts, kh, k0, k1, grp, sub, d4, kr, vr, ok, tab);
+    if constexpr (DEPTH == 2)
+        fetch_keys<W, L, VPL, U>(a, ts, kh, k0 + STEP, k1, grp, sub, d4, kr2, vr2, ok2, tab);
+}
+
 // Loads of partials other blocks wrote during this launch: through L2 (load_cg and this).
 __device__ __forceinline__ float4 ld_cg4(const float* p) {
     float4 v;
@@ -551,20 +566,18 @@ __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, in
             probe_mark(18);
             pdl_wait();
             probe_mark(1);
-            fetch_keys<W, L, VPL, U>(a, ts, kh, k0, old_end, grp, sub, d4, kr, vr, ok, tab);
 #ifdef ATTN_POST2
             // Experiment: the second step's rows after the prologue (its reads go out sooner).
-            constexpr bool LATE2 = true;
+            constexpr int EARLY_STEPS = 1;
 #else
-            constexpr bool LATE2 = false;
+            constexpr int EARLY_STEPS = DEPTH;
 #endif
-            if constexpr (DEPTH == 2 && !LATE2)
-                fetch_keys<W, L, VPL, U>(a, ts, kh, k0 + STEP, old_end, grp, sub, d4, kr2, vr2,
-                                         ok2, tab);
+            fetch_first_steps<W, L, VPL, U, EARLY_STEPS>(a, ts, kh, k0, old_end, grp, sub, d4, kr,
+                                                         vr, ok, kr2, vr2, ok2, tab);
             probe_mark(17);
             fold_prologue<W, GM, DMAX>(a, *pro, i, kh, h0, gh, own, slot, *fold);
             probe_mark(7);
-            if constexpr (DEPTH == 2 && LATE2)
+            if constexpr (DEPTH == 2 && EARLY_STEPS == 1)
                 fetch_keys<W, L, VPL, U>(a, ts, kh, k0 + STEP, old_end, grp, sub, d4, kr2, vr2,
                                          ok2, tab);
             // The o_proj GEMV launches (and streams its weights) from here, not from the wait:
@@ -580,10 +593,8 @@ __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, in
                     set_own_key<W, L, VPL, U>(k0 + STEP, pos, grp, sub, d4, *fold, kr2, vr2, ok2);
             }
         } else {
-            fetch_keys<W, L, VPL, U>(a, ts, kh, k0, old_end, grp, sub, d4, kr, vr, ok, tab);
-            if constexpr (DEPTH == 2)
-                fetch_keys<W, L, VPL, U>(a, ts, kh, k0 + STEP, old_end, grp, sub, d4, kr2, vr2,
-                                         ok2, tab);
+            fetch_first_steps<W, L, VPL, U, DEPTH>(a, ts, kh, k0, old_end, grp, sub, d4, kr, vr, ok,
+                                                   kr2, vr2, ok2, tab);
             pdl_entry();
             probe_mark(1);
             if (fresh < k1 && fresh < k0 + STEP)  // block-uniform

@@ -56,6 +56,18 @@ impl GemvLayout {
     }
 }
 
+/// The GEMV kernels stream rows in 16-byte chunks: `w`'s rows must be whole chunks (`op` names
+/// the caller in the refusal).
+fn whole_chunks(op: &str, w: &DeviceMatrix) -> Result<()> {
+    let (k, per_chunk) = (w.cols(), 16 / w.dtype().size());
+    ensure(k.is_multiple_of(per_chunk), || {
+        format!(
+            "{op}: k = {k} must be a multiple of {per_chunk} for {} weights",
+            w.dtype()
+        )
+    })
+}
+
 impl CudaDevice {
     /// `out[m, w.rows()] = x[m, w.cols()] · wᵀ`, streaming the weights once per launch of up to 8
     /// rows of x, in [`GemvLayout::DEFAULT`]. Needs `w.cols()` to be a multiple of 8 (bf16/f16)
@@ -80,13 +92,7 @@ impl CudaDevice {
         out: &mut impl DevicePtrMut<f32>,
     ) -> Result<()> {
         let (n, k) = super::gemm::gemm_shapes("gemv", x.len(), m, w, out.len())?;
-        let per_chunk = 16 / w.dtype().size();
-        ensure(k.is_multiple_of(per_chunk), || {
-            format!(
-                "gemv: k = {k} must be a multiple of {per_chunk} for {} weights",
-                w.dtype()
-            )
-        })?;
+        whole_chunks("gemv", w)?;
         if m == 0 || n == 0 {
             return Ok(());
         }
@@ -171,13 +177,7 @@ impl CudaDevice {
                 out.len()
             )
         })?;
-        let per_chunk = 16 / w.dtype().size();
-        ensure(k.is_multiple_of(per_chunk), || {
-            format!(
-                "gemv_add_norm: k = {k} must be a multiple of {per_chunk} for {} weights",
-                w.dtype()
-            )
-        })?;
+        whole_chunks("gemv_add_norm", w)?;
         if n == 0 || k == 0 {
             return Ok(());
         }
