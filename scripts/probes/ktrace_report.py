@@ -66,6 +66,20 @@ def main():
     step_us = [(max(r[1] for r in s) - s[0][0]) / 1e3 for s in warm]
     print(f"step: median {statistics.median(step_us):.1f} us (min {min(step_us):.1f}, "
           f"max {max(step_us):.1f})")
+    # What the GPU spends outside the step's kernels: from one step's last end to the next
+    # step's first start (input copies, the graph's launch, the host), and the period from start
+    # to start, which is what tok/s sees.
+    at = {id(s): j for j, s in enumerate(steps)}
+    gaps, periods = [], []
+    for s in warm:
+        j = at[id(s)]
+        if j + 1 < len(steps) and keys[j + 1] == seq:
+            nxt = steps[j + 1]
+            gaps.append((nxt[0][0] - max(r[1] for r in s)) / 1e3)
+            periods.append((nxt[0][0] - s[0][0]) / 1e3)
+    if gaps:
+        print(f"between steps: median {statistics.median(gaps):.1f} us idle (min {min(gaps):.1f}, "
+              f"max {max(gaps):.1f}); start to start {statistics.median(periods):.1f} us")
     n = len(seq)
     dur = [[] for _ in range(n)]
     inc = [[] for _ in range(n)]

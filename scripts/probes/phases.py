@@ -12,7 +12,12 @@ warm-up and prefill launch some too), MOERUN_PROBE_LAUNCHES how many (3). Per la
 blocks printed, how far apart they started and ended (ns, %globaltimer), and per mark the min /
 median / max cycles since each block's start (clock64; the kernel's comment says what each mark
 is). Lines that are not probe lines are ignored.
+
+`--by EXPR` also prints each mark's median per group of blocks, EXPR a Python expression of the
+block's x, y, z (e.g. `--by y%8`: the cluster rank of the decode attention's (1, 8, 1) clusters),
+to find the block a cluster waits for.
 """
+import argparse
 import re
 import statistics
 import sys
@@ -23,6 +28,9 @@ LINE = re.compile(r"PROBE (\S+) launch (\d+) block (\d+) (\d+) (\d+) sm (\d+) t0
 
 
 def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--by", help="group blocks by this expression of x, y, z")
+    args = ap.parse_args()
     launches = defaultdict(list)
     for line in sys.stdin:
         m = LINE.search(line)
@@ -46,6 +54,18 @@ def main():
             if vals:
                 print(f"   mark {i + 1}: cycles min {vals[0]:7d}  median "
                       f"{int(statistics.median(vals)):7d}  max {vals[-1]:7d}  ({len(vals)} blocks)")
+        if args.by:
+            groups = defaultdict(list)
+            for b in blocks:
+                x, y, z = b[0]
+                groups[eval(args.by, {}, {"x": x, "y": y, "z": z})].append(b)
+            print(f"   by {args.by}: median cycles of marks 1..{len(blocks[0][4])} (-: not reached)")
+            for g in sorted(groups):
+                meds = []
+                for i in range(len(blocks[0][4])):
+                    vals = [b[4][i] for b in groups[g] if b[4][i] >= 0]
+                    meds.append(f"{int(statistics.median(vals)):6d}" if vals else "     -")
+                print(f"   {str(g):>6s}:" + "".join(meds))
 
 
 if __name__ == "__main__":

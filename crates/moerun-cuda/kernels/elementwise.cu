@@ -76,7 +76,10 @@ extern "C" __global__ void fill_random_f32(float* out, u64 n, u64 seed, float sc
 //   contiguous slices, each thread its strided elements in order), then warp and block
 //   reductions into part_v / part_i [rows][parts]. A row of a 151,936-word vocabulary in one block
 //   took 34 us (one SM's bandwidth); parts spread it over the GPU.
-// - argmax_finish_f32: grid (rows), block 32; one warp merges a row's parts (parts <= 32).
+// - argmax_finish_f32: grid (rows), block 32; one warp merges a row's parts (parts <= 32). With
+//   next_token non-null (a greedy decode chain, moerun-model's cuda/ahead.rs) it also writes the
+//   next step's inputs of each row: its token, the pick, and its position, one further (both
+//   positions arrays), so that the next step's graph replay copies nothing in.
 // Merging keeps the larger value, and the lower index on equal values, so the order of the
 // reductions never changes the pick.
 __device__ __forceinline__ void argmax_merge(float& bv, u32& bi, float ov, u32 oi) {
@@ -132,11 +135,20 @@ extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
 
 extern "C" __global__ void __launch_bounds__(32)
     argmax_finish_f32(const float* __restrict__ part_v, const u32* __restrict__ part_i, int parts,
-                      u32* __restrict__ out) {
+                      u32* __restrict__ out, u32* __restrict__ next_token,
+                      int* __restrict__ next_pos, u32* __restrict__ next_pos_u32) {
     const int lane = threadIdx.x;
     const u64 at = (u64)blockIdx.x * parts + lane;
     float bv = lane < parts ? part_v[at] : __int_as_float(0xff800000);
     u32 bi = lane < parts ? part_i[at] : 0xffffffffu;
     argmax_warp(bv, bi);
-    if (lane == 0) out[blockIdx.x] = bi == 0xffffffffu ? 0u : bi;
+    if (lane == 0) {
+        const u32 pick = bi == 0xffffffffu ? 0u : bi;
+        out[blockIdx.x] = pick;
+        if (next_token) {
+            next_token[blockIdx.x] = pick;
+            next_pos[blockIdx.x] += 1;
+            next_pos_u32[blockIdx.x] += 1u;
+        }
+    }
 }

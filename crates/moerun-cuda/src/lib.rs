@@ -32,6 +32,7 @@ pub use device::{CudaDevice, DeviceInfo, DeviceMatrix};
 pub use error::{CudaError, Result};
 pub use graph::DeviceGraph;
 pub use ops::FUSED_MAX_HEAD_DIM;
+pub use ops::{ArgmaxScratch, NextStepInputs};
 pub use ops::{
     AttentionPrefill, AttentionScratch, AttentionShape, BatchKvBf16, DeviceKvPool, KvBuffers,
     KvBuffersMut, KvDtype, TokenPlacement,

@@ -692,3 +692,48 @@ fn argmax_rows_picks_the_cpu_greedy_token_with_ties_nan_and_empty_rows() {
     let err = dev.argmax_rows(&xd, 3, &mut out).unwrap_err();
     assert!(err.to_string().contains("not rows of 3"), "{err}");
 }
+
+#[test]
+fn argmax_rows_advancing_writes_the_next_steps_token_and_positions() {
+    let Some(dev) = device() else { return };
+    let mut r = rng("argmax_rows_advancing");
+    let (rows, width) = (3usize, 151936usize);
+    let x = uniform(&mut r, rows * width, -4.0, 4.0);
+    let want: Vec<u32> = x.chunks_exact(width).map(argmax_cpu).collect();
+    let xd = dev.upload(&x).unwrap();
+    let mut scratch = moerun_cuda::ArgmaxScratch::new(dev, rows).unwrap();
+    let mut out = dev.upload(&vec![u32::MAX; rows]).unwrap();
+    let mut tokens = dev.upload(&[7u32, 8, 9]).unwrap();
+    let mut positions = dev.upload(&[511i32, 0, 40]).unwrap();
+    let mut positions_u32 = dev.upload(&[511u32, 0, 40]).unwrap();
+    for step in 1..=2 {
+        let next = moerun_cuda::NextStepInputs {
+            tokens: &mut tokens,
+            positions: &mut positions,
+            positions_u32: &mut positions_u32,
+        };
+        dev.argmax_rows_advancing(&xd, width, &mut out, &mut scratch, next)
+            .unwrap();
+        assert_eq!(dev.download(&out).unwrap(), want);
+        assert_eq!(
+            dev.download(&tokens).unwrap(),
+            want,
+            "the picks are the next tokens"
+        );
+        let at = [511 + step, step, 40 + step];
+        assert_eq!(dev.download(&positions).unwrap(), at.to_vec());
+        let at_u32: Vec<u32> = at.iter().map(|&p| p as u32).collect();
+        assert_eq!(dev.download(&positions_u32).unwrap(), at_u32);
+    }
+    // Next-step buffers for fewer rows than the logits hold are refused by name.
+    let mut short = dev.zeros::<u32>(2).unwrap();
+    let next = moerun_cuda::NextStepInputs {
+        tokens: &mut short,
+        positions: &mut positions,
+        positions_u32: &mut positions_u32,
+    };
+    let err = dev
+        .argmax_rows_advancing(&xd, width, &mut out, &mut scratch, next)
+        .unwrap_err();
+    assert!(err.to_string().contains("next-step inputs"), "{err}");
+}

@@ -107,6 +107,16 @@ impl SequenceKv {
         self.allocator.reserve(table, num_tokens)
     }
 
+    /// Grow `table` to hold `num_tokens` tokens if the free blocks allow it, else leave it as it
+    /// is: a lookahead that must never make a step fail.
+    pub fn reserve_if_free(&mut self, table: &mut BlockTable, num_tokens: usize) {
+        let needed = num_tokens.div_ceil(self.block_size());
+        if needed.saturating_sub(table.blocks.len()) <= self.allocator.num_free() {
+            // Cannot fail: the blocks are there.
+            let _ = self.allocator.reserve(table, num_tokens);
+        }
+    }
+
     /// Return a sequence's blocks.
     pub fn free(&mut self, table: &mut BlockTable) {
         if let Some(&first) = table.blocks.first() {
@@ -167,7 +177,11 @@ impl Sequence {
 /// Run up to `max_tokens[i]` pending tokens of each sequence (and at most
 /// [`SequenceKv::max_chunk`]) as one flat batch, then mark them cached. Blocks are reserved
 /// first, all or nothing per sequence; with a window group, each sequence first gives back the
-/// window blocks its chunk can no longer see.
+/// window blocks its chunk can no longer see. A one-token step of a sequence without a window
+/// group also takes the block of its next position where one is free: the CUDA backend launches
+/// a greedy sequence's next step ahead only into a block the sequence already holds, so without
+/// the lookahead the first step of each block waited for the host (~770 µs of idle GPU every 16
+/// tokens of a Qwen3-30B-A3B decode on the H200, ~2% of its time).
 pub fn run_step(
     model: &Model,
     kv: &mut SequenceKv,
@@ -179,6 +193,9 @@ pub fn run_step(
     for (s, &limit) in seqs.iter_mut().zip(max_tokens) {
         let n = s.pending().len().min(limit).min(kv.max_chunk());
         kv.reserve(&mut s.table, s.cached + n)?;
+        if n == 1 && kv.window.is_none() {
+            kv.reserve_if_free(&mut s.table, s.cached + 2);
+        }
         if let Some(w) = &mut kv.window {
             let first_visible = (s.cached + 1).saturating_sub(w.window);
             w.allocator

@@ -7,7 +7,10 @@
 //!
 //! The weights are resident before anything is timed (mmapped pages touched on the CPU; uploaded
 //! or drawn on the GPU) and a short forward runs first. Each of `--repeat` runs uses a fresh KV
-//! cache; the best prefill and the best decode are reported.
+//! cache; the best prefill and the best decode are reported. The decode figures are steady
+//! state: the first decode step after a prefill runs untimed, because on the GPU it captures the
+//! CUDA graph of its batch size into the fresh cache (~7 ms, once per cache and batch size, as a
+//! server's long-lived cache pays it once), and the `--gen` steps after it are timed.
 
 use std::time::Instant;
 
@@ -212,9 +215,10 @@ fn parse_concurrency(list: Option<&str>) -> CliResult<Vec<usize>> {
 }
 
 /// One prefill of `prompt` (logits of its last position only, as generation needs), then `gen`
-/// decode steps at batch 1 feeding back the argmax, in a KV cache sized for both.
+/// decode steps at batch 1 feeding back the argmax, in a KV cache sized for both, after one
+/// untimed decode step (the module doc says why).
 fn measure(model: &Model, prompt: &[u32], gen: usize) -> CliResult<Timing> {
-    let mut kv = SequenceKv::for_model(model, prompt.len() + gen)?;
+    let mut kv = SequenceKv::for_model(model, prompt.len() + 1 + gen)?;
     let mut seq = Sequence::new(prompt.to_vec());
     let start = Instant::now();
     let out = run_step(
@@ -226,9 +230,8 @@ fn measure(model: &Model, prompt: &[u32], gen: usize) -> CliResult<Timing> {
     )?;
     let prefill_s = start.elapsed().as_secs_f64();
     let mut next = out.tokens[0];
-    let start = Instant::now();
-    for _ in 0..gen {
-        seq.tokens.push(next);
+    let mut decode_step = |next: &mut u32| -> CliResult {
+        seq.tokens.push(*next);
         let out = run_step(
             model,
             &mut kv,
@@ -236,7 +239,13 @@ fn measure(model: &Model, prompt: &[u32], gen: usize) -> CliResult<Timing> {
             &[1],
             LogitsFor::GreedyOfEachSeq,
         )?;
-        next = out.tokens[0];
+        *next = out.tokens[0];
+        Ok(())
+    };
+    decode_step(&mut next)?;
+    let start = Instant::now();
+    for _ in 0..gen {
+        decode_step(&mut next)?;
     }
     let decode_s = start.elapsed().as_secs_f64();
     Ok(Timing {
@@ -246,10 +255,11 @@ fn measure(model: &Model, prompt: &[u32], gen: usize) -> CliResult<Timing> {
 }
 
 /// `n` sequences with distinct random prompts of `prompt` tokens, prefilled (untimed, a few
-/// sequences per step), then `gen` decode steps of all `n` at once, timed.
+/// sequences per step), then one untimed decode step of all `n` (it captures their batch size's
+/// graph) and `gen` decode steps of all `n` at once, timed.
 fn measure_concurrent(model: &Model, n: usize, prompt: usize, gen: usize) -> CliResult<Concurrent> {
     let vocab = model.config.vocab_size;
-    let mut kv = SequenceKv::for_model(model, n * (prompt + gen + 16))?;
+    let mut kv = SequenceKv::for_model(model, n * (prompt + 1 + gen + 16))?;
     let mut seqs: Vec<Sequence> = (0..n)
         .map(|i| Sequence::new(random_prompt(prompt, vocab, i as u64 + 1)))
         .collect();
@@ -267,9 +277,8 @@ fn measure_concurrent(model: &Model, n: usize, prompt: usize, gen: usize) -> Cli
         )?;
         next[c * per_step..][..out.tokens.len()].copy_from_slice(&out.tokens);
     }
-    let start = Instant::now();
-    for _ in 0..gen {
-        for (s, &t) in seqs.iter_mut().zip(&next) {
+    let mut decode_step = |next: &mut [u32]| -> CliResult {
+        for (s, &t) in seqs.iter_mut().zip(next.iter()) {
             s.tokens.push(t);
         }
         let mut refs: Vec<&mut Sequence> = seqs.iter_mut().collect();
@@ -281,6 +290,12 @@ fn measure_concurrent(model: &Model, n: usize, prompt: usize, gen: usize) -> Cli
             LogitsFor::GreedyOfEachSeq,
         )?;
         next.copy_from_slice(&out.tokens);
+        Ok(())
+    };
+    decode_step(&mut next)?;
+    let start = Instant::now();
+    for _ in 0..gen {
+        decode_step(&mut next)?;
     }
     let decode_s = start.elapsed().as_secs_f64();
     Ok(Concurrent {

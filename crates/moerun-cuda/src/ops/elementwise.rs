@@ -46,6 +46,32 @@ impl ElementwiseKernels {
 /// Most parts a row of [`CudaDevice::argmax_rows`] is split into (one warp merges them).
 const ARGMAX_MAX_PARTS: usize = 32;
 
+/// The inputs of a decode step's graph that [`CudaDevice::argmax_rows_advancing`] moves on to
+/// the next step of a greedy chain: row r's token becomes its pick, its position (in both forms
+/// the graph reads) one further.
+pub struct NextStepInputs<'a> {
+    pub tokens: &'a mut CudaSlice<u32>,
+    pub positions: &'a mut CudaSlice<i32>,
+    pub positions_u32: &'a mut CudaSlice<u32>,
+}
+
+/// Reusable scratch of [`CudaDevice::argmax_rows_advancing`]: the rows' parts (a per-call
+/// allocation is two more stream operations between a chain's steps).
+pub struct ArgmaxScratch {
+    part_v: CudaSlice<f32>,
+    part_i: CudaSlice<u32>,
+}
+
+impl ArgmaxScratch {
+    /// Room for `rows` rows' parts.
+    pub fn new(dev: &CudaDevice, rows: usize) -> Result<ArgmaxScratch> {
+        Ok(ArgmaxScratch {
+            part_v: dev.alloc_f32(rows * ARGMAX_MAX_PARTS)?,
+            part_i: dev.alloc_u32(rows * ARGMAX_MAX_PARTS)?,
+        })
+    }
+}
+
 impl CudaDevice {
     fn grid_stride(&self, n: usize) -> LaunchConfig {
         LaunchConfig {
@@ -66,6 +92,30 @@ impl CudaDevice {
         width: usize,
         out: &mut impl DevicePtrMut<u32>,
     ) -> Result<()> {
+        self.argmax_rows_with(x, width, out, None, None)
+    }
+
+    /// [`CudaDevice::argmax_rows`] with its parts in `scratch`, writing each row's next-step
+    /// inputs in `next` as well (`next`'s buffers hold one entry per row).
+    pub fn argmax_rows_advancing(
+        &self,
+        x: &impl DevicePtr<f32>,
+        width: usize,
+        out: &mut impl DevicePtrMut<u32>,
+        scratch: &mut ArgmaxScratch,
+        next: NextStepInputs<'_>,
+    ) -> Result<()> {
+        self.argmax_rows_with(x, width, out, Some(scratch), Some(next))
+    }
+
+    fn argmax_rows_with(
+        &self,
+        x: &impl DevicePtr<f32>,
+        width: usize,
+        out: &mut impl DevicePtrMut<u32>,
+        scratch: Option<&mut ArgmaxScratch>,
+        next: Option<NextStepInputs<'_>>,
+    ) -> Result<()> {
         ensure(width > 0 && x.len().is_multiple_of(width), || {
             format!("argmax_rows: {} values are not rows of {width}", x.len())
         })?;
@@ -82,14 +132,41 @@ impl CudaDevice {
             .div_ceil(rows)
             .clamp(1, ARGMAX_MAX_PARTS)
             .min(width);
-        let mut part_v = self.alloc_f32(rows * parts)?;
-        let mut part_i = self.alloc_u32(rows * parts)?;
+        if let Some(n) = &next {
+            ensure(
+                n.tokens.len() >= rows
+                    && n.positions.len() >= rows
+                    && n.positions_u32.len() >= rows,
+                || format!("argmax_rows: next-step inputs for fewer than {rows} rows"),
+            )?;
+        }
+        let mut owned;
+        let (part_v, part_i) = match scratch {
+            Some(s) => {
+                ensure(s.part_v.len() >= rows * parts, || {
+                    format!("argmax_rows: scratch for fewer than {rows} rows")
+                })?;
+                (&mut s.part_v, &mut s.part_i)
+            }
+            None => {
+                owned = (self.alloc_f32(rows * parts)?, self.alloc_u32(rows * parts)?);
+                (&mut owned.0, &mut owned.1)
+            }
+        };
         let xp = self.ptr(x, "argmax_rows x")?;
         let op = self.ptr_mut(out, "argmax_rows out")?;
         let (vp, ip) = (
-            self.ptr_mut(&mut part_v, "argmax_rows parts")?,
-            self.ptr_mut(&mut part_i, "argmax_rows parts")?,
+            self.ptr_mut(part_v, "argmax_rows parts")?,
+            self.ptr_mut(part_i, "argmax_rows parts")?,
         );
+        let (tp, pp, pu) = match next {
+            Some(n) => (
+                self.ptr_mut(n.tokens, "argmax_rows next tokens")?,
+                self.ptr_mut(n.positions, "argmax_rows next positions")?,
+                self.ptr_mut(n.positions_u32, "argmax_rows next positions")?,
+            ),
+            None => (0u64, 0u64, 0u64),
+        };
         let (width_i, parts_i) = (
             super::to_i32(width, "width")?,
             super::to_i32(parts, "parts")?,
@@ -115,7 +192,9 @@ impl CudaDevice {
         };
         let mut b = self.stream.launch_builder(&k.argmax_finish);
         b.arg(&vp).arg(&ip).arg(&parts_i).arg(&op);
-        // SAFETY: the parts were written above for every (row, part); out holds rows u32.
+        b.arg(&tp).arg(&pp).arg(&pu);
+        // SAFETY: the parts were written above for every (row, part); out holds rows u32; the
+        // next-step buffers are null or hold at least rows entries each (checked above).
         unsafe { b.launch(cfg) }.ctx("argmax_finish_f32")?;
         Ok(())
     }

@@ -29,6 +29,7 @@ pub use attention::{
 };
 pub use attention_fold::FoldedPrologue;
 pub(crate) use elementwise::ElementwiseKernels;
+pub use elementwise::{ArgmaxScratch, NextStepInputs};
 pub(crate) use fused::FusedKernels;
 pub use fused::{QkvShape, FUSED_MAX_HEAD_DIM};
 pub(crate) use gated_delta::GatedDeltaKernels;

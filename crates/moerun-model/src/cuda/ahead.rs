@@ -21,7 +21,9 @@
 //! inputs. `MOERUN_CUDA_DECODE_AHEAD=0` switches it off.
 
 use moerun_core::{Error, Result};
-use moerun_cuda::{CudaDevice, CudaEvent, CudaSlice, CudaView, PinnedHostSlice};
+use moerun_cuda::{
+    ArgmaxScratch, CudaDevice, CudaEvent, CudaSlice, CudaView, NextStepInputs, PinnedHostSlice,
+};
 
 use super::graph::{self, StepTokens};
 use super::{dev_err, CudaModel, DeviceKv};
@@ -35,6 +37,7 @@ pub(crate) struct Picks {
     device: [CudaSlice<u32>; 2],
     host: [PinnedHostSlice<u32>; 2],
     copied: [CudaEvent; 2],
+    scratch: ArgmaxScratch,
 }
 
 impl Picks {
@@ -52,6 +55,7 @@ impl Picks {
                 dev.new_event().map_err(dev_err)?,
                 dev.new_event().map_err(dev_err)?,
             ],
+            scratch: ArgmaxScratch::new(dev, 1).map_err(dev_err)?,
         })
     }
 
@@ -60,16 +64,24 @@ impl Picks {
         &self.device[slot]
     }
 
-    /// The arg-max of `logits` (one row of `vocab`) into buffer `slot`, and its copy to the host.
+    /// The arg-max of `logits` (one row of `vocab`) into buffer `slot`, and its copy to the host;
+    /// `next`, the graph's inputs, move on to the step that decodes it.
     pub(crate) fn pick(
         &mut self,
         dev: &CudaDevice,
         logits: &CudaView<'_, f32>,
         vocab: usize,
         slot: usize,
+        next: NextStepInputs<'_>,
     ) -> Result<()> {
-        dev.argmax_rows(logits, vocab, &mut self.device[slot])
-            .map_err(dev_err)?;
+        dev.argmax_rows_advancing(
+            logits,
+            vocab,
+            &mut self.device[slot],
+            &mut self.scratch,
+            next,
+        )
+        .map_err(dev_err)?;
         dev.copy_to_host_async(&self.device[slot], &mut self.host[slot], &self.copied[slot])
             .map_err(dev_err)
     }
@@ -160,7 +172,14 @@ pub(crate) fn greedy_step(
         _ => {
             let token = [batch.seqs[0].tokens[0]];
             graph::replay(m, kv, bucket, batch, StepTokens::Host(&token), None)?;
-            graph::pick(m, cfg.vocab_size, kv, bucket, 0)?;
+            graph::pick(
+                m,
+                cfg.vocab_size,
+                kv,
+                bucket,
+                0,
+                batch.seqs[0].start_pos + 1,
+            )?;
             0
         }
     };
@@ -171,7 +190,7 @@ pub(crate) fn greedy_step(
             ..*seq
         }]);
         graph::replay(m, kv, bucket, &next_batch, StepTokens::Pick(slot), None)?;
-        graph::pick(m, cfg.vocab_size, kv, bucket, 1 - slot)?;
+        graph::pick(m, cfg.vocab_size, kv, bucket, 1 - slot, next + 1)?;
         kv.graphs.ahead = Some(Ahead {
             start_pos: next,
             blocks: seq.block_table.blocks.clone(),

@@ -83,6 +83,12 @@ struct DecodeGraph {
     linear: Option<(LinearPlacement, CudaSlice<f32>)>,
     logits: CudaSlice<f32>,
     graph: DeviceGraph,
+    /// Where a greedy chain's pick left the inputs ([`pick`] with a next position): the position
+    /// they hold and the pick buffer whose token is already in `tokens`. A replay of exactly
+    /// that step copies neither in.
+    advanced_to: Option<(usize, usize)>,
+    /// The block tables last copied in: an unchanged table is not copied again.
+    tables_in: Vec<i32>,
     /// Bytes of activations the step drew from (or wanted of) the arena.
     arena_bytes: usize,
 }
@@ -246,8 +252,28 @@ pub(crate) fn replay(
             }
         }
     }
-    let positions_u32: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
     let dev = &m.dev;
+    // A greedy chain's next step: its token and positions were written by the pick before it.
+    let advanced = match tokens {
+        StepTokens::Pick(slot) => n == 1 && g.advanced_to == Some((batch.seqs[0].start_pos, slot)),
+        StepTokens::Host(_) => false,
+    };
+    g.advanced_to = None;
+    if tables != g.tables_in {
+        dev.copy_to_device(&tables, &mut g.at.block_tables)
+            .map_err(dev_err)?;
+        g.tables_in = tables;
+    }
+    if let (Some((lp, trash)), Some(addrs)) = (&mut g.linear, linear_addrs) {
+        let trash = dev.state_address(trash).map_err(dev_err)?;
+        let mut all = vec![trash; bucket];
+        all[..n].copy_from_slice(addrs);
+        lp.set_states(dev, &all)?;
+    }
+    if advanced {
+        return g.graph.launch().map_err(dev_err);
+    }
+    let positions_u32: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
     match tokens {
         StepTokens::Host(ids) => {
             let mut padded = vec![0u32; bucket];
@@ -266,14 +292,6 @@ pub(crate) fn replay(
         .map_err(dev_err)?;
     dev.copy_to_device(&positions_u32, &mut g.at.positions_u32)
         .map_err(dev_err)?;
-    dev.copy_to_device(&tables, &mut g.at.block_tables)
-        .map_err(dev_err)?;
-    if let (Some((lp, trash)), Some(addrs)) = (&mut g.linear, linear_addrs) {
-        let trash = dev.state_address(trash).map_err(dev_err)?;
-        let mut all = vec![trash; bucket];
-        all[..n].copy_from_slice(addrs);
-        lp.set_states(dev, &all)?;
-    }
     g.graph.launch().map_err(dev_err)
 }
 
@@ -283,25 +301,35 @@ fn no_graph(bucket: usize) -> Error {
 }
 
 /// The arg-max of row 0 of the logits a replay of `bucket` wrote, into pick buffer `slot`, and
-/// its copy to the host (enqueued: `ahead::Picks::read` waits for it).
+/// its copy to the host (enqueued: `ahead::Picks::read` waits for it). The graph's inputs move on
+/// to the next step of the chain, the pick at position `next` (one sequence: the replay decoded
+/// position `next - 1`), so that [`replay`] of that step from this pick copies nothing in.
 pub(crate) fn pick(
     m: &CudaModel,
     vocab: usize,
     kv: &mut DeviceKv,
     bucket: usize,
     slot: usize,
+    next: usize,
 ) -> Result<()> {
     let g = kv
         .graphs
         .by_bucket
-        .get(&bucket)
+        .get_mut(&bucket)
         .ok_or_else(|| no_graph(bucket))?;
     let picks = kv
         .graphs
         .picks
         .as_mut()
         .ok_or_else(|| Error::Device("internal: no pick buffers".into()))?;
-    picks.pick(&m.dev, &g.logits.slice(0..vocab), vocab, slot)
+    let inputs = moerun_cuda::NextStepInputs {
+        tokens: &mut g.tokens,
+        positions: &mut g.at.positions,
+        positions_u32: &mut g.at.positions_u32,
+    };
+    picks.pick(&m.dev, &g.logits.slice(0..vocab), vocab, slot, inputs)?;
+    g.advanced_to = Some((next, slot));
+    Ok(())
 }
 
 /// Run `capture` (a decode step's [`capture`]), which takes every activation of the step from
@@ -345,6 +373,7 @@ fn capture(
             .map(|i| ((bucket + i) * table_blocks) as i32)
             .collect()
     });
+    let tables = padding_tables(kv, bucket, table_blocks);
     let at = Placement {
         positions_u32: dev.zeros(bucket).map_err(dev_err)?,
         positions: dev.zeros(bucket).map_err(dev_err)?,
@@ -352,9 +381,7 @@ fn capture(
         window_table_start: window_table_start
             .map(|w| dev.upload(&w).map_err(dev_err))
             .transpose()?,
-        block_tables: dev
-            .upload(&padding_tables(kv, bucket, table_blocks))
-            .map_err(dev_err)?,
+        block_tables: dev.upload(&tables).map_err(dev_err)?,
         max_context: table_blocks * block_size,
         // One token per sequence.
         seq_starts: (0..bucket).collect(),
@@ -412,6 +439,8 @@ fn capture(
         linear,
         logits,
         graph,
+        advanced_to: None,
+        tables_in: tables,
         arena_bytes,
     })
 }
