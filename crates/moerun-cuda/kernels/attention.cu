@@ -478,22 +478,6 @@ __device__ __forceinline__ void set_own_key(int jb, int pos, int grp, int sub, i
     }
 }
 
-// Keys k0 .. k1 - 1's K and V rows (kv head kh) pulled towards L2 by the block's threads, a
-// 128-byte line each (prefetch.global.L2: no registers held, nothing waited for); the folded
-// attention's experiment hook (-DATTN_L2PF).
-__device__ __forceinline__ void prefetch_rows_l2(const AttnArgs& a, int ts, int kh, int k0, int k1,
-                                                 const int* tab) {
-    const int lines = (int)(a.head_dim * sizeof(kv_t) + 127) / 128;  // per row
-    for (int e = threadIdx.x; e < (k1 - k0) * lines; e += blockDim.x) {
-        const int key = e / lines;
-        const long long off = kv_offset(a, ts, k0 + key, kh, tab);
-        if (off < 0) continue;
-        const int at = (e - key * lines) * (128 / (int)sizeof(kv_t));
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(a.pool_k + off + at));
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(a.pool_v + off + at));
-    }
-}
-
 // One block's pass over keys k0 .. k1 - 1 of token i for query heads h0 .. h0 + gh (of kv head
 // kh): W warps of L-lane groups, each group one key at a time (U per step, the next step's rows
 // loading meanwhile), then the groups of each warp merged by shuffles. Leaves each warp's state
@@ -557,29 +541,14 @@ __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, in
             // the two dependent reads delayed the block holding the key, the cluster's last).
             const bool own = pos >= k0 && pos < k1;
             const long long slot = own ? kv_offset(a, ts, pos, kh, tab) : -1;
-#ifdef ATTN_L2PF
-            // Experiment: the first steps' rows pulled towards L2 before the wait, a 128-byte
-            // line a thread at a time (one key offset each, no registers held), so that their
-            // loads after the wait find them there.
-            prefetch_rows_l2(a, ts, kh, k0, min(old_end, k0 + DEPTH * STEP), tab);
-#endif
             probe_mark(18);
             pdl_wait();
             probe_mark(1);
-#ifdef ATTN_POST2
-            // Experiment: the second step's rows after the prologue (its reads go out sooner).
-            constexpr int EARLY_STEPS = 1;
-#else
-            constexpr int EARLY_STEPS = DEPTH;
-#endif
-            fetch_first_steps<W, L, VPL, U, EARLY_STEPS>(a, ts, kh, k0, old_end, grp, sub, d4, kr,
-                                                         vr, ok, kr2, vr2, ok2, tab);
+            fetch_first_steps<W, L, VPL, U, DEPTH>(a, ts, kh, k0, old_end, grp, sub, d4, kr, vr,
+                                                   ok, kr2, vr2, ok2, tab);
             probe_mark(17);
             fold_prologue<W, GM, DMAX>(a, *pro, i, kh, h0, gh, own, slot, *fold);
             probe_mark(7);
-            if constexpr (DEPTH == 2 && EARLY_STEPS == 1)
-                fetch_keys<W, L, VPL, U>(a, ts, kh, k0 + STEP, old_end, grp, sub, d4, kr2, vr2,
-                                         ok2, tab);
             // The o_proj GEMV launches (and streams its weights) from here, not from the wait:
             // launched at the wait, its stream overlapped this kernel's own key fetches, and the
             // keys' loop took ~3,900 cycles more (MOERUN_PROBE marks 8-9, Qwen3-30B-A3B shapes at
