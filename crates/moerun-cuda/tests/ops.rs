@@ -272,41 +272,43 @@ fn gemma_elementwise_ops_match_cpu() {
 fn embedding_gathers_rows_exactly_for_every_dtype_and_refuses_bad_ids() {
     let Some(dev) = device() else { return };
     let mut r = rng("embed");
-    let (vocab, hidden) = (1000usize, 96usize);
-    let values = uniform(&mut r, vocab * hidden, -1.0, 1.0);
-    let ids: Vec<u32> = vec![0, 999, 5, 5, 123, 777, 1];
-    for dtype in [DType::BF16, DType::F16, DType::F32] {
-        let bytes = stored(&values, dtype);
-        let table = MatRef {
-            dtype,
-            rows: vocab,
-            cols: hidden,
-            data: &bytes,
-        };
-        let mut want = vec![0.0f32; ids.len() * hidden];
-        for (row, &id) in want.chunks_exact_mut(hidden).zip(&ids) {
-            moerun_core::tensor::widen_into(dtype, table.row(id as usize), row);
-        }
-        let td = dev.upload_matrix(table).unwrap();
-        let mut out = dev.upload(&poison(want.len())).unwrap();
-        dev.embed(&td, &ids, &mut out).unwrap();
-        let got = dev.download(&out).unwrap();
-        let exact = got
-            .iter()
-            .zip(&want)
-            .all(|(a, b)| a.to_bits() == b.to_bits());
-        check(
-            &format!("embed {dtype}"),
-            if exact { 0.0 } else { 1.0 },
-            0.0,
-        );
+    // Rows shorter than a block's first pass, and longer than two (8 loads a thread each).
+    for (vocab, hidden) in [(1000usize, 96usize), (1000, 4100)] {
+        let values = uniform(&mut r, vocab * hidden, -1.0, 1.0);
+        let ids: Vec<u32> = vec![0, 999, 5, 5, 123, 777, 1];
+        for dtype in [DType::BF16, DType::F16, DType::F32] {
+            let bytes = stored(&values, dtype);
+            let table = MatRef {
+                dtype,
+                rows: vocab,
+                cols: hidden,
+                data: &bytes,
+            };
+            let mut want = vec![0.0f32; ids.len() * hidden];
+            for (row, &id) in want.chunks_exact_mut(hidden).zip(&ids) {
+                moerun_core::tensor::widen_into(dtype, table.row(id as usize), row);
+            }
+            let td = dev.upload_matrix(table).unwrap();
+            let mut out = dev.upload(&poison(want.len())).unwrap();
+            dev.embed(&td, &ids, &mut out).unwrap();
+            let got = dev.download(&out).unwrap();
+            let exact = got
+                .iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            check(
+                &format!("embed {dtype}"),
+                if exact { 0.0 } else { 1.0 },
+                0.0,
+            );
 
-        let mut two = dev.zeros::<f32>(2 * hidden).unwrap();
-        let err = dev.embed(&td, &[3, 1000], &mut two).unwrap_err();
-        assert!(
-            matches!(err, CudaError::InvalidArgument(ref m) if m.contains("1000")),
-            "{err}"
-        );
+            let mut two = dev.zeros::<f32>(2 * hidden).unwrap();
+            let err = dev.embed(&td, &[3, 1000], &mut two).unwrap_err();
+            assert!(
+                matches!(err, CudaError::InvalidArgument(ref m) if m.contains("1000")),
+                "{err}"
+            );
+        }
     }
 }
 

@@ -5,7 +5,7 @@
 //! DeltaNet; then `x = x + ffn(post_attention_layernorm(x))` where `ffn` is a dense SwiGLU MLP or
 //! the MoE block.
 
-use moerun_core::Result;
+use moerun_core::{Result, Tensor};
 
 use crate::backend::{AttentionInputs, AttentionSpec, Backend};
 use crate::config::{ModelConfig, MoeConfig, QkNorm};
@@ -64,13 +64,34 @@ pub fn decoder_logits<B: Backend>(
         };
         pending = Some(ffn_out);
     }
-    // The last residual add (the final norm comes after the rows are selected, below).
-    if let Some(y) = pending {
-        b.add_assign(&mut x, &y)?;
+    b.final_logits(
+        &mut x,
+        pending.as_ref(),
+        rows,
+        cfg.hidden_size,
+        (&w.norm, eps),
+        &w.lm_head,
+    )
+}
+
+/// The last residual add, `x += y` where the last layer left a `y`, then the final norm of the
+/// rows `rows` (selected first: only they are normed) and the LM head, as the plain composition
+/// of ops.
+pub fn final_logits<B: Backend>(
+    b: &mut B,
+    x: &mut B::Act,
+    y: Option<&B::Act>,
+    rows: &[usize],
+    hidden: usize,
+    (weight, eps): (&[f32], f32),
+    lm_head: &Tensor,
+) -> Result<B::Act> {
+    if let Some(y) = y {
+        b.add_assign(x, y)?;
     }
-    let last = b.select_rows(&x, cfg.hidden_size, rows)?;
-    let last = b.rms_norm(&last, &w.norm, eps)?;
-    b.matmul(&last, &w.lm_head)
+    let last = b.select_rows(x, hidden, rows)?;
+    let last = b.rms_norm(&last, weight, eps)?;
+    b.matmul(&last, lm_head)
 }
 
 /// Self-attention of layer `l`: q/k/v projections (with biases where the family has them), q/k

@@ -112,6 +112,25 @@ pub trait Backend {
     {
         crate::forward::add_norm_attention(self, layer, cfg, w, x, y, norm)
     }
+    /// The last residual add (`x += y` where the last layer left a `y`), then the final norm of
+    /// rows `rows` (of `x`'s rows of `hidden`) and the LM head
+    /// ([`crate::forward::final_logits`], the reference). A backend may fold the add and norm
+    /// into the LM head's GEMV (the CUDA one does for one token).
+    #[allow(clippy::too_many_arguments)]
+    fn final_logits(
+        &mut self,
+        x: &mut Self::Act,
+        y: Option<&Self::Act>,
+        rows: &[usize],
+        hidden: usize,
+        norm: (&[f32], f32),
+        lm_head: &Tensor,
+    ) -> Result<Self::Act>
+    where
+        Self: Sized,
+    {
+        crate::forward::final_logits(self, x, y, rows, hidden, norm, lm_head)
+    }
     /// `x · Wᵀ (+ b)`.
     fn linear(&mut self, x: &Self::Act, l: &Linear) -> Result<Self::Act>;
     /// `x · Wᵀ` for a bare matrix (the LM head, which may be the tied embedding).

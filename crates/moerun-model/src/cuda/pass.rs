@@ -559,6 +559,34 @@ impl Backend for CudaPass<'_> {
         self.linear(&out, &w.o_proj)
     }
 
+    fn final_logits(
+        &mut self,
+        x: &mut DeviceBuffer<f32>,
+        y: Option<&DeviceBuffer<f32>>,
+        rows: &[usize],
+        hidden: usize,
+        (weight, eps): (&[f32], f32),
+        lm_head: &Tensor,
+    ) -> Result<DeviceBuffer<f32>> {
+        let m = self.m;
+        let one_token = x.len() == hidden && rows == [0] && weight.len() == hidden;
+        let (Some(y), true) = (y, one_token && m.dev.gemv_add_norm_wanted()) else {
+            return crate::forward::final_logits(self, x, y, rows, hidden, (weight, eps), lm_head);
+        };
+        // One token: the last residual add and the final norm folded into the LM head's GEMV
+        // (two launches and their waits fewer a decode step).
+        profile::timed(&m.dev, "final_logits", || {
+            let head = m.mat(lm_head)?;
+            let mut sum = self.alloc(hidden)?;
+            let mut logits = self.alloc(head.rows())?;
+            m.dev
+                .gemv_add_norm((&*x, y, m.vec(weight)?, eps), head, &mut sum, &mut logits)
+                .map_err(dev_err)?;
+            *x = sum;
+            Ok(logits)
+        })
+    }
+
     fn add_assign(&mut self, x: &mut DeviceBuffer<f32>, y: &DeviceBuffer<f32>) -> Result<()> {
         let m = self.m;
         profile::timed(&m.dev, "add_assign", || {

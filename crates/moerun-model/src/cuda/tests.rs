@@ -165,6 +165,27 @@ fn every_backend_op_matches_the_cpu_on_the_gpu() {
         let x = b.upload(&x).unwrap();
         b.select_rows(&x, cfg.hidden_size, &[20, 3, 7]).unwrap()
     });
+    // One token's last residual add, final norm and LM head: folded into one GEMV on the GPU.
+    let h = cfg.hidden_size;
+    both!("final_logits (one token)", |b, w| {
+        let mut x1 = b.upload(&x[..h]).unwrap();
+        let y1 = b.upload(&xn[h..2 * h]).unwrap();
+        let norm = (&w.norm[..], cfg.rms_norm_eps);
+        let logits = b
+            .final_logits(&mut x1, Some(&y1), &[0], h, norm, &w.lm_head)
+            .unwrap();
+        // The residual the fold leaves must be the plain sum.
+        let mut want = x[..h].to_vec();
+        want.iter_mut()
+            .zip(&xn[h..2 * h])
+            .for_each(|(a, y)| *a += y);
+        assert_eq!(
+            b.to_host(x1).unwrap(),
+            want,
+            "the residual after final_logits"
+        );
+        logits
+    });
     both!("lm_head", |b, w| {
         let x = b.upload(&xn).unwrap();
         b.matmul(&x, &w.lm_head).unwrap()
