@@ -209,23 +209,62 @@ struct Scatter {
     }
 };
 
+// The rows of the U keys whose pool offsets lanes base .. base + U - 1 of the warp hold in
+// `mine` (-1: none), by shuffles: fetch_keys' form where a warp is one group (L == 32).
+template <int L, int VPL, int U>
+__device__ __forceinline__ void rows_from_lanes(const AttnArgs& a, long long mine, int base,
+                                                int sub, int d4, kv4_t (&kr)[U][VPL],
+                                                kv4_t (&vr)[U][VPL], bool (&ok)[U]) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const long long off = __shfl_sync(0xffffffffu, mine, base + u);
+        ok[u] = off >= 0;
+#pragma unroll
+        for (int v = 0; v < VPL; ++v) {
+            const int c = sub + L * v;
+            ld_kv_pair<VPL>(a.pool_k, a.pool_v, off, 4 * c, ok[u] && c < d4, kr[u][v], vr[u][v]);
+        }
+    }
+}
+
 // Rows of the U keys group `grp` takes at step jb (zeros past k1 or out of range; ok[u] says
-// which are real); block-table entries below TAB_N from `tab` when given (kv_offset).
+// which are real); block-table entries below TAB_N from `tab` when given (kv_offset). Every lane
+// of the warp takes part (its shuffles): callers keep to block-uniform control flow.
 template <int W, int L, int VPL, int U>
 __device__ __forceinline__ void fetch_keys(const AttnArgs& a, int ts, int kh, int jb, int k1,
                                            int grp, int sub, int d4, kv4_t (&kr)[U][VPL],
                                            kv4_t (&vr)[U][VPL], bool (&ok)[U],
                                            const int* tab = nullptr) {
     constexpr int GROUPS = 32 * W / L;
+    if constexpr (L == 32) {
+        // A warp is one group (grp is the warp): lane u < U works out the pool offset of the
+        // group's key u, and every lane takes the U offsets by shuffles. Where every lane worked
+        // out all U (each a table lookup and a 64-bit chain behind branches, ~95 SASS
+        // instructions a key, one after another), the folded attention's first two steps took
+        // ~3,400 cycles to issue after its wait, then ~1,700, and batch-1 decode went 456.5 ->
+        // 464.2 tok/s (H200, docs/perf/cuda-model.md v22).
+        static_assert(U <= 32, "one key a lane");
+        const int lane = threadIdx.x & 31;
+        long long mine = -1;
+        if (lane < U) {
+            const int j = jb + grp + GROUPS * lane;
+            if (j < k1) mine = kv_offset(a, ts, j, kh, tab);
+        }
+        rows_from_lanes<L, VPL, U>(a, mine, 0, sub, d4, kr, vr, ok);
+    } else {
+        // Several groups a warp (head dims below 128): each lane its U offsets (the lane-shared
+        // form made the d16 split and d32 / d64 cluster builds spill).
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-        const int j = jb + grp + GROUPS * u;
-        const long long off = j < k1 ? kv_offset(a, ts, j, kh, tab) : -1;
-        ok[u] = off >= 0;
+        for (int u = 0; u < U; ++u) {
+            const int j = jb + grp + GROUPS * u;
+            const long long off = j < k1 ? kv_offset(a, ts, j, kh, tab) : -1;
+            ok[u] = off >= 0;
 #pragma unroll
-        for (int v = 0; v < VPL; ++v) {
-            const int c = sub + L * v;
-            ld_kv_pair<VPL>(a.pool_k, a.pool_v, off, 4 * c, ok[u] && c < d4, kr[u][v], vr[u][v]);
+            for (int v = 0; v < VPL; ++v) {
+                const int c = sub + L * v;
+                ld_kv_pair<VPL>(a.pool_k, a.pool_v, off, 4 * c, ok[u] && c < d4, kr[u][v],
+                                vr[u][v]);
+            }
         }
     }
 }
