@@ -437,15 +437,20 @@ __device__ __forceinline__ void fold_constants(const AttnArgs& a, const Prologue
     __syncthreads();
 }
 
-// One head of the prologue by one warp into hd (head_dim floats of shared memory): RMSNorm by
-// `norm` (none when null), then, if `rotate`, rotate-half RoPE by cos_sin; the arithmetic of
-// qkv_split_norm_rope, lane by lane.
+// One head of the prologue by one warp in hd (head_dim floats of shared memory, on their way
+// there from fold_prologue_fetch): RMSNorm by `norm` (none when null), then, if `rotate`,
+// rotate-half RoPE by cos_sin; the arithmetic of qkv_split_norm_rope, lane by lane.
 template <int DMAX>
-__device__ __forceinline__ void prologue_head(const float* src, const float* norm, bool rotate,
+__device__ __forceinline__ void prologue_head(const float* norm, bool rotate,
                                               const PrologueArgs& p, int d,
                                               const float (&cos_sin)[2][DMAX / 2], float* hd) {
     const int lane = threadIdx.x & 31;
-    float ss = stage_head(src, hd, d, lane);
+    // The head is already on its way into hd (fold_prologue_fetch): wait for it, then its squares
+    // in stage_head's order.
+    cp_async_wait<0>();
+    __syncwarp();
+    float ss = 0.0f;
+    for (int i = lane; i < d; i += 32) ss += hd[i] * hd[i];
     if (norm) {
         ss = warp_sum(ss);
         const float inv = 1.0f / sqrtf(ss / (float)d + p.eps);
@@ -464,27 +469,49 @@ __device__ __forceinline__ void prologue_head(const float* src, const float* nor
     }
 }
 
-// The fold's work after the programmatic wait, for token i (at `pos`) in a block of query heads
-// h0 .. h0 + gh of kv head kh: the q heads into fs.q; when this block holds `pos` (`own`), the
-// key and value into the pool slot `slot` (when in range) and fs.kv_stored. Ends in a block
-// barrier. W warps, at least GM + 2.
+// The q/k/v values of this warp's head in fold_prologue, copied asynchronously into its staging
+// row right after the wait, so that their round trip overlaps the first steps' key loads the
+// block issues next (prologue_head waits for them): the prologue done ~570 cycles sooner,
+// batch-1 decode 466.0 -> 467.6 tok/s (H200, docs/perf/cuda-model.md v22).
 template <int W, int GM, int DMAX>
-__device__ __forceinline__ void fold_prologue(const AttnArgs& a, const PrologueArgs& p, int i,
-                                              int kh, int h0, int gh, bool own, long long slot,
-                                              FoldSmem<GM, DMAX>& fs) {
-    static_assert(W >= GM + 2, "a warp for each query head, the key and the value");
+__device__ __forceinline__ void fold_prologue_fetch(const AttnArgs& a, const PrologueArgs& p,
+                                                    int i, int kh, int h0, int gh, bool own,
+                                                    FoldSmem<GM, DMAX>& fs) {
     const int warp = threadIdx.x >> 5;
     const int d = a.head_dim;
     const float* row = p.qkv + (u64)i * (a.num_heads + 2 * a.kv_heads) * d;
+    const float* src;
+    float* hd;
     if (warp < gh) {
-        prologue_head<DMAX>(row + (u64)(h0 + warp) * d, p.q_norm ? fs.norm[0] : nullptr, true,
-                            p, d, fs.cos_sin, fs.q[warp]);
+        src = row + (u64)(h0 + warp) * d;
+        hd = fs.q[warp];
+    } else if (own && warp >= GM && warp < GM + 2) {
+        const int is_k = warp == GM;
+        src = row + (u64)(a.num_heads + (is_k ? kh : a.kv_heads + kh)) * d;
+        hd = fs.kv[1 - is_k];
+    } else {
+        return;
+    }
+    for (int c = threadIdx.x & 31; c < d / 4; c += 32) cp_async16(hd + 4 * c, src + 4 * c, 16);
+    cp_async_commit();
+}
+
+// The fold's work after the programmatic wait, on the heads fold_prologue_fetch copied in (a
+// block of gh query heads of one kv head): the q heads in fs.q; when this block holds the
+// token's position (`own`), the key and value into the pool slot `slot` (when in range) and
+// fs.kv_stored. Ends in a block barrier. W warps, at least GM + 2.
+template <int W, int GM, int DMAX>
+__device__ __forceinline__ void fold_prologue(const AttnArgs& a, const PrologueArgs& p, int gh,
+                                              bool own, long long slot, FoldSmem<GM, DMAX>& fs) {
+    static_assert(W >= GM + 2, "a warp for each query head, the key and the value");
+    const int warp = threadIdx.x >> 5;
+    const int d = a.head_dim;
+    if (warp < gh) {
+        prologue_head<DMAX>(p.q_norm ? fs.norm[0] : nullptr, true, p, d, fs.cos_sin, fs.q[warp]);
     } else if (own && warp >= GM && warp < GM + 2) {
         const int is_k = warp == GM;
         float* hd = fs.kv[1 - is_k];
-        const int head = a.num_heads + (is_k ? kh : a.kv_heads + kh);
-        prologue_head<DMAX>(row + (u64)head * d, is_k && p.k_norm ? fs.norm[1] : nullptr, is_k,
-                            p, d, fs.cos_sin, hd);
+        prologue_head<DMAX>(is_k && p.k_norm ? fs.norm[1] : nullptr, is_k, p, d, fs.cos_sin, hd);
         kv_t* dst = const_cast<kv_t*>(is_k ? a.pool_k : a.pool_v) + slot;
         for (int e = threadIdx.x & 31; e < d; e += 32) {
             const kv_t x = to_kv(hd[e]);
@@ -583,10 +610,11 @@ __device__ __forceinline__ void attend_keys(const AttnArgs& a, int i, int kh, in
             probe_mark(18);
             pdl_wait();
             probe_mark(1);
+            fold_prologue_fetch<W, GM, DMAX>(a, *pro, i, kh, h0, gh, own, *fold);
             fetch_first_steps<W, L, VPL, U, DEPTH>(a, ts, kh, k0, old_end, grp, sub, d4, kr, vr,
                                                    ok, kr2, vr2, ok2, tab);
             probe_mark(17);
-            fold_prologue<W, GM, DMAX>(a, *pro, i, kh, h0, gh, own, slot, *fold);
+            fold_prologue<W, GM, DMAX>(a, *pro, gh, own, slot, *fold);
             probe_mark(7);
             // The o_proj GEMV launches (and streams its weights) from here, not from the wait:
             // launched at the wait, its stream overlapped this kernel's own key fetches, and the

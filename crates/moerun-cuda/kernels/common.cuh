@@ -89,7 +89,8 @@ __device__ __forceinline__ float warp_max(float v) {
 
 // One warp copies a head's d values from src into hd (shared memory), lane l taking l, l + 32,
 // ...; returns the lane's sum of their squares (warp_sum gives the head's): the first step of
-// the attention prologue's per-head RMSNorm (fused.cu, and its fold in attention.cu).
+// the attention prologue's per-head RMSNorm (fused.cu; attention.cu's fold copies the head in
+// asynchronously and sums the squares in this order).
 __device__ __forceinline__ float stage_head(const float* src, float* hd, int d, int lane) {
     float ss = 0.0f;
     for (int i = lane; i < d; i += 32) {
