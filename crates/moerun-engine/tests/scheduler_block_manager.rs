@@ -371,3 +371,25 @@ fn random_allocations_commits_and_frees_keep_every_invariant() {
     );
     random_operations_keep_every_invariant(BlockManager::new(24, 4, false), 3);
 }
+
+#[test]
+fn a_lookahead_takes_only_free_blocks_and_never_fails() {
+    let mut bm = BlockManager::new(3, 4, true);
+    whole(&mut bm, 1, &[1, 2, 3, 4]);
+    bm.commit_full_blocks(1, &[1, 2, 3, 4]).unwrap();
+    assert!(bm.free(1)); // its block stays cached, evictable
+    whole(&mut bm, 2, &[9, 9, 9]);
+    assert!(bm.append_slots_if_free(2, 5), "a free block");
+    assert_eq!(held_blocks(&bm, 2).len(), 2);
+    assert!(!bm.append_slots_if_free(2, 6), "nothing missing");
+    // What is left is the cached block: the lookahead does not evict it.
+    assert_eq!(bm.num_evictable_blocks(), 1);
+    assert!(!bm.append_slots_if_free(2, 9));
+    assert_eq!(bm.num_evictable_blocks(), 1);
+    assert_eq!(held_blocks(&bm, 2).len(), 2);
+    assert!(
+        !bm.append_slots_if_free(7, 4),
+        "an unknown sequence is left alone"
+    );
+    bm.check_invariants().unwrap();
+}

@@ -509,3 +509,40 @@ fn the_same_calls_give_the_same_schedules() {
     };
     assert_eq!(run(), run());
 }
+
+#[test]
+fn a_lone_decoding_request_holds_its_next_positions_block_when_one_is_free() {
+    // Blocks of 4: a prompt of 3, then decode steps at positions 3, 4, 5, ...
+    let mut s = scheduler(config());
+    s.add_request(request(1, 3, 8)).unwrap();
+    let blocks = |s: &Scheduler| s.block_table(1).unwrap().blocks.len();
+    step(&mut s); // the prompt: one block
+    assert_eq!(blocks(&s), 1);
+    let (out, _) = step(&mut s); // decodes position 3, the block's last slot
+    assert_eq!(plan(&out), [(1, 3, 1, true)]);
+    assert_eq!(blocks(&s), 2, "position 4's block, ahead of its step");
+    step(&mut s); // position 4: nothing new to take
+    assert_eq!(blocks(&s), 2);
+
+    // Two running requests: no lookahead (only a lone sequence's step is launched ahead).
+    let mut s = scheduler(config());
+    s.add_request(request(1, 3, 8)).unwrap();
+    s.add_request(request(2, 3, 8)).unwrap();
+    step(&mut s);
+    step(&mut s); // both decode position 3
+    assert_eq!(s.block_table(1).unwrap().blocks.len(), 1);
+    assert_eq!(s.block_table(2).unwrap().blocks.len(), 1);
+
+    // No free block: the step runs without it (a cache of exactly one block).
+    let mut s = scheduler(SchedulerConfig {
+        num_blocks: 1,
+        max_model_len: 5,
+        ..config()
+    });
+    s.add_request(request(1, 3, 2)).unwrap();
+    step(&mut s);
+    let (out, finished) = step(&mut s);
+    assert_eq!(plan(&out), [(1, 3, 1, true)]);
+    assert_eq!(finished.len(), 1, "two tokens generated");
+    assert_eq!(finished[0].output_tokens, expected_output(1, 3, 2));
+}

@@ -433,6 +433,24 @@ impl<H: BlockHasher> BlockManager<H> {
         grow(&mut w.pool, &mut s.window_table, window_missing)
     }
 
+    /// Grow the table of `seq` to hold `new_total_len` tokens from blocks that are free and hold
+    /// no cached prefix, else leave it as it is: a lookahead (the block of a decoding sequence's
+    /// next position, into which a backend may launch that step ahead) that never evicts, never
+    /// preempts and never fails. Not with a window group (its steps are not launched ahead).
+    /// Whether the table grew.
+    pub fn append_slots_if_free(&mut self, seq: SeqId, new_total_len: usize) -> bool {
+        if self.window.is_some() {
+            return false;
+        }
+        let needed_blocks = self.blocks_for(new_total_len);
+        let Some(s) = self.seqs.get_mut(&seq) else {
+            return false;
+        };
+        let missing = needed_blocks.saturating_sub(s.table.blocks.len());
+        let free = self.pool.num_available() - self.pool.num_evictable();
+        missing > 0 && missing <= free && grow(&mut self.pool, &mut s.table, missing).is_ok()
+    }
+
     /// Tell the manager that the KV of `computed_tokens` (the sequence's first tokens) has been
     /// written: every full block among them becomes reusable by later sequences. Blocks already
     /// committed are skipped, so calling this after every step costs only the new blocks.

@@ -217,6 +217,14 @@ impl<H: BlockHasher> Scheduler<H> {
             let num_tokens = pending.min(*budget);
             let needs_logits = num_tokens == pending;
             if self.reserve_or_preempt(i, start_pos + num_tokens, budget, out) {
+                // A lone decoding sequence also takes its next position's block where one is
+                // free: the CUDA backend launches a lone greedy sequence's next step ahead only
+                // into a block it holds (without it, the first step of every block waited for the
+                // host: ~770 µs of idle GPU every 16 tokens on the H200).
+                if pass == Pass::Decode && self.running.len() == 1 {
+                    self.blocks
+                        .append_slots_if_free(id, start_pos + num_tokens + 1);
+                }
                 out.chunks.push(ScheduledChunk {
                     id,
                     start_pos,
