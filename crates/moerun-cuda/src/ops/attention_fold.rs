@@ -138,8 +138,15 @@ impl CudaDevice {
             Some(n) => self.ptr(n, what),
             None => Ok(0),
         };
+        let qkv_ptr = self.ptr(qkv, "folded prologue qkv")?;
+        // The kernel copies each head in by 16-byte asynchronous copies (fold_prologue_fetch).
+        ensure(qkv_ptr.is_multiple_of(16) && d.is_multiple_of(4), || {
+            format!(
+                "folded attention prologue: q/k/v must start 16-byte aligned with head_dim {d} a                  multiple of 4"
+            )
+        })?;
         let args = PrologueArgs {
-            qkv: self.ptr(qkv, "folded prologue qkv")?,
+            qkv: qkv_ptr,
             q_norm: ptr_or_null(prologue.q_norm, "q_norm")?,
             k_norm: ptr_or_null(prologue.k_norm, "k_norm")?,
             inv_freq: self.ptr(prologue.rope.inv_freq(), "inv_freq")?,

@@ -569,7 +569,9 @@ impl Backend for CudaPass<'_> {
         lm_head: &Tensor,
     ) -> Result<DeviceBuffer<f32>> {
         let m = self.m;
-        let one_token = x.len() == hidden && rows == [0] && weight.len() == hidden;
+        // The fold reads rows in 16-byte chunks: 8 values of any dtype is a whole number of them.
+        let one_token =
+            x.len() == hidden && rows == [0] && weight.len() == hidden && hidden.is_multiple_of(8);
         let (Some(y), true) = (y, one_token && m.dev.gemv_add_norm_wanted()) else {
             return crate::forward::final_logits(self, x, y, rows, hidden, (weight, eps), lm_head);
         };
