@@ -209,22 +209,18 @@ struct Scatter {
     }
 };
 
-// The rows of the U keys whose pool offsets lanes base .. base + U - 1 of the warp hold in
-// `mine` (-1: none), by shuffles: fetch_keys' form where a warp is one group (L == 32).
-template <int L, int VPL, int U>
-__device__ __forceinline__ void rows_from_lanes(const AttnArgs& a, long long mine, int base,
-                                                int sub, int d4, kv4_t (&kr)[U][VPL],
-                                                kv4_t (&vr)[U][VPL], bool (&ok)[U]) {
+// One key's K and V rows at pool offset `off` (-1: none, zeros), this lane's VPL float4 of each;
+// whether the key is real.
+template <int L, int VPL>
+__device__ __forceinline__ bool key_rows(const AttnArgs& a, long long off, int sub, int d4,
+                                         kv4_t (&kr)[VPL], kv4_t (&vr)[VPL]) {
+    const bool real = off >= 0;
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-        const long long off = __shfl_sync(0xffffffffu, mine, base + u);
-        ok[u] = off >= 0;
-#pragma unroll
-        for (int v = 0; v < VPL; ++v) {
-            const int c = sub + L * v;
-            ld_kv_pair<VPL>(a.pool_k, a.pool_v, off, 4 * c, ok[u] && c < d4, kr[u][v], vr[u][v]);
-        }
+    for (int v = 0; v < VPL; ++v) {
+        const int c = sub + L * v;
+        ld_kv_pair<VPL>(a.pool_k, a.pool_v, off, 4 * c, real && c < d4, kr[v], vr[v]);
     }
+    return real;
 }
 
 // Rows of the U keys group `grp` takes at step jb (zeros past k1 or out of range; ok[u] says
@@ -250,21 +246,17 @@ __device__ __forceinline__ void fetch_keys(const AttnArgs& a, int ts, int kh, in
             const int j = jb + grp + GROUPS * lane;
             if (j < k1) mine = kv_offset(a, ts, j, kh, tab);
         }
-        rows_from_lanes<L, VPL, U>(a, mine, 0, sub, d4, kr, vr, ok);
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+            ok[u] = key_rows<L, VPL>(a, __shfl_sync(0xffffffffu, mine, u), sub, d4, kr[u], vr[u]);
     } else {
         // Several groups a warp (head dims below 128): each lane its U offsets (the lane-shared
         // form made the d16 split and d32 / d64 cluster builds spill).
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int j = jb + grp + GROUPS * u;
-            const long long off = j < k1 ? kv_offset(a, ts, j, kh, tab) : -1;
-            ok[u] = off >= 0;
-#pragma unroll
-            for (int v = 0; v < VPL; ++v) {
-                const int c = sub + L * v;
-                ld_kv_pair<VPL>(a.pool_k, a.pool_v, off, 4 * c, ok[u] && c < d4, kr[u][v],
-                                vr[u][v]);
-            }
+            ok[u] = key_rows<L, VPL>(a, j < k1 ? kv_offset(a, ts, j, kh, tab) : -1, sub, d4,
+                                     kr[u], vr[u]);
         }
     }
 }
@@ -472,7 +464,9 @@ __device__ __forceinline__ void prologue_head(const float* norm, bool rotate,
 // The q/k/v values of this warp's head in fold_prologue, copied asynchronously into its staging
 // row right after the wait, so that their round trip overlaps the first steps' key loads the
 // block issues next (prologue_head waits for them): the prologue done ~570 cycles sooner,
-// batch-1 decode 466.0 -> 467.6 tok/s (H200, docs/perf/cuda-model.md v22).
+// batch-1 decode 466.0 -> 467.6 tok/s (H200, docs/perf/cuda-model.md v22). Its warps and heads
+// must be fold_prologue's, whose prologue_head calls wait for exactly these copies (written out
+// in both: one shared role test changed the measured PTX).
 template <int W, int GM, int DMAX>
 __device__ __forceinline__ void fold_prologue_fetch(const AttnArgs& a, const PrologueArgs& p,
                                                     int i, int kh, int h0, int gh, bool own,

@@ -108,13 +108,10 @@ impl SequenceKv {
     }
 
     /// Grow `table` to hold `num_tokens` tokens if the free blocks allow it, else leave it as it
-    /// is: a lookahead that must never make a step fail.
-    pub fn reserve_if_free(&mut self, table: &mut BlockTable, num_tokens: usize) {
-        let needed = num_tokens.div_ceil(self.block_size());
-        if needed.saturating_sub(table.blocks.len()) <= self.allocator.num_free() {
-            // Cannot fail: the blocks are there.
-            let _ = self.allocator.reserve(table, num_tokens);
-        }
+    /// is (reserve is all or nothing): a lookahead that must never make a step fail. Whether the
+    /// table holds them now.
+    pub fn reserve_if_free(&mut self, table: &mut BlockTable, num_tokens: usize) -> bool {
+        self.allocator.reserve(table, num_tokens).is_ok()
     }
 
     /// Return a sequence's blocks.
@@ -194,7 +191,8 @@ pub fn run_step(
         let n = s.pending().len().min(limit).min(kv.max_chunk());
         kv.reserve(&mut s.table, s.cached + n)?;
         if n == 1 && kv.window.is_none() {
-            kv.reserve_if_free(&mut s.table, s.cached + 2);
+            // Best effort: without the block the next step is only not launched ahead.
+            let _ = kv.reserve_if_free(&mut s.table, s.cached + 2);
         }
         if let Some(w) = &mut kv.window {
             let first_visible = (s.cached + 1).saturating_sub(w.window);

@@ -172,14 +172,7 @@ pub(crate) fn greedy_step(
         _ => {
             let token = [batch.seqs[0].tokens[0]];
             graph::replay(m, kv, bucket, batch, StepTokens::Host(&token), None)?;
-            graph::pick(
-                m,
-                cfg.vocab_size,
-                kv,
-                bucket,
-                0,
-                batch.seqs[0].start_pos + 1,
-            )?;
+            graph::pick(m, cfg.vocab_size, kv, bucket, 0)?;
             0
         }
     };
@@ -190,7 +183,7 @@ pub(crate) fn greedy_step(
             ..*seq
         }]);
         graph::replay(m, kv, bucket, &next_batch, StepTokens::Pick(slot), None)?;
-        graph::pick(m, cfg.vocab_size, kv, bucket, 1 - slot, next + 1)?;
+        graph::pick(m, cfg.vocab_size, kv, bucket, 1 - slot)?;
         kv.graphs.ahead = Some(Ahead {
             start_pos: next,
             blocks: seq.block_table.blocks.clone(),

@@ -83,9 +83,11 @@ struct DecodeGraph {
     linear: Option<(LinearPlacement, CudaSlice<f32>)>,
     logits: CudaSlice<f32>,
     graph: DeviceGraph,
-    /// Where a greedy chain's pick left the inputs ([`pick`] with a next position): the position
-    /// they hold and the pick buffer whose token is already in `tokens`. A replay of exactly
-    /// that step copies neither in.
+    /// The position the last replay of one sequence decoded (what [`pick`] moves on from).
+    replayed_at: Option<usize>,
+    /// Where a greedy chain's pick left the inputs ([`pick`]): the position they hold and the
+    /// pick buffer whose token is already in `tokens`. A replay of exactly that step copies
+    /// neither in.
     advanced_to: Option<(usize, usize)>,
     /// The block tables last copied in: an unchanged table is not copied again.
     tables_in: Vec<i32>,
@@ -259,6 +261,7 @@ pub(crate) fn replay(
         StepTokens::Host(_) => false,
     };
     g.advanced_to = None;
+    g.replayed_at = (n == 1).then(|| batch.seqs[0].start_pos);
     if tables != g.tables_in {
         dev.copy_to_device(&tables, &mut g.at.block_tables)
             .map_err(dev_err)?;
@@ -302,15 +305,14 @@ fn no_graph(bucket: usize) -> Error {
 
 /// The arg-max of row 0 of the logits a replay of `bucket` wrote, into pick buffer `slot`, and
 /// its copy to the host (enqueued: `ahead::Picks::read` waits for it). The graph's inputs move on
-/// to the next step of the chain, the pick at position `next` (one sequence: the replay decoded
-/// position `next - 1`), so that [`replay`] of that step from this pick copies nothing in.
+/// to the next step of the chain (the pick, one position further), so that [`replay`] of that
+/// step from this pick copies nothing in.
 pub(crate) fn pick(
     m: &CudaModel,
     vocab: usize,
     kv: &mut DeviceKv,
     bucket: usize,
     slot: usize,
-    next: usize,
 ) -> Result<()> {
     let g = kv
         .graphs
@@ -328,7 +330,7 @@ pub(crate) fn pick(
         positions_u32: &mut g.at.positions_u32,
     };
     picks.pick(&m.dev, &g.logits.slice(0..vocab), vocab, slot, inputs)?;
-    g.advanced_to = Some((next, slot));
+    g.advanced_to = g.replayed_at.map(|at| (at + 1, slot));
     Ok(())
 }
 
@@ -439,6 +441,7 @@ fn capture(
         linear,
         logits,
         graph,
+        replayed_at: None,
         advanced_to: None,
         tables_in: tables,
         arena_bytes,
