@@ -119,6 +119,10 @@ __device__ __forceinline__ uint2 landed_bf16x4(const float* p) {
 
 // ---- kv_write ----
 
+
+// The cluster-only builds (ATTN_CLUSTER_ONLY: compile.rs's 16-block `attention_cl16` files) hold
+// the cluster decode kernels alone; the other entry points come from the plain build.
+#ifndef ATTN_CLUSTER_ONLY
 // With copy_k non-null, also writes row i rounded to bf16 into the batch copy (whatever the
 // pool's table says: the copy is indexed by batch row). f32 rows in; the pool's type out.
 extern "C" __global__ void __launch_bounds__(128)
@@ -149,6 +153,7 @@ extern "C" __global__ void __launch_bounds__(128)
         pool_v[dst + e] = to_kv(v[src + e]);
     }
 }
+#endif  // ATTN_CLUSTER_ONLY
 
 // ---- split-K decode ----
 
@@ -937,6 +942,7 @@ __device__ __forceinline__ void attn_split(const AttnArgs& a) {
         attn_split<L, VPL, GM, 2>(a);                                                            \
     }
 
+#ifndef ATTN_CLUSTER_ONLY
 ATTN_SPLIT(attn_split_d16_g1, 4, 1, 1)
 ATTN_SPLIT(attn_split_d16_g2, 4, 1, 2)
 ATTN_SPLIT(attn_split_d16_g4, 4, 1, 4)
@@ -962,6 +968,7 @@ ATTN_SPLIT(attn_split_d256_g8, 32, 2, 8)
 // groups run in head chunks of 2.
 ATTN_SPLIT(attn_split_d512_g1, 32, 4, 1)
 ATTN_SPLIT(attn_split_d512_g2, 32, 4, 2)
+#endif  // ATTN_CLUSTER_ONLY
 
 // ---- split-K decode in thread-block clusters (Hopper, sm_90+) ----
 //
@@ -989,8 +996,9 @@ ATTN_SPLIT(attn_split_d512_g2, 32, 4, 2)
 // (see "the attention prologue folded into decode attention" above); a second parameter,
 // PrologueArgs, and static shared memory for the fold.
 
-// Blocks per cluster: 8, the portable maximum, or 16 (non-portable on Hopper), which
-// MOERUN_CUDA_CLUSTER_SIZE=16 defines here and tells the host (ops/attention.rs cluster_size).
+// Blocks per cluster: 8, the portable maximum, or 16 (non-portable on Hopper) in the
+// `attention_cl16` builds (compile.rs); the host plans each call with one or the other
+// (ops/attention.rs ClusterPlan).
 #ifndef CL_SIZE
 #define CL_SIZE 8
 #endif
@@ -1444,9 +1452,11 @@ __device__ __forceinline__ void attn_tile_f32(const AttnArgs& a) {
         attn_tile_f32<C>(a);                                                                     \
     }
 
+#ifndef ATTN_CLUSTER_ONLY
 ATTN_TILE_F32(attn_tile_f32_c1, 1)
 ATTN_TILE_F32(attn_tile_f32_c2, 2)
 ATTN_TILE_F32(attn_tile_f32_c4, 4)
+#endif  // ATTN_CLUSTER_ONLY
 
 // ---- tiled prefill on tensor cores (bf16 operands, f32 accumulation) ----
 //
@@ -1982,9 +1992,11 @@ __device__ __forceinline__ void attn_tile_bf16(const AttnArgs& a) {
         attn_tile_bf16<D, HW, WG, ST>(a);                                                        \
     }
 
+#ifndef ATTN_CLUSTER_ONLY
 ATTN_TILE_BF16(attn_tile_bf16_d64, 64, 1, 1, 3, 2)
 ATTN_TILE_BF16(attn_tile_bf16_d128, 128, 1, 1, 3, 2)
 ATTN_TILE_BF16(attn_tile_bf16_h2_d64, 64, 2, 1, 2, 2)
 ATTN_TILE_BF16(attn_tile_bf16_h2_d128, 128, 2, 1, 2, 2)
 ATTN_TILE_BF16(attn_tile_bf16_h4_d64, 64, 2, 2, 3, 1)
 ATTN_TILE_BF16(attn_tile_bf16_h4_d128, 128, 2, 2, 3, 1)
+#endif  // ATTN_CLUSTER_ONLY

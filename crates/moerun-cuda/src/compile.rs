@@ -38,11 +38,28 @@ const ATTENTION_FILES: &[&str] = &[
     "attention_wgmma",
     "attention_kvbf16",
     "attention_wgmma_kvbf16",
+    "attention_cl16",
+    "attention_cl16_kvbf16",
 ];
 
+macro_rules! kv_bf16_define {
+    () => {
+        "#define MOERUN_KV_BF16 1\n"
+    };
+}
+macro_rules! cl16_defines {
+    () => {
+        "#define CL_SIZE 16\n#define ATTN_CLUSTER_ONLY 1\n"
+    };
+}
 /// The attention files built a second time for a bf16 KV pool (`kv_t`, attention_common.cuh):
 /// the builds named `<file>_kvbf16` ([`crate::ops::KvDtype`] picks one at each call).
-const KV_BF16_DEFINES: &str = "#define MOERUN_KV_BF16 1\n";
+const KV_BF16_DEFINES: &str = kv_bf16_define!();
+/// attention.cu's cluster decode kernels alone, in clusters of 16 blocks (Hopper's non-portable
+/// size) instead of 8: the builds named `attention_cl16[_kvbf16]`, which the host plans with
+/// where a cluster of 16 beats one of 8 (ops/attention.rs `choose_cluster`).
+const CL16_DEFINES: &str = cl16_defines!();
+const CL16_KV_BF16_DEFINES: &str = concat!(cl16_defines!(), kv_bf16_define!());
 
 /// The preludes of `file`, in the order they precede its text (its defines first).
 fn preludes(file: &KernelFile) -> Vec<&'static str> {
@@ -138,6 +155,16 @@ pub const KERNEL_FILES: &[KernelFile] = &[
         defines: KV_BF16_DEFINES,
     },
     KernelFile {
+        name: "attention_cl16",
+        source: include_str!("../kernels/attention.cu"),
+        defines: CL16_DEFINES,
+    },
+    KernelFile {
+        name: "attention_cl16_kvbf16",
+        source: include_str!("../kernels/attention.cu"),
+        defines: CL16_KV_BF16_DEFINES,
+    },
+    KernelFile {
         name: "moe",
         source: include_str!("../kernels/moe.cu"),
         defines: "",
@@ -225,7 +252,7 @@ fn options(arch: &str, verbose: bool, defines: &[String]) -> Vec<String> {
 }
 
 /// `MOERUN_CUDA_DEFINES`: preprocessor defines for every kernel file, `-DNAME[=VALUE]` separated
-/// by spaces, read once (and `CL_SIZE` when `MOERUN_CUDA_CLUSTER_SIZE` asks for 16). For
+/// by spaces, read once. For
 /// measuring builds without rebuilding the binary: `-DMOERUN_PROBE` turns on the phase probes
 /// (common.cuh; scripts/probes/phases.py reads what they print). They
 /// are part of the cache key, so such cubins never stand in for the plain ones. Anything that
@@ -236,24 +263,20 @@ pub fn env_defines() -> Result<&'static [String]> {
     DEFINES
         .get_or_init(|| {
             let raw = std::env::var("MOERUN_CUDA_DEFINES").unwrap_or_default();
-            let mut defines = parse_defines(&raw)?;
-            match cluster_size_knob()? {
-                8 => {}
-                size => defines.push(format!("-DCL_SIZE={size}")),
-            }
-            Ok(defines)
+            // A bad MOERUN_CUDA_CLUSTER_SIZE is refused with the kernels, before any call plans.
+            cluster_size_knob()?;
+            parse_defines(&raw)
         })
         .as_deref()
         .map_err(|bad| CudaError::InvalidArgument(bad.clone()))
 }
 
-/// `MOERUN_CUDA_CLUSTER_SIZE`, read once: blocks per thread-block cluster of the cluster decode
-/// attention kernel, 8 (the default, the portable maximum) or 16 (non-portable on Hopper: fewer
-/// keys per block). A measuring knob; [`env_defines`] passes it to the kernels as `CL_SIZE`, the
-/// host plans with it (ops/attention.rs), and any other value is refused by name when the kernels
-/// are compiled.
-pub(crate) fn cluster_size_knob() -> std::result::Result<usize, String> {
-    static SIZE: std::sync::OnceLock<std::result::Result<usize, String>> =
+/// `MOERUN_CUDA_CLUSTER_SIZE`, read once: forces the blocks per thread-block cluster of the
+/// cluster decode attention kernel to 8 (the portable maximum) or 16 (non-portable on Hopper:
+/// fewer keys per block); unset, each call's plan picks (ops/attention.rs `choose_cluster`). A
+/// measuring knob; any other value is refused by name when the kernels are compiled.
+pub(crate) fn cluster_size_knob() -> std::result::Result<Option<usize>, String> {
+    static SIZE: std::sync::OnceLock<std::result::Result<Option<usize>, String>> =
         std::sync::OnceLock::new();
     SIZE.get_or_init(|| {
         let raw = std::env::var("MOERUN_CUDA_CLUSTER_SIZE").unwrap_or_default();
@@ -262,11 +285,12 @@ pub(crate) fn cluster_size_knob() -> std::result::Result<usize, String> {
     .clone()
 }
 
-/// The cluster size a `MOERUN_CUDA_CLUSTER_SIZE` value asks for (empty: 8).
-fn parse_cluster_size(raw: &str) -> std::result::Result<usize, String> {
+/// The cluster size a `MOERUN_CUDA_CLUSTER_SIZE` value forces (empty: none, the plan picks).
+fn parse_cluster_size(raw: &str) -> std::result::Result<Option<usize>, String> {
     match raw.trim() {
-        "" | "8" => Ok(8),
-        "16" => Ok(16),
+        "" => Ok(None),
+        "8" => Ok(Some(8)),
+        "16" => Ok(Some(16)),
         other => Err(format!(
             "MOERUN_CUDA_CLUSTER_SIZE: `{other}` is not a cluster size (8 or 16)"
         )),
@@ -274,8 +298,8 @@ fn parse_cluster_size(raw: &str) -> std::result::Result<usize, String> {
 }
 
 /// The defines of a `MOERUN_CUDA_DEFINES` value, or the message naming its first non-define.
-/// `CL_SIZE` is refused too: the host must plan with the kernels' cluster size, so it comes from
-/// `MOERUN_CUDA_CLUSTER_SIZE` alone.
+/// `CL_SIZE` is refused too: the host plans each build with its own cluster size (8, or 16 for
+/// the `attention_cl16` builds); `MOERUN_CUDA_CLUSTER_SIZE` picks between them.
 fn parse_defines(raw: &str) -> std::result::Result<Vec<String>, String> {
     raw.split_whitespace()
         .map(|d| {
@@ -285,7 +309,7 @@ fn parse_defines(raw: &str) -> std::result::Result<Vec<String>, String> {
                 && ident.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
             if ok && ident == "CL_SIZE" {
                 Err(
-                    "MOERUN_CUDA_DEFINES: set the cluster size by MOERUN_CUDA_CLUSTER_SIZE, not \
+                    "MOERUN_CUDA_DEFINES: pick the cluster size by MOERUN_CUDA_CLUSTER_SIZE, not \
                      -DCL_SIZE"
                         .to_string(),
                 )
@@ -589,9 +613,9 @@ mod tests {
 
     #[test]
     fn the_cluster_size_is_8_or_16_and_anything_else_is_refused_by_name() {
-        assert_eq!(parse_cluster_size(""), Ok(8));
-        assert_eq!(parse_cluster_size("8"), Ok(8));
-        assert_eq!(parse_cluster_size(" 16 "), Ok(16));
+        assert_eq!(parse_cluster_size(""), Ok(None));
+        assert_eq!(parse_cluster_size("8"), Ok(Some(8)));
+        assert_eq!(parse_cluster_size(" 16 "), Ok(Some(16)));
         for bad in ["4", "32", "sixteen", "-1"] {
             let err = parse_cluster_size(bad).unwrap_err();
             assert!(err.contains(&format!("`{bad}`")), "{bad}: {err}");

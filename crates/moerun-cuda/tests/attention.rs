@@ -548,6 +548,47 @@ fn small_decode_batches_match_cpu_on_one_or_many_clusters() {
     }
 }
 
+/// The cluster decode kernel in clusters of 8 and of 16 blocks (the two builds, forced in turn by
+/// `set_decode_cluster_size`) matches the CPU over one and several clusters, both pool dtypes,
+/// a window and a host bound below the truth; and a size other than 8 or 16 is refused.
+#[test]
+fn decode_clusters_of_8_and_16_blocks_match_cpu() {
+    let Some(dev) = device() else { return };
+    let _alone = device_alone();
+    let mut r = rng("attention cluster sizes");
+    let one = |c: usize| vec![(c, 1)];
+    for size in [8, 16] {
+        dev.set_decode_cluster_size(Some(size)).unwrap();
+        for (shape, seqs, window, bound, kv_dtype) in [
+            ((32, 4, 128), one(5), None, None, KvDtype::F32),
+            ((32, 4, 128), one(300), None, None, KvDtype::F32),
+            ((32, 4, 128), one(700), None, None, KvDtype::Bf16),
+            ((32, 4, 128), one(1100), None, None, KvDtype::F32),
+            ((32, 4, 128), one(2100), None, None, KvDtype::Bf16),
+            ((32, 4, 128), one(3000), Some(700), Some(64), KvDtype::F32),
+            ((16, 4, 64), one(900), None, None, KvDtype::F32),
+            ((16, 2, 512), one(400), None, None, KvDtype::F32),
+        ] {
+            let mut case = Case::new(
+                format!("clusters of {size}: {seqs:?} {shape:?} {kv_dtype:?} window {window:?} bound {bound:?}"),
+                shape,
+            );
+            case.seqs = &seqs;
+            case.window = window;
+            case.max_context = bound;
+            case.q_range = 4.0;
+            case.kv_dtype = kv_dtype;
+            run_and_check(dev, &mut r, &case);
+        }
+    }
+    dev.set_decode_cluster_size(None).unwrap();
+    let err = dev
+        .set_decode_cluster_size(Some(12))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("12") && err.contains("8 or 16"), "{err}");
+}
+
 /// Decode calls in a row give the same bits: the arrival counts the last block of each merge
 /// resets are ready for the next call (what a replayed CUDA graph relies on), for one cluster,
 /// several clusters and the split kernel.

@@ -349,23 +349,28 @@ fn the_folded_prologue_gives_the_bits_of_the_prologue_then_attention() {
             window: None,
         },
     ];
-    // With MOERUN_CUDA_CLUSTER_SIZE=16 several sequences' clusters need more blocks than fit on
-    // the device at once, and the planner rightly takes the split kernel (no fold): there only
-    // one sequence must fold (its bits are checked whenever it folds).
-    let wide_clusters = std::env::var_os("MOERUN_CUDA_CLUSTER_SIZE").is_some_and(|v| v != "8");
-    // Every case runs (a failure's report names it), then the first failure fails the test.
+    // Every case runs in each cluster build (the plan's pick, then 8 and 16 blocks forced; a
+    // failure's report names it), then the first failure fails the test. In clusters of 16
+    // several sequences' clusters need more blocks than fit on the device at once, and the
+    // planner rightly takes the split kernel (no fold): there only one sequence must fold (its
+    // bits are checked whenever it folds).
     let mut failed = None;
-    for case in &cases {
-        let must_fold = !wide_clusters || case.contexts.len() == 1;
-        for dtype in [KvDtype::F32, KvDtype::Bf16] {
-            let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                fold_matches_prologue_then_attention(dev, &mut r, case, dtype, must_fold)
-            }));
-            if let Err(e) = run {
-                failed.get_or_insert(e);
+    for size in [None, Some(8), Some(16)] {
+        dev.set_decode_cluster_size(size).unwrap();
+        for case in &cases {
+            let must_fold = size != Some(16) || case.contexts.len() == 1;
+            for dtype in [KvDtype::F32, KvDtype::Bf16] {
+                let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    fold_matches_prologue_then_attention(dev, &mut r, case, dtype, must_fold)
+                }));
+                if let Err(e) = run {
+                    eprintln!("(the failure above: clusters {size:?}, dtype {dtype:?})");
+                    failed.get_or_insert(e);
+                }
             }
         }
     }
+    dev.set_decode_cluster_size(None).unwrap();
     if let Some(e) = failed {
         std::panic::resume_unwind(e);
     }

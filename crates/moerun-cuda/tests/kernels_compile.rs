@@ -64,16 +64,50 @@ fn the_probe_builds_compile() {
     );
 }
 
-/// The attention files also compile with the 16-block clusters `MOERUN_CUDA_CLUSTER_SIZE=16` asks
-/// for (`-DCL_SIZE=16`).
+/// The 16-block cluster builds (`attention_cl16[_kvbf16]`) hold every cluster decode kernel the
+/// host loads from them (ops/attention.rs `ClusterKernels::load`) and none of the plain build's
+/// other kernels (compiled once, there); the probe builds of them compile too.
 #[test]
-fn the_16_block_cluster_builds_compile() {
+fn the_16_block_cluster_builds_hold_the_cluster_kernels_alone() {
     if !nvrtc_available() {
         println!("skipped: CUDA is unavailable: libnvrtc.so.13 not found");
         return;
     }
-    let wide = ["-DCL_SIZE=16".to_string()];
-    files_compile(&["attention", "attention_kvbf16"], &["sm_90"], &wide);
+    for name in ["attention_cl16", "attention_cl16_kvbf16"] {
+        let file = KERNEL_FILES.iter().find(|f| f.name == name).unwrap();
+        let ptx = compile_ptx(file, "compute_90").unwrap_or_else(|e| panic!("{e}"));
+        let entries: Vec<&str> = ptx
+            .split(".entry ")
+            .skip(1)
+            .map(|e| e.split('(').next().unwrap_or("").trim())
+            .collect();
+        for d in [16, 32, 64, 128, 256] {
+            for g in [1, 2, 4, 8] {
+                let want = format!("attn_cluster_d{d}_g{g}");
+                assert!(entries.contains(&want.as_str()), "{name}: no {want}");
+            }
+        }
+        for want in [
+            "attn_cluster_d512_g1",
+            "attn_cluster_d512_g2",
+            "attn_cluster_d128_g4_pro",
+        ] {
+            assert!(entries.contains(&want), "{name}: no {want}");
+        }
+        assert!(
+            entries.iter().all(|e| e.starts_with("attn_cluster_")),
+            "{name}: {entries:?}"
+        );
+    }
+    let probe = [
+        "-DMOERUN_PROBE".to_string(),
+        "-DMOERUN_PROBE_FROM=10".to_string(),
+    ];
+    files_compile(
+        &["attention_cl16", "attention_cl16_kvbf16"],
+        &["sm_90"],
+        &probe,
+    );
 }
 
 /// The files built for `sm_90a` on Hopper (`compile::SM90A_FILES`) still compile for other

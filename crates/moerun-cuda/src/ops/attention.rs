@@ -48,8 +48,10 @@
 //!   (`max_context`, or the window) and by the scratch.
 //! - on Hopper (compute capability 9+), a small decode batch (its (token, kv head x head chunk)
 //!   groups fit the device's active clusters at once) instead runs the *cluster* kernel: grid
-//!   (n, 8 x clusters, kv_heads * head_chunks) in thread-block clusters of 8 blocks of 256
-//!   threads (16 blocks with `MOERUN_CUDA_CLUSTER_SIZE=16`, Hopper's non-portable size). The
+//!   (n, size x clusters, kv_heads * head_chunks) in thread-block clusters of `size` blocks of
+//!   256 threads: 8 (the portable maximum), or 16 (Hopper's non-portable size, the
+//!   `attention_cl16` builds) where one cluster of 16 covers what 8 would take in several
+//!   clusters or in three steps or more a block ([`choose_cluster`]). The
 //!   blocks of a cluster split a token's keys evenly and merge through distributed shared
 //!   memory (st.async into each slice owner's inbox), each block writing its slice of the
 //!   output: no partials, fence or atomic when one cluster covers the context (the latency of a
@@ -151,12 +153,21 @@ pub const MAX_HEAD_DIM: usize = 512;
 const MAX_TILED_HEAD_DIM: usize = 256;
 /// Query heads per block of the split-K kernel for head_dim 512 (register budget).
 const MAX_GROUP_D512: usize = 2;
-/// Blocks per thread-block cluster of the cluster decode kernel (`CL_SIZE`): 8, the portable
-/// maximum, unless `MOERUN_CUDA_CLUSTER_SIZE=16` asks for Hopper's non-portable 16 (the kernels
-/// were then built with it: compile.rs). A refused value never gets this far (the kernels do not
-/// compile).
-fn cluster_size() -> usize {
-    crate::compile::cluster_size_knob().unwrap_or(8)
+/// Blocks per thread-block cluster of the cluster decode kernel's builds (`CL_SIZE`): 8, the
+/// portable maximum (the `attention` build), and Hopper's non-portable 16 (`attention_cl16`).
+const CLUSTER_SIZES: [usize; 2] = [8, 16];
+/// The cluster size [`CudaDevice::set_decode_cluster_size`] (`asked`, 0: none) or else
+/// `MOERUN_CUDA_CLUSTER_SIZE` forces, if any (else each call's plan picks: [`choose_cluster`]).
+/// A refused environment value never gets this far (the kernels do not compile).
+fn forced_cluster_size(asked: usize) -> Option<usize> {
+    match asked {
+        0 => crate::compile::cluster_size_knob().ok().flatten(),
+        size => Some(size),
+    }
+}
+/// Index in `AttentionKernels::cluster` of the build of clusters of `size` blocks.
+fn cluster_build(size: usize) -> usize {
+    CLUSTER_SIZES.iter().position(|&s| s == size).unwrap_or(0)
 }
 /// Threads per block of the cluster decode kernel (`CL_THREADS`: 8 warps).
 const CLUSTER_THREADS: usize = 256;
@@ -454,15 +465,8 @@ pub(crate) struct AttentionKernels {
     /// `[dim class][group class]`: head_dim <= 16, 32, 64, 128, 256, 512 x query heads per block
     /// 1, 2, 4, 8 (head_dim 512: 1 and 2 only; its row repeats the 2-head kernel).
     split: [[CudaFunction; 4]; 6],
-    /// The cluster decode kernels, indexed as `split` (sm_90+ only; empty elsewhere).
-    cluster: [[CudaFunction; 4]; 6],
-    /// Whether each cluster kernel got the dynamic shared memory of its widest head.
-    cluster_smem_ok: [[bool; 4]; 6],
-    /// The folded-prologue builds of the cluster kernel (`PRO_GROUP` query heads a block), by
-    /// dim class (`PRO_DIMS` only), with whether their shared memory was granted.
-    cluster_pro: [Option<(CudaFunction, bool)>; 6],
-    /// Clusters of each cluster kernel the device runs at once (queried on first use).
-    cluster_slots: [[OnceLock<usize>; 4]; 6],
+    /// The cluster decode kernels in clusters of 8 and of 16 blocks ([`CLUSTER_SIZES`]).
+    cluster: [ClusterKernels; 2],
     /// head_dim <= 64, 128, 256.
     tile_f32: [CudaFunction; 3],
     /// The dynamic shared memory each `tile_f32` kernel was allowed (0: the device refused).
@@ -473,8 +477,78 @@ pub(crate) struct AttentionKernels {
     tile_bf16_smem: [[usize; 2]; 3],
     /// Query heads per tensor-core block asked for by `set_tensor_core_attention_heads` (0: none).
     tc_heads: AtomicUsize,
+    /// Blocks per decode cluster asked for by `set_decode_cluster_size` (0: none).
+    cluster_forced: AtomicUsize,
     /// The wgmma prefill kernel (sm_90, head_dim 128), `ops/attention_wgmma.rs`.
     pub(super) wgmma: WgmmaAttention,
+}
+
+/// The cluster decode kernels of one cluster size (sm_90+ only; empty elsewhere).
+struct ClusterKernels {
+    /// Blocks per cluster (the build's `CL_SIZE`).
+    size: usize,
+    /// Indexed as `AttentionKernels::split`.
+    kernels: [[CudaFunction; 4]; 6],
+    /// Whether each kernel got the dynamic shared memory of its widest head.
+    smem_ok: [[bool; 4]; 6],
+    /// The folded-prologue builds (`PRO_GROUP` query heads a block), by dim class (`PRO_DIMS`
+    /// only), with whether their shared memory was granted.
+    pro: [Option<(CudaFunction, bool)>; 6],
+    /// Clusters of each kernel the device runs at once (queried on first use).
+    slots: [[OnceLock<usize>; 4]; 6],
+}
+
+impl ClusterKernels {
+    /// The cluster kernels of the build `file` (its entry points named as in attention.cu),
+    /// clusters of `size` blocks.
+    fn load(f: &impl Fn(&str) -> Result<CudaFunction>, size: usize) -> Result<Self> {
+        let row = |d: usize| -> Result<[CudaFunction; 4]> {
+            if d == 512 {
+                // As for the split kernels: the 2-head kernel serves the larger group classes.
+                let g2 = f("attn_cluster_d512_g2")?;
+                return Ok([f("attn_cluster_d512_g1")?, g2.clone(), g2.clone(), g2]);
+            }
+            Ok([
+                f(&format!("attn_cluster_d{d}_g1"))?,
+                f(&format!("attn_cluster_d{d}_g2"))?,
+                f(&format!("attn_cluster_d{d}_g4"))?,
+                f(&format!("attn_cluster_d{d}_g8"))?,
+            ])
+        };
+        let kernels = [
+            row(16)?,
+            row(32)?,
+            row(64)?,
+            row(128)?,
+            row(256)?,
+            row(512)?,
+        ];
+        kernels
+            .iter()
+            .flatten()
+            .for_each(|k| allow_cluster_size(k, size));
+        let smem_ok = std::array::from_fn(|dc| {
+            std::array::from_fn(|gc| {
+                let want = cluster_smem(DIM_CLASSES[dc], GROUP_CLASSES[gc], size);
+                allow_smem(&kernels[dc][gc], want) >= want
+            })
+        });
+        let mut pro: [Option<(CudaFunction, bool)>; 6] = Default::default();
+        for d in PRO_DIMS {
+            let func = f(&format!("attn_cluster_d{d}_g{PRO_GROUP}_pro"))?;
+            allow_cluster_size(&func, size);
+            let want = cluster_smem(d, PRO_GROUP, size);
+            let ok = allow_smem(&func, want) >= want;
+            pro[class_of(&DIM_CLASSES, d)] = Some((func, ok));
+        }
+        Ok(ClusterKernels {
+            size,
+            kernels,
+            smem_ok,
+            pro,
+            slots: Default::default(),
+        })
+    }
 }
 
 const DIM_CLASSES: [usize; 6] = [16, 32, 64, 128, 256, 512];
@@ -536,14 +610,13 @@ fn pick_tc_variant(want: usize, group: usize, granted: [usize; 3], head_dim: usi
         .unwrap_or(0)
 }
 
-/// Dynamic shared memory of the cluster kernel for `group` (class) query heads of `head_dim`: the
-/// 8 warps' states, each `group * (head_dim + 2)` floats, then the inbox of the merge: from each
-/// block of the cluster its slice of the `group * head_dim` outputs (float4 items, split evenly
-/// over the cluster) and a (max, sum) pair per head.
-fn cluster_smem(head_dim: usize, group: usize) -> usize {
-    let slice_items = (group * head_dim / 4).div_ceil(cluster_size());
-    (CLUSTER_THREADS / 32) * group * (head_dim + 2) * 4
-        + cluster_size() * (slice_items * 16 + group * 8)
+/// Dynamic shared memory of the cluster kernel for `group` (class) query heads of `head_dim` in
+/// clusters of `size` blocks: the 8 warps' states, each `group * (head_dim + 2)` floats, then the
+/// inbox of the merge: from each block of the cluster its slice of the `group * head_dim`
+/// outputs (float4 items, split evenly over the cluster) and a (max, sum) pair per head.
+fn cluster_smem(head_dim: usize, group: usize, size: usize) -> usize {
+    let slice_items = (group * head_dim / 4).div_ceil(size);
+    (CLUSTER_THREADS / 32) * group * (head_dim + 2) * 4 + size * (slice_items * 16 + group * 8)
 }
 
 /// Whether a batch of `n` tokens of `head_dim` runs prefill tiles of `tile_m` queries (the
@@ -561,11 +634,11 @@ fn cluster_keys_per_step(dim_class: usize) -> usize {
     CLUSTER_THREADS / lanes * (4 / vpl)
 }
 
-/// Opt a cluster kernel in to clusters past the portable 8 blocks when `cluster_size` asks for
+/// Opt a cluster kernel in to clusters past the portable 8 blocks when its build's `size` has
 /// them. A device that refuses (not Hopper) leaves the occupancy query no room for such a
-/// cluster, so the split kernel runs instead.
-fn allow_cluster_size(func: &CudaFunction) {
-    if cluster_size() > 8 {
+/// cluster, so that build is never planned with.
+fn allow_cluster_size(func: &CudaFunction, size: usize) {
+    if size > 8 {
         let attr = CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED;
         let _ = func.set_attribute(attr, 1);
     }
@@ -599,42 +672,10 @@ impl AttentionKernels {
                 f(&format!("attn_split_d{d}_g8"))?,
             ])
         };
-        let cluster_row = |d: usize| -> Result<[CudaFunction; 4]> {
-            if d == 512 {
-                // As for the split kernels: the 2-head kernel serves the larger group classes.
-                let g2 = f("attn_cluster_d512_g2")?;
-                return Ok([f("attn_cluster_d512_g1")?, g2.clone(), g2.clone(), g2]);
-            }
-            Ok([
-                f(&format!("attn_cluster_d{d}_g1"))?,
-                f(&format!("attn_cluster_d{d}_g2"))?,
-                f(&format!("attn_cluster_d{d}_g4"))?,
-                f(&format!("attn_cluster_d{d}_g8"))?,
-            ])
-        };
         let cluster = [
-            cluster_row(16)?,
-            cluster_row(32)?,
-            cluster_row(64)?,
-            cluster_row(128)?,
-            cluster_row(256)?,
-            cluster_row(512)?,
+            ClusterKernels::load(&f, CLUSTER_SIZES[0])?,
+            ClusterKernels::load(&|name: &str| get("attention_cl16", name), CLUSTER_SIZES[1])?,
         ];
-        cluster.iter().flatten().for_each(allow_cluster_size);
-        let cluster_smem_ok = std::array::from_fn(|dc| {
-            std::array::from_fn(|gc| {
-                let want = cluster_smem(DIM_CLASSES[dc], GROUP_CLASSES[gc]);
-                allow_smem(&cluster[dc][gc], want) >= want
-            })
-        });
-        let mut cluster_pro: [Option<(CudaFunction, bool)>; 6] = Default::default();
-        for d in PRO_DIMS {
-            let func = f(&format!("attn_cluster_d{d}_g{PRO_GROUP}_pro"))?;
-            allow_cluster_size(&func);
-            let want = cluster_smem(d, PRO_GROUP);
-            let ok = allow_smem(&func, want) >= want;
-            cluster_pro[class_of(&DIM_CLASSES, d)] = Some((func, ok));
-        }
         let tile_f32 = [
             f("attn_tile_f32_c1")?,
             f("attn_tile_f32_c2")?,
@@ -682,14 +723,12 @@ impl AttentionKernels {
                 ],
             ],
             cluster,
-            cluster_smem_ok,
-            cluster_pro,
-            cluster_slots: Default::default(),
             tile_f32,
             tile_f32_smem: f32_smem,
             tile_bf16,
             tile_bf16_smem: bf16_smem,
             tc_heads: AtomicUsize::new(0),
+            cluster_forced: AtomicUsize::new(0),
             wgmma: WgmmaAttention::load(&get)?,
         })
     }
@@ -781,10 +820,19 @@ fn split_plan(work: usize, context: usize, sms: usize, capacity: usize) -> Split
 /// How the cluster kernel covers a decode batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct ClusterPlan {
+    /// Blocks per cluster: which build runs ([`CLUSTER_SIZES`]).
+    size: usize,
     /// Clusters per (token, kv head x head chunk) group.
     clusters: usize,
     /// The fewest keys a block takes (a token's keys spread over fewer clusters when short).
     min_keys: usize,
+}
+
+impl ClusterPlan {
+    /// Key steps the busiest block takes over `context` keys of `step` keys a step.
+    fn steps(&self, context: usize, step: usize) -> usize {
+        context.max(1).div_ceil(self.clusters * self.size * step)
+    }
 }
 
 /// How the split and cluster decode kernels take a batch's tokens (those no prefill tile owns).
@@ -802,11 +850,13 @@ struct DecodeLayout {
     cluster: Option<ClusterPlan>,
 }
 
-/// `work` = (token, kv head x head chunk) groups; `context` = the most keys a token sees;
-/// `slots` = clusters the device runs at once; `capacity` = the most partials per row the
-/// scratch holds; `step` = keys per block step. None: the split kernel suits this batch better
-/// (the groups do not all run at once, or the blocks would take too many steps).
+/// `size` = blocks per cluster; `work` = (token, kv head x head chunk) groups; `context` = the
+/// most keys a token sees; `slots` = clusters the device runs at once; `capacity` = the most
+/// partials per row the scratch holds; `step` = keys per block step. None: the split kernel
+/// suits this batch better (the groups do not all run at once, or the blocks would take too
+/// many steps).
 fn cluster_plan(
+    size: usize,
     work: usize,
     context: usize,
     slots: usize,
@@ -824,14 +874,52 @@ fn cluster_plan(
     // (MOERUN_CUDA_CLUSTER_MIN_STEPS overrides it, to measure the trade.)
     let min_keys = cluster_min_steps() * step;
     let clusters = (slots / work)
-        .min(context.max(1).div_ceil(cluster_size() * min_keys))
+        .min(context.max(1).div_ceil(size * min_keys))
         .min(MAX_CLUSTERS)
         .min(capacity)
         .max(1);
-    if context.div_ceil(clusters * cluster_size()) > MAX_CLUSTER_STEPS * step {
+    if context.div_ceil(clusters * size) > MAX_CLUSTER_STEPS * step {
         return None;
     }
-    Some(ClusterPlan { clusters, min_keys })
+    Some(ClusterPlan {
+        size,
+        clusters,
+        min_keys,
+    })
+}
+
+/// The cluster plan a call runs, from the plans of clusters of 8 (`eight`) and of 16 (`sixteen`)
+/// blocks over `context` keys of `step` keys a step (`forced`: `MOERUN_CUDA_CLUSTER_SIZE`).
+/// Sixteen when it covers the context in one cluster and eight would take several (a global
+/// merge: a fence, an atomic, L2 reads of the partials) or three steps or more a block; eight
+/// otherwise (a merge over 16 blocks costs more than a step it saves from two). Measured on the
+/// H200, batch 1 of Qwen3-30B-A3B shapes (`MOERUN_CUDA_CLUSTER_SIZE` 8 against 16, alternating;
+/// docs/perf/cuda-model.md v23): 201-264 keys (one step of 8 or of 16) 480.6 / 477.7 tok/s,
+/// 301-364 (two steps against one) 478.9 / 477.3, 513-768 (three to four against two) 465.4 /
+/// 470.8, 1,101-1,164 (two clusters of 8 against one of 16, three steps) 439.0 / 458.6,
+/// 2,049-2,112 (four clusters of 8 against two of 16) 429.3 / 424.5, and against one of 16 of
+/// up to 8 steps 423.9 / 422.4 (3,501-3,564 keys: 402.1 / 402.1). The plan sees the host's
+/// bound on the context, not the context: a decode graph's is its table width (graph.rs).
+fn choose_cluster(
+    eight: Option<ClusterPlan>,
+    sixteen: Option<ClusterPlan>,
+    context: usize,
+    step: usize,
+    forced: Option<usize>,
+) -> Option<ClusterPlan> {
+    match forced {
+        Some(8) => return eight,
+        Some(_) => return sixteen,
+        None => {}
+    }
+    match (eight, sixteen) {
+        (Some(e), Some(s))
+            if s.clusters == 1 && (e.clusters > 1 || e.steps(context, step) >= 3) =>
+        {
+            Some(s)
+        }
+        _ => eight,
+    }
 }
 
 /// Batches whose keys (tokens x context) number at most this many take their decode blocks in
@@ -875,32 +963,35 @@ fn class_of(classes: &[usize], v: usize) -> usize {
 }
 
 impl CudaDevice {
-    /// Clusters of the cluster decode kernel for (`dim_class`, `group_class`) that run at once, if
-    /// this device has the kernel (compute capability 9+, its shared memory granted) and `work`
-    /// groups might use it (one cluster each fits the device's SMs). Queried once per kernel.
+    /// Clusters of the cluster decode kernel `k` for (`dim_class`, `group_class`) that run at
+    /// once, if this device has the kernel (compute capability 9+, its shared memory granted) and
+    /// `work` groups might use it (one cluster each fits the device's SMs). Queried once per
+    /// kernel.
     fn cluster_slots(
         &self,
-        dtype: KvDtype,
+        k: &ClusterKernels,
         dim_class: usize,
         group_class: usize,
         work: usize,
     ) -> Option<usize> {
-        let k = &self.kernels.attention[dtype.slot()];
         if self.info().compute_capability.0 < 9
-            || !k.cluster_smem_ok[dim_class][group_class]
-            || work * cluster_size() > self.info().multiprocessors as usize
+            || !k.smem_ok[dim_class][group_class]
+            || work * k.size > self.info().multiprocessors as usize
         {
             return None;
         }
-        let slots = *k.cluster_slots[dim_class][group_class].get_or_init(|| {
+        let slots = *k.slots[dim_class][group_class].get_or_init(|| {
             let cfg = LaunchConfig {
-                grid_dim: (1, cluster_size() as u32, 1),
+                grid_dim: (1, k.size as u32, 1),
                 block_dim: (CLUSTER_THREADS as u32, 1, 1),
-                shared_mem_bytes: cluster_smem(DIM_CLASSES[dim_class], GROUP_CLASSES[group_class])
-                    as u32,
+                shared_mem_bytes: cluster_smem(
+                    DIM_CLASSES[dim_class],
+                    GROUP_CLASSES[group_class],
+                    k.size,
+                ) as u32,
             };
             // A refused query means the kernel cannot be planned for: no clusters, split kernel.
-            k.cluster[dim_class][group_class]
+            k.kernels[dim_class][group_class]
                 .occupancy_max_active_clusters(cfg, &self.stream)
                 .map_or(0, |c| c as usize)
         });
@@ -936,18 +1027,27 @@ impl CudaDevice {
         let sms = self.info().multiprocessors as usize;
         let work = n * shape.num_kv_heads * head_chunks;
         let dim_class = class_of(&DIM_CLASSES, d);
-        let cluster = self
-            .cluster_slots(dtype, dim_class, group_class, work)
-            .and_then(|slots| {
-                // More than one cluster per group needs an arrival count per group and rank.
-                let capacity = if work * cluster_size() <= scratch.arrivals.len() {
-                    capacity
-                } else {
-                    1
-                };
-                let step = cluster_keys_per_step(DIM_CLASSES[dim_class]);
-                cluster_plan(work, context, slots, capacity, step)
+        let step = cluster_keys_per_step(DIM_CLASSES[dim_class]);
+        let [eight, sixteen] = self.kernels.attention[dtype.slot()]
+            .cluster
+            .each_ref()
+            .map(|k| {
+                self.cluster_slots(k, dim_class, group_class, work)
+                    .and_then(|slots| {
+                        // More than one cluster per group needs an arrival count per group and
+                        // rank.
+                        let capacity = if work * k.size <= scratch.arrivals.len() {
+                            capacity
+                        } else {
+                            1
+                        };
+                        cluster_plan(k.size, work, context, slots, capacity, step)
+                    })
             });
+        let asked = self.kernels.attention[dtype.slot()]
+            .cluster_forced
+            .load(Ordering::Relaxed);
+        let cluster = choose_cluster(eight, sixteen, context, step, forced_cluster_size(asked));
         DecodeLayout {
             dim_class,
             group_class,
@@ -966,14 +1066,13 @@ impl CudaDevice {
         dtype: KvDtype,
         dim_class: usize,
         group_class: usize,
-        cluster: bool,
+        cluster: Option<ClusterPlan>,
         tiled: bool,
     ) -> Option<&CudaFunction> {
-        let k = &self.kernels.attention[dtype.slot()];
-        match &k.cluster_pro[dim_class] {
-            Some((f, true)) if cluster && !tiled && GROUP_CLASSES[group_class] == PRO_GROUP => {
-                Some(f)
-            }
+        let c = cluster?;
+        let k = &self.kernels.attention[dtype.slot()].cluster[cluster_build(c.size)];
+        match &k.pro[dim_class] {
+            Some((f, true)) if !tiled && GROUP_CLASSES[group_class] == PRO_GROUP => Some(f),
             _ => None,
         }
     }
@@ -991,8 +1090,7 @@ impl CudaDevice {
     ) -> bool {
         let l = self.decode_layout(dtype, n, shape, max_context, scratch);
         let tiled = tiles(shape.head_dim, n, TILE_M);
-        let cluster = l.cluster.is_some();
-        self.fold_kernel(dtype, l.dim_class, l.group_class, cluster, tiled)
+        self.fold_kernel(dtype, l.dim_class, l.group_class, l.cluster, tiled)
             .is_some()
     }
 
@@ -1205,9 +1303,11 @@ impl CudaDevice {
         // Ask the driver now, outside any graph capture, how many clusters of this head size's
         // cluster kernels run at once (what the calls plan with).
         for dtype in [KvDtype::F32, KvDtype::Bf16] {
-            for group_class in 0..GROUP_CLASSES.len() {
-                let dim_class = class_of(&DIM_CLASSES, head_dim.max(1));
-                self.cluster_slots(dtype, dim_class, group_class, 1);
+            for k in &self.kernels.attention[dtype.slot()].cluster {
+                for group_class in 0..GROUP_CLASSES.len() {
+                    let dim_class = class_of(&DIM_CLASSES, head_dim.max(1));
+                    self.cluster_slots(k, dim_class, group_class, 1);
+                }
             }
         }
         let rows = num_heads.max(1) * (2 * target).min(max_tokens.max(1) * max_splits);
@@ -1232,6 +1332,22 @@ impl CudaDevice {
         )?;
         for k in self.kernels.attention.iter() {
             k.tc_heads.store(h, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// Blocks per cluster of the cluster decode kernel: 8 or 16 for every call that runs it
+    /// (`None`: `MOERUN_CUDA_CLUSTER_SIZE`, else each call's plan picks). A forced size whose
+    /// plan does not fit the batch (its clusters do not all run at once) sends it to the split
+    /// kernel. This exists to test and measure the two builds against each other; other values
+    /// are refused.
+    pub fn set_decode_cluster_size(&self, size: Option<usize>) -> Result<()> {
+        let s = size.unwrap_or(0);
+        ensure(size.is_none() || CLUSTER_SIZES.contains(&s), || {
+            format!("decode attention: clusters of {s} blocks (8 or 16 are built)")
+        })?;
+        for k in self.kernels.attention.iter() {
+            k.cluster_forced.store(s, Ordering::Relaxed);
         }
         Ok(())
     }
@@ -1466,7 +1582,6 @@ impl CudaDevice {
         let g = GROUP_CLASSES[group_class];
         let fold_func = fold
             .map(|_| {
-                let cluster = cluster.is_some();
                 self.fold_kernel(pool.dtype(), dim_class, group_class, cluster, tiled)
                     .ok_or_else(|| {
                         CudaError::Unsupported(format!(
@@ -1479,7 +1594,7 @@ impl CudaDevice {
             })
             .transpose()?;
         let (nsplit, chunk) = match cluster {
-            Some(c) => (c.clusters * cluster_size(), c.min_keys),
+            Some(c) => (c.clusters * c.size, c.min_keys),
             None => (plan.splits, plan.chunk),
         };
 
@@ -1600,28 +1715,29 @@ impl CudaDevice {
                     grid_yz(num_kv_heads * head_chunks, "kv heads x head chunks")?,
                 ),
                 block_dim: (CLUSTER_THREADS as u32, 1, 1),
-                shared_mem_bytes: cluster_smem(d, g) as u32,
+                shared_mem_bytes: cluster_smem(d, g, c.size) as u32,
             };
+            let build = &kernels.cluster[cluster_build(c.size)];
             let mut b = self
                 .stream
-                .launch_builder(fold_func.unwrap_or(&kernels.cluster[dim_class][group_class]));
+                .launch_builder(fold_func.unwrap_or(&build.kernels[dim_class][group_class]));
             b.arg(&args);
             if let Some(p) = &fold {
                 b.arg(p);
             }
             if !crate::skip::skipped("attention") && n > token0 {
                 // SAFETY: as for the split kernel below; the grid's y extent is a whole number of
-                // clusters (the kernel's compile-time cluster shape, 1 x 8 x 1); with more than one
-                // cluster per group the partials of n x num_heads x clusters rows fit the scratch
-                // (cluster_plan is bounded by `capacity`) and the work x 8 arrival counts exist
-                // (checked when planning); the dynamic shared memory is what this head_dim needs,
-                // within the limit set at load (`cluster_smem_ok`). A folded prologue's build
+                // clusters (the build's compile-time cluster shape, 1 x c.size x 1); with more than
+                // one cluster per group the partials of n x num_heads x clusters rows fit the
+                // scratch (cluster_plan is bounded by `capacity`) and the work x c.size arrival
+                // counts exist (checked when planning); the dynamic shared memory is what this
+                // head_dim needs, within the limit set at load (`smem_ok`). A folded prologue's build
                 // also takes its PrologueArgs: q holds n rows of the stacked projection
                 // (checked above), the norms head_dim values or null, inv_freq `half` (checked by
                 // the fold's entry), and the kernel writes only pool slots it bounds as it reads.
                 unsafe { b.launch(cfg) }.ctx("attention cluster decode")?;
             }
-            debug_assert!(c.clusters == 1 || work * cluster_size() <= scratch.arrivals.len());
+            debug_assert!(c.clusters == 1 || work * c.size <= scratch.arrivals.len());
             return self.rest_to_bf16(&args, out_bf16, num_heads * d);
         }
         let groups = work;
@@ -1739,7 +1855,7 @@ mod tests {
         assert_eq!(cluster_keys_per_step(256), 16);
         assert_eq!(cluster_keys_per_step(512), 8);
         // Batch 1 of Qwen3-30B-A3B (4 kv heads, head_dim 128), 16 clusters at once.
-        let plan = |context| cluster_plan(4, context, 16, usize::MAX, 32).map(|p| p.clusters);
+        let plan = |context| cluster_plan(8, 4, context, 16, usize::MAX, 32).map(|p| p.clusters);
         assert_eq!(plan(1), Some(1));
         assert_eq!(plan(512), Some(1), "one cluster: no global merge");
         assert_eq!(
@@ -1752,26 +1868,70 @@ mod tests {
         assert_eq!(plan(8192), Some(4), "256 keys, 8 steps per block");
         assert_eq!(plan(8193), None);
         assert_eq!(
-            cluster_plan(4, 512, 16, usize::MAX, 32).unwrap().min_keys,
+            cluster_plan(8, 4, 512, 16, usize::MAX, 32)
+                .unwrap()
+                .min_keys,
             128
         );
         // Groups that do not all run at once, or a scratch for one cluster only.
-        assert_eq!(cluster_plan(17, 512, 16, usize::MAX, 32), None);
-        assert_eq!(cluster_plan(0, 512, 16, usize::MAX, 32), None);
+        assert_eq!(cluster_plan(8, 17, 512, 16, usize::MAX, 32), None);
+        assert_eq!(cluster_plan(8, 0, 512, 16, usize::MAX, 32), None);
         assert_eq!(
-            cluster_plan(4, 2048, 16, 1, 32).map(|p| p.clusters),
+            cluster_plan(8, 4, 2048, 16, 1, 32).map(|p| p.clusters),
             Some(1)
         );
-        assert_eq!(cluster_plan(4, 4096, 16, 1, 32), None);
+        assert_eq!(cluster_plan(8, 4, 4096, 16, 1, 32), None);
         for work in 1..=16 {
             for context in [1usize, 100, 1000, 5000, 100_000] {
-                if let Some(p) = cluster_plan(work, context, 16, usize::MAX, 32) {
+                if let Some(p) = cluster_plan(8, work, context, 16, usize::MAX, 32) {
                     assert!(p.clusters >= 1 && p.clusters <= MAX_CLUSTERS, "{p:?}");
                     assert!(work * p.clusters <= 16, "one wave: {work} {context} {p:?}");
                 }
             }
         }
-        assert!(cluster_smem(256, 8) <= 227 << 10 && cluster_smem(128, 8) <= 48 << 10);
+        for size in CLUSTER_SIZES {
+            assert!(cluster_smem(256, 8, size) <= 227 << 10, "{size}");
+            assert!(cluster_smem(128, 8, size) <= 48 << 10, "{size}");
+        }
+    }
+
+    #[test]
+    fn sixteen_block_clusters_run_where_one_covers_what_eight_take_in_several_or_three_steps() {
+        // Batch 1 of Qwen3-30B-A3B (8 groups of 4 heads of 128: 32 keys a step); slots as on
+        // the H200 (two blocks an SM: 33 clusters of 8, 16 of 16).
+        let pick = |context: usize, forced: Option<usize>| {
+            let eight = cluster_plan(8, 8, context, 33, usize::MAX, 32);
+            let sixteen = cluster_plan(16, 8, context, 16, usize::MAX, 32);
+            choose_cluster(eight, sixteen, context, 32, forced).map(|p| (p.size, p.clusters))
+        };
+        assert_eq!(pick(256, None), Some((8, 1)), "one step either way");
+        assert_eq!(pick(512, None), Some((8, 1)), "two steps against one");
+        assert_eq!(pick(600, None), Some((16, 1)), "three steps against two");
+        assert_eq!(pick(1024, None), Some((16, 1)), "four steps against two");
+        assert_eq!(
+            pick(2048, None),
+            Some((16, 1)),
+            "two clusters of 8 against one"
+        );
+        assert_eq!(pick(4096, None), Some((8, 4)), "both merge globally");
+        // Forced sizes take their own plan, even the worse one.
+        assert_eq!(pick(256, Some(16)), Some((16, 1)));
+        assert_eq!(pick(2048, Some(8)), Some((8, 2)));
+        // No plan of 16 (a device without the build): eight's.
+        assert_eq!(
+            choose_cluster(
+                cluster_plan(8, 8, 1024, 33, usize::MAX, 32),
+                None,
+                1024,
+                32,
+                None
+            )
+            .map(|p| p.size),
+            Some(8)
+        );
+        let steps = |p: Option<ClusterPlan>, context| p.unwrap().steps(context, 32);
+        assert_eq!(steps(cluster_plan(8, 8, 768, 33, usize::MAX, 32), 768), 3);
+        assert_eq!(steps(cluster_plan(16, 8, 768, 16, usize::MAX, 32), 768), 2);
     }
 
     #[test]
