@@ -536,16 +536,27 @@ fn small_decode_batches_match_cpu_on_one_or_many_clusters() {
         ((16, 8, 256), one(1800), Some(1024), None),
         ((16, 2, 512), one(400), None, None),
     ] {
-        let mut case = Case::new(
-            format!("cluster decode {seqs:?} {shape:?} window {window:?} bound {bound:?}"),
-            shape,
-        );
+        let name = format!("cluster decode {seqs:?} {shape:?} window {window:?} bound {bound:?}");
+        let mut case = Case::new(name, shape);
         case.seqs = &seqs;
-        case.window = window;
-        case.max_context = bound;
-        case.q_range = 4.0;
-        run_and_check(dev, &mut r, &case);
+        cluster_case(dev, &mut r, case, (window, bound), KvDtype::F32);
     }
+}
+
+/// Run `case` (its sequences set) as a decode of larger queries (`q_range` 4) with a window and a
+/// host bound on the context, over a pool of `kv_dtype`, and check it against the CPU.
+fn cluster_case(
+    dev: &CudaDevice,
+    r: &mut StdRng,
+    mut case: Case<'_>,
+    (window, bound): (Option<usize>, Option<usize>),
+    kv_dtype: KvDtype,
+) {
+    case.window = window;
+    case.max_context = bound;
+    case.q_range = 4.0;
+    case.kv_dtype = kv_dtype;
+    run_and_check(dev, r, &case);
 }
 
 /// The cluster decode kernel in clusters of 8 and of 16 blocks (the two builds, forced in turn by
@@ -569,16 +580,13 @@ fn decode_clusters_of_8_and_16_blocks_match_cpu() {
             ((16, 4, 64), one(900), None, None, KvDtype::F32),
             ((16, 2, 512), one(400), None, None, KvDtype::F32),
         ] {
-            let mut case = Case::new(
-                format!("clusters of {size}: {seqs:?} {shape:?} {kv_dtype:?} window {window:?} bound {bound:?}"),
-                shape,
+            let name = format!(
+                "clusters of {size}: {seqs:?} {shape:?} {kv_dtype:?} window {window:?} bound \
+                 {bound:?}"
             );
+            let mut case = Case::new(name, shape);
             case.seqs = &seqs;
-            case.window = window;
-            case.max_context = bound;
-            case.q_range = 4.0;
-            case.kv_dtype = kv_dtype;
-            run_and_check(dev, &mut r, &case);
+            cluster_case(dev, &mut r, case, (window, bound), kv_dtype);
         }
     }
     dev.set_decode_cluster_size(None).unwrap();

@@ -508,12 +508,7 @@ impl ClusterKernels {
                 let g2 = f("attn_cluster_d512_g2")?;
                 return Ok([f("attn_cluster_d512_g1")?, g2.clone(), g2.clone(), g2]);
             }
-            Ok([
-                f(&format!("attn_cluster_d{d}_g1"))?,
-                f(&format!("attn_cluster_d{d}_g2"))?,
-                f(&format!("attn_cluster_d{d}_g4"))?,
-                f(&format!("attn_cluster_d{d}_g8"))?,
-            ])
+            group_row(f, "cluster", d)
         };
         let kernels = [
             row(16)?,
@@ -634,6 +629,21 @@ fn cluster_keys_per_step(dim_class: usize) -> usize {
     CLUSTER_THREADS / lanes * (4 / vpl)
 }
 
+/// The `kind` ("split" or "cluster") decode kernels of head dim class `d`, one per group class:
+/// `attn_<kind>_d<d>_g<1, 2, 4, 8>`.
+fn group_row(
+    f: &impl Fn(&str) -> Result<CudaFunction>,
+    kind: &str,
+    d: usize,
+) -> Result<[CudaFunction; 4]> {
+    Ok([
+        f(&format!("attn_{kind}_d{d}_g1"))?,
+        f(&format!("attn_{kind}_d{d}_g2"))?,
+        f(&format!("attn_{kind}_d{d}_g4"))?,
+        f(&format!("attn_{kind}_d{d}_g8"))?,
+    ])
+}
+
 /// Opt a cluster kernel in to clusters past the portable 8 blocks when its build's `size` has
 /// them. A device that refuses (not Hopper) leaves the occupancy query no room for such a
 /// cluster, so that build is never planned with.
@@ -664,14 +674,7 @@ impl AttentionKernels {
     ) -> Result<Self> {
         let get = |file: &str, func: &str| get(&format!("{file}{suffix}"), func);
         let f = |name: &str| get("attention", name);
-        let split_row = |d: usize| -> Result<[CudaFunction; 4]> {
-            Ok([
-                f(&format!("attn_split_d{d}_g1"))?,
-                f(&format!("attn_split_d{d}_g2"))?,
-                f(&format!("attn_split_d{d}_g4"))?,
-                f(&format!("attn_split_d{d}_g8"))?,
-            ])
-        };
+        let split_row = |d: usize| group_row(&f, "split", d);
         let cluster = [
             ClusterKernels::load(&f, CLUSTER_SIZES[0])?,
             ClusterKernels::load(&|name: &str| get("attention_cl16", name), CLUSTER_SIZES[1])?,
