@@ -119,7 +119,6 @@ __device__ __forceinline__ uint2 landed_bf16x4(const float* p) {
 
 // ---- kv_write ----
 
-
 // The cluster-only builds (ATTN_CLUSTER_ONLY: compile.rs's 16-block `attention_cl16` files) hold
 // the cluster decode kernels alone; the other entry points come from the plain build.
 #ifndef ATTN_CLUSTER_ONLY

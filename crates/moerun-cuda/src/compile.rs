@@ -252,9 +252,8 @@ fn options(arch: &str, verbose: bool, defines: &[String]) -> Vec<String> {
 }
 
 /// `MOERUN_CUDA_DEFINES`: preprocessor defines for every kernel file, `-DNAME[=VALUE]` separated
-/// by spaces, read once. For
-/// measuring builds without rebuilding the binary: `-DMOERUN_PROBE` turns on the phase probes
-/// (common.cuh; scripts/probes/phases.py reads what they print). They
+/// by spaces, read once. For measuring builds without rebuilding the binary: `-DMOERUN_PROBE`
+/// turns on the phase probes (common.cuh; scripts/probes/phases.py reads what they print). They
 /// are part of the cache key, so such cubins never stand in for the plain ones. Anything that
 /// is not a define is refused by name when the kernels are compiled.
 pub fn env_defines() -> Result<&'static [String]> {

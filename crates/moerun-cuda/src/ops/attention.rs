@@ -499,8 +499,9 @@ struct ClusterKernels {
 }
 
 impl ClusterKernels {
-    /// The cluster kernels of the build `file` (its entry points named as in attention.cu),
-    /// clusters of `size` blocks.
+    /// The cluster kernels of one build, in clusters of `size` blocks: `f` loads an entry point
+    /// of that build by its name in attention.cu. Each is opted in to its cluster size and its
+    /// shared memory.
     fn load(f: &impl Fn(&str) -> Result<CudaFunction>, size: usize) -> Result<Self> {
         let row = |d: usize| -> Result<[CudaFunction; 4]> {
             if d == 512 {
