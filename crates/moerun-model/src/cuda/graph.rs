@@ -7,8 +7,9 @@
 //! - Buckets: a batch of n sequences runs in the smallest bucket >= n; the padding rows decode
 //!   token 0 at position 0 into the cache's trash block, which no sequence owns, and their
 //!   logits are dropped.
-//! - Block tables are captured at a fixed width per sequence; a longer table recaptures the
-//!   bucket at double the width. Attention's split-K grid is sized for that width's context.
+//! - Block tables are captured at a fixed width per sequence (at least 512 keys' worth); a longer
+//!   table recaptures the bucket at double the width. Attention's split-K grid and its choice of
+//!   8- or 16-block clusters are planned for that width's context.
 //! - A graph bakes in the addresses of the KV pools and scratch it was captured over, so the
 //!   graphs live in the [`DeviceKv`] and are dropped when its MoE scratch is replaced.
 //! - Gemma 4 (`crate::gemma4::cuda`) is captured the same way, its own flow inside the capture.
