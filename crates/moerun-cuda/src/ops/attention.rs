@@ -165,10 +165,6 @@ fn forced_cluster_size(asked: usize) -> Option<usize> {
         size => Some(size),
     }
 }
-/// Index in `AttentionKernels::cluster` of the build of clusters of `size` blocks.
-fn cluster_build(size: usize) -> usize {
-    CLUSTER_SIZES.iter().position(|&s| s == size).unwrap_or(0)
-}
 /// Threads per block of the cluster decode kernel (`CL_THREADS`: 8 warps).
 const CLUSTER_THREADS: usize = 256;
 /// Most clusters per (token, kv head x head chunk): bounds the final merge (and the kernel's
@@ -666,6 +662,11 @@ fn allow_smem(func: &CudaFunction, want: usize) -> usize {
 }
 
 impl AttentionKernels {
+    /// The cluster kernels of clusters of `size` blocks.
+    fn cluster_build(&self, size: usize) -> Option<&ClusterKernels> {
+        self.cluster.iter().find(|k| k.size == size)
+    }
+
     /// `get(file, function)` loads an entry point of a compiled kernel file.
     /// The kernels of the attention files' build named with `suffix` ("" for f32 pools,
     /// "_kvbf16" for bf16 ones: compile.rs).
@@ -1073,8 +1074,7 @@ impl CudaDevice {
         cluster: Option<ClusterPlan>,
         tiled: bool,
     ) -> Option<&CudaFunction> {
-        let c = cluster?;
-        let k = &self.kernels.attention[dtype.slot()].cluster[cluster_build(c.size)];
+        let k = self.kernels.attention[dtype.slot()].cluster_build(cluster?.size)?;
         match &k.pro[dim_class] {
             Some((f, true)) if !tiled && GROUP_CLASSES[group_class] == PRO_GROUP => Some(f),
             _ => None,
@@ -1721,7 +1721,10 @@ impl CudaDevice {
                 block_dim: (CLUSTER_THREADS as u32, 1, 1),
                 shared_mem_bytes: cluster_smem(d, g, c.size) as u32,
             };
-            let build = &kernels.cluster[cluster_build(c.size)];
+            // A plan's size is its build's (decode_layout plans with each build's own).
+            let build = kernels.cluster_build(c.size).ok_or_else(|| {
+                CudaError::InvalidArgument(format!("no build of {}-block clusters", c.size))
+            })?;
             let mut b = self
                 .stream
                 .launch_builder(fold_func.unwrap_or(&build.kernels[dim_class][group_class]));
