@@ -378,6 +378,110 @@ __device__ __forceinline__ float norm_inv(const float (&partial)[ROWS_WARPS][R +
     return 1.0f / sqrtf(t / (float)k + eps);
 }
 
+// gemv_rows_norm_strided_<dt>: the same sums by a grid of at most 4 blocks an SM (the host's
+// choice: one wave), block b taking row groups b, b + grid, ... of 4 rows, each thread with two
+// groups' weights in flight (the one after next loads while a group computes; the first
+// group's before the programmatic wait, as gemv_rows_norm's, the second's right after it).
+// Rows of 256 chunks only (one a thread: k = 2048 bf16/f16, 1024 f32; the host checks), so a
+// thread makes its s * nw once for all its groups. The same sums in the same order as
+// gemv_rows_norm: the same bits. Against gemv_rows_norm's one group a block (Qwen3-30B-A3B's
+// q/k/v: 1,280 blocks, 2.4 waves; its LM head: 37,984, 72 waves) batch-1 decode gained 0.9% for
+// the projections and 1.1% with the LM head (H200, docs/perf/cuda-model.md v24). A grid of 2
+// blocks an SM instead, which leaves decode attention room to launch beside the projection
+// (attention's inc fell 0.65 us), streamed it 2 us slower.
+template <typename C>
+__device__ __forceinline__ void gemv_rows_norm_strided(const void* __restrict__ w_raw,
+                                                      const float* x, const float* r,
+                                                      const float* nw, float eps, float* x_out,
+                                                      float* __restrict__ y, int n, int k) {
+    constexpr int R = ROWS_PER_BLOCK;
+    constexpr int V = C::N / 4;
+    __shared__ float partial[ROWS_WARPS][R + 1];
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int chunks = k / C::N;  // == ROWS_THREADS
+    const int groups = (n + R - 1) / R;
+    const int stride = gridDim.x;
+    const uint4* w = reinterpret_cast<const uint4*>(w_raw);
+    auto load_group = [&](int g, uint4 (&q)[R], bool early) {
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+            const int row = g * R + i;
+            const uint4* p = w + (u64)row * chunks + tid;
+            q[i] = g < groups && row < n ? (early ? load_stream_early(p) : load_stream(p))
+                                         : make_uint4(0u, 0u, 0u, 0u);
+        }
+    };
+    uint4 qa[R], qb[R];
+    int g = blockIdx.x;
+    load_group(g, qa, true);
+    float4 xv[V], nv[V];
+#pragma unroll
+    for (int v = 0; v < V; ++v) {
+        xv[v] = load_early4(x + (u64)tid * C::N + 4 * v);
+        nv[v] = load_early4(nw + (u64)tid * C::N + 4 * v);
+    }
+    pdl_entry();
+    load_group(g + stride, qb, false);  // after the wait: through the read-only path
+    // s = x + r (block 0 stores it), its squares, and s * nw: the thread's chunk, once.
+    float4 av[V];
+    float ss = 0.0f;
+#pragma unroll
+    for (int v = 0; v < V; ++v) {
+        const float4 sc = add4f(xv[v], *reinterpret_cast<const float4*>(r + (u64)tid * C::N + 4 * v));
+        if (blockIdx.x == 0) *reinterpret_cast<float4*>(x_out + (u64)tid * C::N + 4 * v) = sc;
+        ss = __fmaf_rn(sc.x, sc.x, ss);
+        ss = __fmaf_rn(sc.y, sc.y, ss);
+        ss = __fmaf_rn(sc.z, sc.z, ss);
+        ss = __fmaf_rn(sc.w, sc.w, ss);
+        av[v] = mul4f(sc, nv[v]);
+    }
+    {
+        const float sq = warp_sum(ss);
+        if (lane == 0) partial[warp][R] = sq;
+    }
+    float inv = 0.0f;
+    // One group from q: its rows' sums, then y.
+    auto group = [&](int gg, const uint4 (&q)[R], bool first) {
+        float acc[R];
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+            float f[1][C::N];
+            C::widen(q[i], f[0]);
+            acc[i] = 0.0f;
+#pragma unroll
+            for (int v = 0; v < V; ++v) fma_group<1, C::N>(f, v, av[v], &acc[i]);
+        }
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+            const float t = warp_sum(acc[i]);
+            if (lane == 0) partial[warp][i] = t;
+        }
+        __syncthreads();
+        if (first) inv = norm_inv<R>(partial, k, eps);
+        const int row0 = gg * R;
+        if (tid < R && row0 + tid < n) {
+            float t = 0.0f;
+#pragma unroll
+            for (int i = 0; i < ROWS_WARPS; ++i) t += partial[i][tid];
+            y[row0 + tid] = t * inv;
+        }
+        __syncthreads();  // partial's rows are written again by the next group
+    };
+    bool first = true;
+    while (g < groups) {
+        group(g, qa, first);
+        first = false;
+        load_group(g + 2 * stride, qa, false);
+        g += stride;
+        if (g >= groups) break;
+        group(g, qb, false);
+        load_group(g + 2 * stride, qb, false);
+        g += stride;
+    }
+}
+
 template <typename C>
 __device__ __forceinline__ void gemv_rows_norm(const void* __restrict__ w_raw,
                                                const float* x, const float* r, const float* nw,
@@ -389,6 +493,16 @@ __device__ __forceinline__ void gemv_rows_norm(const void* __restrict__ w_raw,
     const int rows_here = min(R, n - row0);  // block-uniform
     const int chunks = k / C::N;
     const uint4* w = reinterpret_cast<const uint4*>(w_raw) + (u64)row0 * chunks;
+#ifdef GEMV_NORM_L2PF
+    // (measuring) the rows of block blockIdx.x + GEMV_NORM_L2PF towards L2 before the wait, in
+    // launches of up to 4,096 blocks (not the LM head).
+    if (gridDim.x <= 4096) {
+        const int tr = (blockIdx.x + GEMV_NORM_L2PF) * R;
+        if (tr < n)
+            prefetch_l2_range(reinterpret_cast<const uint4*>(w_raw) + (u64)tr * chunks,
+                              (u64)min(R, n - tr) * chunks * 16);
+    }
+#endif
     float4 sv[C::N / 4], nv[C::N / 4];
     norm_rows_partials<C, R>(w, rows_here, chunks, x, r, nw, x_out, blockIdx.x == 0, partial, sv,
                              nv);
@@ -414,6 +528,16 @@ __device__ __forceinline__ void gemv_rows_norm(const void* __restrict__ w_raw,
 GEMV_ROWS_NORM_KERNEL(gemv_rows_norm_bf16, ChunkBf16)
 GEMV_ROWS_NORM_KERNEL(gemv_rows_norm_f16, ChunkF16)
 GEMV_ROWS_NORM_KERNEL(gemv_rows_norm_f32, ChunkF32)
+// Four blocks an SM (64 registers): the grid the host launches is one wave.
+#define GEMV_ROWS_NORM_STRIDED_KERNEL(NAME, CHUNK)                                              \
+    extern "C" __global__ void __launch_bounds__(ROWS_THREADS, 4)                               \
+        NAME(const void* w, const float* x, const float* r, const float* nw, float eps,         \
+             float* x_out, float* y, int n, int k) {                                             \
+        gemv_rows_norm_strided<CHUNK>(w, x, r, nw, eps, x_out, y, n, k);                         \
+    }
+GEMV_ROWS_NORM_STRIDED_KERNEL(gemv_rows_norm_strided_bf16, ChunkBf16)
+GEMV_ROWS_NORM_STRIDED_KERNEL(gemv_rows_norm_strided_f16, ChunkF16)
+GEMV_ROWS_NORM_STRIDED_KERNEL(gemv_rows_norm_strided_f32, ChunkF32)
 
 // ---- the router GEMV of one token with its top-k, in one cluster (sm_90) ----
 //

@@ -70,6 +70,8 @@ pub(crate) struct Kernels {
     pub gemv: [[[CudaFunction; 4]; 3]; 2],
     /// `gemv_rows_norm_<dt>` (one token's add+norm folded into the GEMV), by [`dtype_slot`].
     pub gemv_rows_norm: [CudaFunction; 3],
+    /// `gemv_rows_norm_strided_<dt>`: [`crate::AddNormGrid::Strided`].
+    pub gemv_rows_norm_strided: [CudaFunction; 3],
     pub elementwise: crate::ops::ElementwiseKernels,
     pub fused: crate::ops::FusedKernels,
     pub moe: crate::ops::MoeKernels,
@@ -162,6 +164,11 @@ impl Kernels {
                 get("gemv", "gemv_rows_norm_bf16")?,
                 get("gemv", "gemv_rows_norm_f16")?,
                 get("gemv", "gemv_rows_norm_f32")?,
+            ],
+            gemv_rows_norm_strided: [
+                get("gemv", "gemv_rows_norm_strided_bf16")?,
+                get("gemv", "gemv_rows_norm_strided_f16")?,
+                get("gemv", "gemv_rows_norm_strided_f32")?,
             ],
             elementwise: crate::ops::ElementwiseKernels::load(|f| get("elementwise", f))?,
             fused: crate::ops::FusedKernels::load(|f| get("fused", f))?,

@@ -32,6 +32,9 @@ pub use device::{CudaDevice, DeviceInfo, DeviceMatrix};
 pub use error::{CudaError, Result};
 pub use graph::DeviceGraph;
 pub use ops::FUSED_MAX_HEAD_DIM;
+pub use ops::{
+    AddNormGrid, DeviceRope, FoldedPrologue, GemmOut, GemvLayout, QkvShape, RouterShape,
+};
 pub use ops::{ArgmaxScratch, NextStepInputs};
 pub use ops::{
     AttentionPrefill, AttentionScratch, AttentionShape, BatchKvBf16, DeviceKvPool, KvBuffers,
@@ -39,4 +42,3 @@ pub use ops::{
 };
 pub use ops::{DecodePass, DeviceExperts, ExpertActivation, MoePath, MoeScratch, WgmmaTile};
 pub use ops::{DeltaSeqs, DeltaShape};
-pub use ops::{DeviceRope, FoldedPrologue, GemmOut, GemvLayout, QkvShape, RouterShape};

@@ -13,7 +13,7 @@ use moerun_core::{DType, MatRef};
 use moerun_cpu::ops::{
     gelu_tanh_mul_in_place, rms_norm_rows, rope_rotate_half, silu_mul_in_place, softmax_in_place,
 };
-use moerun_cuda::{CudaDevice, CudaError, CudaSlice, DeviceMatrix, RouterShape};
+use moerun_cuda::{AddNormGrid, CudaDevice, CudaError, CudaSlice, DeviceMatrix, RouterShape};
 
 fn widen(v: &[f32]) -> Vec<f64> {
     v.iter().map(|&x| x as f64).collect()
@@ -646,6 +646,60 @@ fn gemv_add_norm_matches_add_rms_norm_then_the_gemv() {
         .unwrap_err();
     assert!(
         matches!(err, CudaError::InvalidArgument(ref m) if m.contains("r 60")),
+        "{err}"
+    );
+}
+
+/// The strided grid of gemv_add_norm (one wave of blocks striding over the 4-row groups, two
+/// groups in flight a thread) gives the bits of a block per group, residual included: rows of
+/// 256 chunks in every dtype, row counts below one group, not a multiple of 4, fewer groups than
+/// the wave and many more (an LM head's 151,936 rows); other row widths are refused by name.
+#[test]
+fn gemv_add_norm_strided_grid_matches_a_block_per_group_bit_for_bit() {
+    let Some(dev) = device() else { return };
+    let mut r = rng("gemv_add_norm_strided");
+    for (n, k, dtype) in [
+        (5120usize, 2048usize, DType::BF16),
+        (151_936, 2048, DType::BF16),
+        (4101, 2048, DType::F16),
+        (3, 2048, DType::BF16),
+        (517, 1024, DType::F32),
+    ] {
+        let w = matrix(dev, &uniform(&mut r, n * k, -0.1, 0.1), dtype, n);
+        let x = dev.upload(&uniform(&mut r, k, -2.0, 2.0)).unwrap();
+        let y = dev.upload(&uniform(&mut r, k, -2.0, 2.0)).unwrap();
+        let norm = dev.upload(&uniform(&mut r, k, 0.5, 1.5)).unwrap();
+        let run = |grid| {
+            let mut x_out = dev.upload(&poison(k)).unwrap();
+            let mut out = dev.upload(&poison(n)).unwrap();
+            dev.gemv_add_norm_in(grid, (&x, &y, &norm, 1e-6), &w, &mut x_out, &mut out)
+                .unwrap();
+            (bits_of(dev, &x_out), bits_of(dev, &out))
+        };
+        let (want_x, want) = run(AddNormGrid::PerGroup);
+        let (got_x, got) = run(AddNormGrid::Strided);
+        let name = format!("gemv_add_norm strided {n} x {k} {dtype}");
+        assert_eq!(got_x, want_x, "{name}: the residual");
+        assert_eq!(got, want, "{name}: the products");
+        assert!(
+            want.iter().all(|&b| !f32::from_bits(b).is_nan()),
+            "{name}: every row written"
+        );
+    }
+    let w = matrix(dev, &vec![0.0; 8 * 4096], DType::BF16, 8);
+    let row = |len| dev.zeros::<f32>(len).unwrap();
+    let (x, y, norm, mut x_out, mut out) = (row(4096), row(4096), row(4096), row(4096), row(8));
+    let err = dev
+        .gemv_add_norm_in(
+            AddNormGrid::Strided,
+            (&x, &y, &norm, 1e-6),
+            &w,
+            &mut x_out,
+            &mut out,
+        )
+        .unwrap_err();
+    assert!(
+        matches!(err, CudaError::InvalidArgument(ref m) if m.contains("strided grid")),
         "{err}"
     );
 }

@@ -146,8 +146,27 @@ impl CudaDevice {
     /// not at all. `x`, `r`, `norm` and `x_out` hold `w.cols()` values, `out` `w.rows()`.
     /// Under programmatic launch `x` and `norm` are read before the kernel waits: no kernel right
     /// before it may write them (graph::EARLY_ACTIVATION_READERS).
+    /// The grid is [`AddNormGrid::Auto`]'s.
     pub fn gemv_add_norm(
         &self,
+        args: (
+            &impl DevicePtr<f32>,
+            &impl DevicePtr<f32>,
+            &impl DevicePtr<f32>,
+            f32,
+        ),
+        w: &DeviceMatrix,
+        x_out: &mut impl DevicePtrMut<f32>,
+        out: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        self.gemv_add_norm_in(AddNormGrid::Auto, args, w, x_out, out)
+    }
+
+    /// [`CudaDevice::gemv_add_norm`] in an explicit grid (tests compare them; the bits are the
+    /// same). [`AddNormGrid::Strided`] on rows it cannot take is refused by name.
+    pub fn gemv_add_norm_in(
+        &self,
+        grid: AddNormGrid,
         (x, r, norm, eps): (
             &impl DevicePtr<f32>,
             &impl DevicePtr<f32>,
@@ -192,17 +211,40 @@ impl CudaDevice {
             || "gemv_add_norm: w, x, r, norm and x_out must start 16-byte aligned".to_string(),
         )?;
         let (n_i, k_i) = (to_i32(n, "n")?, to_i32(k, "k")?);
+        let groups = blocks(n, GemvLayout::BlockPerRows.rows_per_block())?;
+        let fits = AddNormGrid::strided_fits(w);
+        let strided = match grid {
+            AddNormGrid::Auto => fits && n <= strided_rows_bound(),
+            AddNormGrid::PerGroup => false,
+            AddNormGrid::Strided => {
+                ensure(fits, || {
+                    format!(
+                        "gemv_add_norm: the strided grid takes rows of {STRIDED_CHUNKS} chunks \
+                         (one a thread), not {k} {} values",
+                        w.dtype()
+                    )
+                })?;
+                true
+            }
+        };
+        let (grid_x, func) = if strided {
+            let wave = STRIDED_BLOCKS_PER_SM * self.info().multiprocessors;
+            (
+                groups.min(wave.max(1)),
+                &self.kernels.gemv_rows_norm_strided[dtype_slot(w.dtype())],
+            )
+        } else {
+            (groups, &self.kernels.gemv_rows_norm[dtype_slot(w.dtype())])
+        };
         let cfg = LaunchConfig {
-            grid_dim: (blocks(n, GemvLayout::BlockPerRows.rows_per_block())?, 1, 1),
+            grid_dim: (grid_x, 1, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
         if crate::skip::gemv_skipped(n) {
             return Ok(());
         }
-        let mut b = self
-            .stream
-            .launch_builder(&self.kernels.gemv_rows_norm[dtype_slot(w.dtype())]);
+        let mut b = self.stream.launch_builder(func);
         b.arg(&wp)
             .arg(&xp)
             .arg(&rp)
@@ -212,9 +254,51 @@ impl CudaDevice {
             .arg(&op);
         b.arg(&n_i).arg(&k_i);
         // SAFETY: w holds n * k elements of the kernel's dtype with k a multiple of the 16-byte
-        // chunk; x, r, norm and x_out hold k f32 each, out n (checked above), all vectors
-        // 16-byte aligned; the grid covers n rows at 4 a block.
+        // chunk (for the strided kernel exactly 256 chunks, checked above); x, r, norm and
+        // x_out hold k f32 each, out n (checked above), all vectors 16-byte aligned; the grid
+        // covers n rows at 4 a block, or the strided kernel's blocks stride over all of them.
         unsafe { b.launch(cfg) }.ctx("gemv_rows_norm")?;
         Ok(())
     }
+}
+
+/// The grid of [`CudaDevice::gemv_add_norm_in`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AddNormGrid {
+    /// `Strided` where the rows allow it (unless `MOERUN_CUDA_STRIDED_ROWS` bounds the rows it
+    /// takes), else `PerGroup`.
+    Auto,
+    /// `gemv_rows_norm_<dt>`: a block per 4 rows.
+    PerGroup,
+    /// `gemv_rows_norm_strided_<dt>`: one wave of at most 4 blocks an SM, each striding over
+    /// the 4-row groups with two groups' weights in flight a thread (kernels/gemv.cu). Rows of
+    /// exactly 256 16-byte chunks (2,048 bf16/f16 values, 1,024 f32): a decode q/k/v projection
+    /// of Qwen3-30B-A3B's and Qwen3.5's hidden size.
+    Strided,
+}
+
+/// Chunks a row the strided kernel takes: one a thread of its 256.
+const STRIDED_CHUNKS: usize = 256;
+/// Blocks an SM of the strided kernel (its `__launch_bounds__`), so the grid is one wave.
+const STRIDED_BLOCKS_PER_SM: u32 = 4;
+
+impl AddNormGrid {
+    /// Whether `w`'s rows are the strided kernel's.
+    fn strided_fits(w: &DeviceMatrix) -> bool {
+        w.cols() * w.dtype().size() == STRIDED_CHUNKS * 16
+    }
+}
+
+/// The most rows [`AddNormGrid::Auto`] takes strided: any number (the LM head's too: batch-1
+/// decode +0.9% with the q/k/v projections strided, +1.1% with the LM head as well; H200,
+/// docs/perf/cuda-model.md v24), unless `MOERUN_CUDA_STRIDED_ROWS=N` bounds it (0: never), a
+/// measuring knob.
+fn strided_rows_bound() -> usize {
+    static BOUND: OnceLock<usize> = OnceLock::new();
+    *BOUND.get_or_init(|| {
+        std::env::var("MOERUN_CUDA_STRIDED_ROWS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(usize::MAX)
+    })
 }

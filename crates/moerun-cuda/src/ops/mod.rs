@@ -36,7 +36,7 @@ pub(crate) use gated_delta::GatedDeltaKernels;
 pub use gated_delta::{DeltaSeqs, DeltaShape, DELTA_MAX_KEY_DIM, DELTA_MAX_TAPS};
 pub use gemm::GemmOut;
 pub(crate) use gemma::GemmaKernels;
-pub use gemv::GemvLayout;
+pub use gemv::{AddNormGrid, GemvLayout};
 pub(crate) use moe::MoeKernels;
 pub use moe::{DecodePass, DeviceExperts, ExpertActivation, MoePath, MoeScratch, WgmmaTile};
 pub use rope::DeviceRope;
