@@ -79,7 +79,9 @@ extern "C" __global__ void fill_random_f32(float* out, u64 n, u64 seed, float sc
 // - argmax_finish_f32: grid (rows), block 32; one warp merges a row's parts (parts <= 32). With
 //   next_token non-null (a greedy decode chain, moerun-model's cuda/ahead.rs) it also writes the
 //   next step's inputs of each row: its token, the pick, and its position, one further (both
-//   positions arrays), so that the next step's graph replay copies nothing in.
+//   positions arrays), so that the next step's graph replay copies nothing in. With host_pick
+//   non-null (page-locked host memory, mapped) it writes the pick there too: no copy on the
+//   stream between two steps of a chain.
 // Merging keeps the larger value, and the lower index on equal values, so the order of the
 // reductions never changes the pick.
 __device__ __forceinline__ void argmax_merge(float& bv, u32& bi, float ov, u32 oi) {
@@ -136,7 +138,8 @@ extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
 extern "C" __global__ void __launch_bounds__(32)
     argmax_finish_f32(const float* __restrict__ part_v, const u32* __restrict__ part_i, int parts,
                       u32* __restrict__ out, u32* __restrict__ next_token,
-                      int* __restrict__ next_pos, u32* __restrict__ next_pos_u32) {
+                      int* __restrict__ next_pos, u32* __restrict__ next_pos_u32,
+                      u32* __restrict__ host_pick) {
     const int lane = threadIdx.x;
     const u64 at = (u64)blockIdx.x * parts + lane;
     float bv = lane < parts ? part_v[at] : __int_as_float(0xff800000);
@@ -149,6 +152,10 @@ extern "C" __global__ void __launch_bounds__(32)
             next_token[blockIdx.x] = pick;
             next_pos[blockIdx.x] += 1;
             next_pos_u32[blockIdx.x] += 1u;
+        }
+        if (host_pick) {
+            host_pick[blockIdx.x] = pick;
+            __threadfence_system();
         }
     }
 }

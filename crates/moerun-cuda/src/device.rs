@@ -360,6 +360,31 @@ impl CudaDevice {
         done.record(&self.stream).ctx("recording an event")
     }
 
+    /// The device address of page-locked host memory from [`CudaDevice::pinned_u32`], for a
+    /// kernel that writes its result straight to the host (the device has unified addressing,
+    /// so all page-locked memory is mapped).
+    pub fn mapped_host_ptr(&self, host: &mut PinnedHostSlice<u32>) -> Result<u64> {
+        let p = host
+            .as_mut_ptr()
+            .ctx("reading a page-locked buffer's address")?;
+        self.ctx
+            .bind_to_thread()
+            .ctx("binding the device's context")?;
+        let mut dptr: sys::CUdeviceptr = 0;
+        // SAFETY: `p` is the start of a live page-locked allocation of this context; dptr is a
+        // valid out pointer; flags must be 0.
+        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dptr, p.cast(), 0) }
+            .result()
+            .ctx("mapping page-locked host memory into the device's address space")?;
+        Ok(dptr)
+    }
+
+    /// Record `done` on this device's stream: it completes once everything enqueued before it
+    /// has.
+    pub fn record(&self, done: &CudaEvent) -> Result<()> {
+        done.record(&self.stream).ctx("recording an event")
+    }
+
     /// An event to record on this device's stream ([`CudaDevice::copy_to_host_async`]).
     pub fn new_event(&self) -> Result<CudaEvent> {
         self.ctx.new_event(None).ctx("creating an event")

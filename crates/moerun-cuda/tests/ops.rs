@@ -750,7 +750,7 @@ fn argmax_rows_picks_the_cpu_greedy_token_with_ties_nan_and_empty_rows() {
 }
 
 #[test]
-fn argmax_rows_advancing_writes_the_next_steps_token_and_positions() {
+fn argmax_rows_advancing_writes_the_next_steps_token_and_positions_and_the_host_picks() {
     let Some(dev) = device() else { return };
     let mut r = rng("argmax_rows_advancing");
     let (rows, width) = (3usize, 151936usize);
@@ -762,14 +762,23 @@ fn argmax_rows_advancing_writes_the_next_steps_token_and_positions() {
     let mut tokens = dev.upload(&[7u32, 8, 9]).unwrap();
     let mut positions = dev.upload(&[511i32, 0, 40]).unwrap();
     let mut positions_u32 = dev.upload(&[511u32, 0, 40]).unwrap();
+    // The second step also writes the picks straight to page-locked host memory.
+    let mut host = dev.pinned_u32(rows).unwrap();
+    let done = dev.new_event().unwrap();
     for step in 1..=2 {
         let next = moerun_cuda::NextStepInputs {
             tokens: &mut tokens,
             positions: &mut positions,
             positions_u32: &mut positions_u32,
+            host_picks: (step == 2).then_some(&mut host),
         };
         dev.argmax_rows_advancing(&xd, width, &mut out, &mut scratch, next)
             .unwrap();
+        if step == 2 {
+            dev.record(&done).unwrap();
+            done.synchronize().unwrap();
+            assert_eq!(host.as_slice().unwrap(), &want[..], "the host's picks");
+        }
         assert_eq!(dev.download(&out).unwrap(), want);
         assert_eq!(
             dev.download(&tokens).unwrap(),
@@ -787,6 +796,18 @@ fn argmax_rows_advancing_writes_the_next_steps_token_and_positions() {
         tokens: &mut short,
         positions: &mut positions,
         positions_u32: &mut positions_u32,
+        host_picks: None,
+    };
+    let err = dev
+        .argmax_rows_advancing(&xd, width, &mut out, &mut scratch, next)
+        .unwrap_err();
+    assert!(err.to_string().contains("next-step inputs"), "{err}");
+    let mut short_host = dev.pinned_u32(2).unwrap();
+    let next = moerun_cuda::NextStepInputs {
+        tokens: &mut tokens,
+        positions: &mut positions,
+        positions_u32: &mut positions_u32,
+        host_picks: Some(&mut short_host),
     };
     let err = dev
         .argmax_rows_advancing(&xd, width, &mut out, &mut scratch, next)

@@ -6,7 +6,7 @@
 //! `gather_rows` one block per gathered row.
 
 use cudarc::driver::{
-    CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PinnedHostSlice, PushKernelArg,
 };
 use moerun_core::DType;
 
@@ -53,6 +53,10 @@ pub struct NextStepInputs<'a> {
     pub tokens: &'a mut CudaSlice<u32>,
     pub positions: &'a mut CudaSlice<i32>,
     pub positions_u32: &'a mut CudaSlice<u32>,
+    /// Page-locked host memory ([`CudaDevice::pinned_u32`]) the picks are also written to,
+    /// straight from the kernel: readable once an event recorded after the call has completed,
+    /// with no copy on the stream. At least one entry per row.
+    pub host_picks: Option<&'a mut PinnedHostSlice<u32>>,
 }
 
 /// Reusable scratch of [`CudaDevice::argmax_rows_advancing`]: the rows' parts (a per-call
@@ -136,7 +140,8 @@ impl CudaDevice {
             ensure(
                 n.tokens.len() >= rows
                     && n.positions.len() >= rows
-                    && n.positions_u32.len() >= rows,
+                    && n.positions_u32.len() >= rows
+                    && n.host_picks.as_ref().is_none_or(|h| h.len() >= rows),
                 || format!("argmax_rows: next-step inputs for fewer than {rows} rows"),
             )?;
         }
@@ -159,13 +164,17 @@ impl CudaDevice {
             self.ptr_mut(part_v, "argmax_rows parts")?,
             self.ptr_mut(part_i, "argmax_rows parts")?,
         );
-        let (tp, pp, pu) = match next {
+        let (tp, pp, pu, hp) = match next {
             Some(n) => (
                 self.ptr_mut(n.tokens, "argmax_rows next tokens")?,
                 self.ptr_mut(n.positions, "argmax_rows next positions")?,
                 self.ptr_mut(n.positions_u32, "argmax_rows next positions")?,
+                match n.host_picks {
+                    Some(h) => self.mapped_host_ptr(h)?,
+                    None => 0u64,
+                },
             ),
-            None => (0u64, 0u64, 0u64),
+            None => (0u64, 0u64, 0u64, 0u64),
         };
         let (width_i, parts_i) = (
             super::to_i32(width, "width")?,
@@ -192,9 +201,10 @@ impl CudaDevice {
         };
         let mut b = self.stream.launch_builder(&k.argmax_finish);
         b.arg(&vp).arg(&ip).arg(&parts_i).arg(&op);
-        b.arg(&tp).arg(&pp).arg(&pu);
+        b.arg(&tp).arg(&pp).arg(&pu).arg(&hp);
         // SAFETY: the parts were written above for every (row, part); out holds rows u32; the
-        // next-step buffers are null or hold at least rows entries each (checked above).
+        // next-step buffers and the host picks (the device address of page-locked host memory)
+        // are null or hold at least rows entries each (checked above).
         unsafe { b.launch(cfg) }.ctx("argmax_finish_f32")?;
         Ok(())
     }

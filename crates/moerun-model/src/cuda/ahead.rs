@@ -64,8 +64,11 @@ impl Picks {
         &self.device[slot]
     }
 
-    /// The arg-max of `logits` (one row of `vocab`) into buffer `slot`, and its copy to the host;
-    /// `next`, the graph's inputs, move on to the step that decodes it.
+    /// The arg-max of `logits` (one row of `vocab`) into buffer `slot`, on the device and on the
+    /// host; `next`, the graph's inputs, move on to the step that decodes it. The kernel writes
+    /// the host's copy itself (mapped page-locked memory), so no copy sits on the stream between
+    /// this step and the one launched after it; `MOERUN_CUDA_PICK_COPY=1` copies it instead (a
+    /// measuring knob).
     pub(crate) fn pick(
         &mut self,
         dev: &CudaDevice,
@@ -74,6 +77,19 @@ impl Picks {
         slot: usize,
         next: NextStepInputs<'_>,
     ) -> Result<()> {
+        let copy = copy_picks();
+        let NextStepInputs {
+            tokens,
+            positions,
+            positions_u32,
+            ..
+        } = next;
+        let next = NextStepInputs {
+            tokens,
+            positions,
+            positions_u32,
+            host_picks: (!copy).then_some(&mut self.host[slot]),
+        };
         dev.argmax_rows_advancing(
             logits,
             vocab,
@@ -82,11 +98,15 @@ impl Picks {
             next,
         )
         .map_err(dev_err)?;
-        dev.copy_to_host_async(&self.device[slot], &mut self.host[slot], &self.copied[slot])
-            .map_err(dev_err)
+        if copy {
+            dev.copy_to_host_async(&self.device[slot], &mut self.host[slot], &self.copied[slot])
+                .map_err(dev_err)
+        } else {
+            dev.record(&self.copied[slot]).map_err(dev_err)
+        }
     }
 
-    /// The pick in buffer `slot`, once its copy to the host has completed.
+    /// The pick in buffer `slot`, once it has reached the host.
     fn read(&self, slot: usize) -> Result<u32> {
         self.copied[slot]
             .synchronize()
@@ -133,6 +153,13 @@ impl Ahead {
 fn next_position(seq: &SeqChunk<'_>, block_size: usize) -> Option<usize> {
     let next = seq.start_pos + seq.tokens.len();
     (next < seq.block_table.blocks.len() * block_size).then_some(next)
+}
+
+/// Whether picks reach the host by a copy on the stream (`MOERUN_CUDA_PICK_COPY=1`, read once)
+/// rather than written there by the arg-max kernel.
+fn copy_picks() -> bool {
+    static COPY: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *COPY.get_or_init(|| std::env::var_os("MOERUN_CUDA_PICK_COPY").is_some_and(|v| v == "1"))
 }
 
 /// Whether steps may be launched ahead (`MOERUN_CUDA_DECODE_AHEAD`, read once; `0`: never).

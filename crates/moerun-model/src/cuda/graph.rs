@@ -334,6 +334,7 @@ pub(crate) fn pick(
         tokens: &mut g.tokens,
         positions: &mut g.at.positions,
         positions_u32: &mut g.at.positions_u32,
+        host_picks: None,
     };
     picks.pick(&m.dev, &g.logits.slice(0..vocab), vocab, slot, inputs)?;
     g.advanced_to = g.replayed_at.map(|at| (at + 1, slot));
