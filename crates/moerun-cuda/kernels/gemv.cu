@@ -518,26 +518,21 @@ __device__ __forceinline__ void gemv_rows_norm(const void* __restrict__ w_raw,
 // Only the first chunk of each row loads before the wait (a thread's chunks past it after):
 // with two, as gemv_rows_bf16_m1 has, the bf16 build held 90 registers (2 blocks an SM where
 // gemv_rows_bf16_m1 has 4); with one, 60, and rows of up to 2,048 bf16 still load whole.
-#define GEMV_ROWS_NORM_KERNEL(NAME, CHUNK)                                                      \
-    extern "C" __global__ void __launch_bounds__(ROWS_THREADS)                                  \
+// BODY: gemv_rows_norm or gemv_rows_norm_strided; the rest: its __launch_bounds__.
+#define GEMV_ROWS_NORM_KERNEL(NAME, BODY, CHUNK, ...)                                           \
+    extern "C" __global__ void __launch_bounds__(__VA_ARGS__)                                   \
         NAME(const void* w, const float* x, const float* r, const float* nw, float eps,         \
              float* x_out, float* y, int n, int k) {                                             \
-        gemv_rows_norm<CHUNK>(w, x, r, nw, eps, x_out, y, n, k);                                 \
+        BODY<CHUNK>(w, x, r, nw, eps, x_out, y, n, k);                                           \
     }
 
-GEMV_ROWS_NORM_KERNEL(gemv_rows_norm_bf16, ChunkBf16)
-GEMV_ROWS_NORM_KERNEL(gemv_rows_norm_f16, ChunkF16)
-GEMV_ROWS_NORM_KERNEL(gemv_rows_norm_f32, ChunkF32)
+GEMV_ROWS_NORM_KERNEL(gemv_rows_norm_bf16, gemv_rows_norm, ChunkBf16, ROWS_THREADS)
+GEMV_ROWS_NORM_KERNEL(gemv_rows_norm_f16, gemv_rows_norm, ChunkF16, ROWS_THREADS)
+GEMV_ROWS_NORM_KERNEL(gemv_rows_norm_f32, gemv_rows_norm, ChunkF32, ROWS_THREADS)
 // Four blocks an SM (64 registers): the grid the host launches is one wave.
-#define GEMV_ROWS_NORM_STRIDED_KERNEL(NAME, CHUNK)                                              \
-    extern "C" __global__ void __launch_bounds__(ROWS_THREADS, 4)                               \
-        NAME(const void* w, const float* x, const float* r, const float* nw, float eps,         \
-             float* x_out, float* y, int n, int k) {                                             \
-        gemv_rows_norm_strided<CHUNK>(w, x, r, nw, eps, x_out, y, n, k);                         \
-    }
-GEMV_ROWS_NORM_STRIDED_KERNEL(gemv_rows_norm_strided_bf16, ChunkBf16)
-GEMV_ROWS_NORM_STRIDED_KERNEL(gemv_rows_norm_strided_f16, ChunkF16)
-GEMV_ROWS_NORM_STRIDED_KERNEL(gemv_rows_norm_strided_f32, ChunkF32)
+GEMV_ROWS_NORM_KERNEL(gemv_rows_norm_strided_bf16, gemv_rows_norm_strided, ChunkBf16, ROWS_THREADS, 4)
+GEMV_ROWS_NORM_KERNEL(gemv_rows_norm_strided_f16, gemv_rows_norm_strided, ChunkF16, ROWS_THREADS, 4)
+GEMV_ROWS_NORM_KERNEL(gemv_rows_norm_strided_f32, gemv_rows_norm_strided, ChunkF32, ROWS_THREADS, 4)
 
 // ---- the router GEMV of one token with its top-k, in one cluster (sm_90) ----
 //

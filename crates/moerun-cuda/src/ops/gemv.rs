@@ -227,14 +227,19 @@ impl CudaDevice {
                 true
             }
         };
-        let (grid_x, func) = if strided {
+        let (grid_x, func, name) = if strided {
             let wave = STRIDED_BLOCKS_PER_SM * self.info().multiprocessors;
             (
                 groups.min(wave.max(1)),
                 &self.kernels.gemv_rows_norm_strided[dtype_slot(w.dtype())],
+                "gemv_rows_norm_strided",
             )
         } else {
-            (groups, &self.kernels.gemv_rows_norm[dtype_slot(w.dtype())])
+            (
+                groups,
+                &self.kernels.gemv_rows_norm[dtype_slot(w.dtype())],
+                "gemv_rows_norm",
+            )
         };
         let cfg = LaunchConfig {
             grid_dim: (grid_x, 1, 1),
@@ -257,7 +262,7 @@ impl CudaDevice {
         // chunk (for the strided kernel exactly 256 chunks, checked above); x, r, norm and
         // x_out hold k f32 each, out n (checked above), all vectors 16-byte aligned; the grid
         // covers n rows at 4 a block, or the strided kernel's blocks stride over all of them.
-        unsafe { b.launch(cfg) }.ctx("gemv_rows_norm")?;
+        unsafe { b.launch(cfg) }.ctx(name)?;
         Ok(())
     }
 }
