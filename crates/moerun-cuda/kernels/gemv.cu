@@ -493,16 +493,6 @@ __device__ __forceinline__ void gemv_rows_norm(const void* __restrict__ w_raw,
     const int rows_here = min(R, n - row0);  // block-uniform
     const int chunks = k / C::N;
     const uint4* w = reinterpret_cast<const uint4*>(w_raw) + (u64)row0 * chunks;
-#ifdef GEMV_NORM_L2PF
-    // (measuring) the rows of block blockIdx.x + GEMV_NORM_L2PF towards L2 before the wait, in
-    // launches of up to 4,096 blocks (not the LM head).
-    if (gridDim.x <= 4096) {
-        const int tr = (blockIdx.x + GEMV_NORM_L2PF) * R;
-        if (tr < n)
-            prefetch_l2_range(reinterpret_cast<const uint4*>(w_raw) + (u64)tr * chunks,
-                              (u64)min(R, n - tr) * chunks * 16);
-    }
-#endif
     float4 sv[C::N / 4], nv[C::N / 4];
     norm_rows_partials<C, R>(w, rows_here, chunks, x, r, nw, x_out, blockIdx.x == 0, partial, sv,
                              nv);
