@@ -7,18 +7,39 @@
 use moerun_cuda::compile::{compile_with, KERNEL_FILES};
 
 fn main() {
+    if !moerun_cuda::probe::nvrtc_available() {
+        eprintln!(
+            "ptxas_report: NVRTC is unavailable (libnvrtc.so.13 not found on the library path)"
+        );
+        std::process::exit(2);
+    }
     let mut files = Vec::new();
     let mut defines = Vec::new();
     let mut kernel: Option<String> = None;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         if a == "--kernel" {
-            kernel = args.next();
+            let Some(k) = args.next() else {
+                eprintln!("ptxas_report: --kernel needs a name (a substring of kernel names)");
+                std::process::exit(2);
+            };
+            kernel = Some(k);
         } else if a.starts_with("-D") {
             defines.push(a);
         } else {
             files.push(a);
         }
+    }
+    if let Some(unknown) = files
+        .iter()
+        .find(|n| !KERNEL_FILES.iter().any(|f| f.name == n.as_str()))
+    {
+        let known: Vec<&str> = KERNEL_FILES.iter().map(|f| f.name).collect();
+        eprintln!(
+            "ptxas_report: no kernel file named {unknown:?} (known: {})",
+            known.join(", ")
+        );
+        std::process::exit(2);
     }
     for file in KERNEL_FILES
         .iter()
