@@ -764,6 +764,7 @@ fn argmax_rows_advancing_writes_the_next_steps_token_and_positions_and_the_host_
     let mut positions_u32 = dev.upload(&[511u32, 0, 40]).unwrap();
     // The second step also writes the picks straight to page-locked host memory.
     let mut host = dev.pinned_u32(rows).unwrap();
+    host.as_mut_slice().unwrap().fill(u32::MAX); // no pick: what the kernel must overwrite
     let done = dev.new_event().unwrap();
     for step in 1..=2 {
         let next = moerun_cuda::NextStepInputs {
