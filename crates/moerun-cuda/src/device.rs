@@ -357,26 +357,27 @@ impl CudaDevice {
         self.stream
             .memcpy_dtoh(src, dst)
             .ctx("copying to the host")?;
-        done.record(&self.stream).ctx("recording an event")
+        self.record(done)
     }
 
-    /// The device address of page-locked host memory from [`CudaDevice::pinned_u32`], for a
-    /// kernel that writes its result straight to the host (the device has unified addressing,
-    /// so all page-locked memory is mapped).
-    pub fn mapped_host_ptr(&self, host: &mut PinnedHostSlice<u32>) -> Result<u64> {
+    /// `len` values of page-locked host memory that kernels write straight into (an arg-max's
+    /// picks): the buffer with its device address, looked up once here (the device has unified
+    /// addressing, so all page-locked memory is mapped). Unset until a kernel writes it.
+    pub fn mapped_u32(&self, len: usize) -> Result<MappedHostU32> {
+        let mut host = self.pinned_u32(len)?;
         let p = host
             .as_mut_ptr()
             .ctx("reading a page-locked buffer's address")?;
         self.ctx
             .bind_to_thread()
             .ctx("binding the device's context")?;
-        let mut dptr: sys::CUdeviceptr = 0;
-        // SAFETY: `p` is the start of a live page-locked allocation of this context; dptr is a
+        let mut addr: sys::CUdeviceptr = 0;
+        // SAFETY: `p` is the start of a live page-locked allocation of this context; addr is a
         // valid out pointer; flags must be 0.
-        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dptr, p.cast(), 0) }
+        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut addr, p.cast(), 0) }
             .result()
             .ctx("mapping page-locked host memory into the device's address space")?;
-        Ok(dptr)
+        Ok(MappedHostU32 { host, addr })
     }
 
     /// Record `done` on this device's stream: it completes once everything enqueued before it
@@ -464,6 +465,41 @@ impl CudaDevice {
         self.check_stream(buf.stream(), what)?;
         let (p, _no_event) = buf.device_ptr_mut(&self.stream);
         Ok(p)
+    }
+}
+
+/// Page-locked host memory with its device address ([`CudaDevice::mapped_u32`]): a kernel
+/// given [`MappedHostU32::device_address`] writes into it, and the host reads it once an event
+/// recorded after that kernel has completed.
+pub struct MappedHostU32 {
+    host: PinnedHostSlice<u32>,
+    addr: u64,
+}
+
+impl MappedHostU32 {
+    /// Values held.
+    pub fn len(&self) -> usize {
+        self.host.len()
+    }
+
+    /// Whether it holds no value.
+    pub fn is_empty(&self) -> bool {
+        self.host.is_empty()
+    }
+
+    /// The address kernels write to.
+    pub(crate) fn device_address(&self) -> u64 {
+        self.addr
+    }
+
+    /// The values, for reading once what wrote them has completed.
+    pub fn as_slice(&self) -> Result<&[u32]> {
+        self.host.as_slice().ctx("reading page-locked host memory")
+    }
+
+    /// The page-locked buffer itself (a copy's destination, [`CudaDevice::copy_to_host_async`]).
+    pub fn pinned_mut(&mut self) -> &mut PinnedHostSlice<u32> {
+        &mut self.host
     }
 }
 

@@ -28,7 +28,7 @@ pub use cudarc::driver::{
     CudaEvent, CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr,
     PinnedHostSlice,
 };
-pub use device::{CudaDevice, DeviceInfo, DeviceMatrix};
+pub use device::{CudaDevice, DeviceInfo, DeviceMatrix, MappedHostU32};
 pub use error::{CudaError, Result};
 pub use graph::DeviceGraph;
 pub use ops::FUSED_MAX_HEAD_DIM;

@@ -763,8 +763,9 @@ fn argmax_rows_advancing_writes_the_next_steps_token_and_positions_and_the_host_
     let mut positions = dev.upload(&[511i32, 0, 40]).unwrap();
     let mut positions_u32 = dev.upload(&[511u32, 0, 40]).unwrap();
     // The second step also writes the picks straight to page-locked host memory.
-    let mut host = dev.pinned_u32(rows).unwrap();
-    host.as_mut_slice().unwrap().fill(u32::MAX); // no pick: what the kernel must overwrite
+    let mut host = dev.mapped_u32(rows).unwrap();
+    // No pick: what the kernel must overwrite.
+    host.pinned_mut().as_mut_slice().unwrap().fill(u32::MAX);
     let done = dev.new_event().unwrap();
     for step in 1..=2 {
         let next = moerun_cuda::NextStepInputs {
@@ -803,7 +804,7 @@ fn argmax_rows_advancing_writes_the_next_steps_token_and_positions_and_the_host_
         .argmax_rows_advancing(&xd, width, &mut out, &mut scratch, next)
         .unwrap_err();
     assert!(err.to_string().contains("next-step inputs"), "{err}");
-    let mut short_host = dev.pinned_u32(2).unwrap();
+    let mut short_host = dev.mapped_u32(2).unwrap();
     let next = moerun_cuda::NextStepInputs {
         tokens: &mut tokens,
         positions: &mut positions,

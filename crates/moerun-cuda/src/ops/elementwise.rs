@@ -6,13 +6,13 @@
 //! `gather_rows` one block per gathered row.
 
 use cudarc::driver::{
-    CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PinnedHostSlice, PushKernelArg,
+    CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
 };
 use moerun_core::DType;
 
 use super::{elementwise_grid, to_i32};
 use crate::error::{ensure, CudaError, DriverContext, Result};
-use crate::{CudaDevice, DeviceMatrix};
+use crate::{CudaDevice, DeviceMatrix, MappedHostU32};
 
 /// Handles of `kernels/elementwise.cu`.
 pub(crate) struct ElementwiseKernels {
@@ -53,10 +53,10 @@ pub struct NextStepInputs<'a> {
     pub tokens: &'a mut CudaSlice<u32>,
     pub positions: &'a mut CudaSlice<i32>,
     pub positions_u32: &'a mut CudaSlice<u32>,
-    /// Page-locked host memory ([`CudaDevice::pinned_u32`]) the picks are also written to,
+    /// Page-locked host memory ([`CudaDevice::mapped_u32`]) the picks are also written to,
     /// straight from the kernel: readable once an event recorded after the call has completed,
     /// with no copy on the stream. At least one entry per row.
-    pub host_picks: Option<&'a mut PinnedHostSlice<u32>>,
+    pub host_picks: Option<&'a mut MappedHostU32>,
 }
 
 /// Reusable scratch of [`CudaDevice::argmax_rows_advancing`]: the rows' parts (a per-call
@@ -169,10 +169,7 @@ impl CudaDevice {
                 self.ptr_mut(n.tokens, "argmax_rows next tokens")?,
                 self.ptr_mut(n.positions, "argmax_rows next positions")?,
                 self.ptr_mut(n.positions_u32, "argmax_rows next positions")?,
-                match n.host_picks {
-                    Some(h) => self.mapped_host_ptr(h)?,
-                    None => 0u64,
-                },
+                n.host_picks.map_or(0, |h| h.device_address()),
             ),
             None => (0u64, 0u64, 0u64, 0u64),
         };

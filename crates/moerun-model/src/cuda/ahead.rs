@@ -22,7 +22,7 @@
 
 use moerun_core::{Error, Result};
 use moerun_cuda::{
-    ArgmaxScratch, CudaDevice, CudaEvent, CudaSlice, CudaView, NextStepInputs, PinnedHostSlice,
+    ArgmaxScratch, CudaDevice, CudaEvent, CudaSlice, CudaView, MappedHostU32, NextStepInputs,
 };
 
 use super::graph::{self, StepTokens};
@@ -35,7 +35,7 @@ use crate::weights::ModelWeights;
 /// and the events recorded after each copy to the host.
 pub(crate) struct Picks {
     device: [CudaSlice<u32>; 2],
-    host: [PinnedHostSlice<u32>; 2],
+    host: [MappedHostU32; 2],
     copied: [CudaEvent; 2],
     scratch: ArgmaxScratch,
 }
@@ -48,8 +48,8 @@ impl Picks {
                 dev.zeros(1).map_err(dev_err)?,
             ],
             host: [
-                dev.pinned_u32(1).map_err(dev_err)?,
-                dev.pinned_u32(1).map_err(dev_err)?,
+                dev.mapped_u32(1).map_err(dev_err)?,
+                dev.mapped_u32(1).map_err(dev_err)?,
             ],
             copied: [
                 dev.new_event().map_err(dev_err)?,
@@ -99,8 +99,12 @@ impl Picks {
         )
         .map_err(dev_err)?;
         if copy {
-            dev.copy_to_host_async(&self.device[slot], &mut self.host[slot], &self.copied[slot])
-                .map_err(dev_err)
+            dev.copy_to_host_async(
+                &self.device[slot],
+                self.host[slot].pinned_mut(),
+                &self.copied[slot],
+            )
+            .map_err(dev_err)
         } else {
             dev.record(&self.copied[slot]).map_err(dev_err)
         }
