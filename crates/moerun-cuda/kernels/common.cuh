@@ -443,7 +443,9 @@ __device__ __forceinline__ float warp_max_redux(float v) {
 // the probability (it is >= 0), so each round is a warp max of (bits + 1) keys (taken: 0) and a
 // warp min of the indices holding it. A NaN probability never wins: with only NaNs left the id
 // is out of range (0x7fffffff) and the weight -2, so the token's expert sum becomes NaN downstream.
-template <int ROUTE_PER_LANE>
+// WEIGHTS = false: the ids alone (the route ahead ranks logits whose scale is not known yet,
+// gemv.cu's gemv_rows_route; out_weights is not touched).
+template <int ROUTE_PER_LANE, bool WEIGHTS = true>
 __device__ __forceinline__ void warp_route_topk(const float* __restrict__ logits, int experts, int k,
                                                 int renormalise, u32* __restrict__ out_ids,
                                                 float* __restrict__ out_weights) {
@@ -509,7 +511,52 @@ __device__ __forceinline__ void warp_route_topk(const float* __restrict__ logits
         const int r = 32 * s + lane;
         if (r < k) {
             out_ids[r] = my_id[s];
-            out_weights[r] = renormalise ? my_w[s] / total : my_w[s];
+            if constexpr (WEIGHTS) out_weights[r] = renormalise ? my_w[s] / total : my_w[s];
         }
     }
+}
+
+// The routing weights of experts already chosen (rank r's id in lane r's `my_id`, k <= 32), from
+// logits known up to a positive scale (the route ahead: logits = scale * u, gemv.cu's
+// gemv_rows_route; lane l's `uv[s]` holds u[l + 32 s], read by the caller): the softmax over
+// all experts and the optional renormalisation exactly as warp_route_topk makes them from
+// scale * u. An out-of-range id (warp_route_topk's NaN case) gets the weight -2, as there.
+template <int ROUTE_PER_LANE>
+__device__ __forceinline__ void warp_route_weights(const float (&uv)[ROUTE_PER_LANE], int experts,
+                                                   float scale, u32 my_id, int k,
+                                                   int renormalise, float* out_weights) {
+    const int lane = threadIdx.x & 31;
+    float p[ROUTE_PER_LANE];
+    float mx = __int_as_float(0xff800000);  // -inf
+#pragma unroll
+    for (int s = 0; s < ROUTE_PER_LANE; ++s) {
+        const int i = 32 * s + lane;
+        p[s] = i < experts ? uv[s] * scale : 0.0f;
+        if (i < experts) mx = fmaxf(mx, p[s]);
+    }
+    mx = warp_max_redux(mx);
+    float sum = 0.0f;
+#pragma unroll
+    for (int s = 0; s < ROUTE_PER_LANE; ++s) {
+        if (32 * s + lane < experts) {
+            p[s] = expf(p[s] - mx);
+            sum += p[s];
+        }
+    }
+    const float inv = 1.0f / warp_sum(sum);
+    float total = 0.0f;
+    float mine = 0.0f;  // lane r: rank r's weight
+    for (int r = 0; r < k; ++r) {
+        const u32 id = __shfl_sync(0xffffffffu, my_id, r);
+        const int slot = (int)(id >> 5);
+        float v = 0.0f;
+#pragma unroll
+        for (int s = 0; s < ROUTE_PER_LANE; ++s)
+            if (s == slot) v = p[s];
+        v = __shfl_sync(0xffffffffu, v, (int)(id & 31u));
+        const float w = id < (u32)experts ? v * inv : -2.0f;
+        total += w;
+        if (lane == r) mine = w;
+    }
+    if (lane < k) out_weights[lane] = renormalise ? mine / total : mine;
 }

@@ -215,14 +215,15 @@ __device__ __forceinline__ void gemv_rows_partials(const void* __restrict__ w_ra
     __syncthreads();
 }
 
+// Block `block` of the layout: rows 4 block .. + 4.
 template <typename C, int M, int U>
 __device__ __forceinline__ void gemv_block_rows(const void* __restrict__ w_raw,
                                                 const float* __restrict__ x, float* __restrict__ y,
-                                                int n, int k) {
+                                                int n, int k, int block) {
     constexpr int R = ROWS_PER_BLOCK;
     __shared__ float partial[ROWS_WARPS][M * R];
     const int tid = threadIdx.x;
-    const int row0 = blockIdx.x * R;
+    const int row0 = block * R;
     const int rows_here = min(R, n - row0);  // block-uniform
     gemv_rows_partials<C, M, U, R>(w_raw, x, n, k, row0, partial);
     if (tid < M * R) {
@@ -240,7 +241,7 @@ __device__ __forceinline__ void gemv_block_rows(const void* __restrict__ w_raw,
 #define GEMV_ROWS_KERNEL(NAME, CHUNK, M, U)                                                     \
     extern "C" __global__ void __launch_bounds__(ROWS_THREADS)                                  \
         NAME(const void* w, const float* x, float* y, int n, int k) {                           \
-        gemv_block_rows<CHUNK, M, U>(w, x, y, n, k);                                            \
+        gemv_block_rows<CHUNK, M, U>(w, x, y, n, k, blockIdx.x);                                \
     }
 
 GEMV_ROWS_KERNEL(gemv_rows_bf16_m1, ChunkBf16, 1, 2)
@@ -669,3 +670,219 @@ GEMV_ROUTE_NORM_KERNEL(gemv_route_norm_f16_l4, ChunkF16, 4)
 GEMV_ROUTE_NORM_KERNEL(gemv_route_norm_f32_l1, ChunkF32, 1)
 GEMV_ROUTE_NORM_KERNEL(gemv_route_norm_f32_l2, ChunkF32, 2)
 GEMV_ROUTE_NORM_KERNEL(gemv_route_norm_f32_l4, ChunkF32, 4)
+
+// ---- one token's o_proj with its MoE layer's routing ahead of the norm (the route ahead) ----
+//
+// A MoE layer routes n(x + o) (n the post-attention RMSNorm, x the residual, o = W_o a the
+// attention's output projection): logits_e = inv * sum_j R[e, j] nw[j] (x[j] + o[j]), inv > 0 the
+// norm's one scale. Ranked by logit / inv, the experts come from
+//   u_e = sum_j R[e, j] (nw[j] x[j]) + sum_i F[e, i] a[i],   F = R diag(nw) W_o (f32, folded once
+// at upload: route_fold_<dt>), which needs neither o nor the norm: the routing runs beside o_proj
+// instead of after it (the router and its top-k were ~3.1 µs of a batch-1 decode layer's chain,
+// DRAM idle). inv only enters the routing weights, which the experts' gate_up makes once it has
+// the norm (moe.cu's moe_tiny_gate_up_norm, warp_route_weights).
+// gemv_rows_route_<dt>_l<L>: grid ceil(E / RA_ROWS) + ceil(n / 4), block 256. The first
+// ceil(E / RA_ROWS) blocks (dispatched first, so they are resident beside attention) each make u
+// for RA_ROWS experts: R's rows . (nw x) before the programmatic wait (x, the residual, comes from
+// the q/k/v GEMV two kernels back: graph::EARLY_ACTIVATION_READERS), F's first RA_PRE float4 a
+// thread loaded before it, then . a. Each stores its u, counts itself in `arrived`, and the
+// block that arrives last ranks u (warp_route_topk: the ids alone) and zeroes the count for the
+// next launch. The other blocks are gemv_rows_<dt>_m1's for o (the same bits).
+// Every u is one block's fixed sum (per thread in order, warp_sum's tree, warps in order): the
+// same ids for the same inputs, whichever block arrives last.
+#define RA_ROWS 2
+#define RA_PRE 4
+
+template <typename C, int L>
+__device__ __forceinline__ void route_ahead_block(const void* __restrict__ router,
+                                                  const float* __restrict__ fold,
+                                                  const float* x, const float* __restrict__ nw,
+                                                  const float* a, int experts, int hidden,
+                                                  int width, int topk, float* u,
+                                                  u32* __restrict__ out_ids, u32* arrived,
+                                                  int block) {
+    __shared__ float partial[ROWS_WARPS][RA_ROWS];
+    __shared__ float logits[32 * L];
+    __shared__ int last;
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int e0 = block * RA_ROWS;
+    const int rows_here = min(RA_ROWS, experts - e0);  // >= 1, block-uniform
+    const int fchunks = width / 4;                       // float4 of F's rows
+    const uint4* f = reinterpret_cast<const uint4*>(fold) + (u64)e0 * fchunks;
+    uint4 fq[RA_PRE][RA_ROWS];
+#pragma unroll
+    for (int i = 0; i < RA_PRE; ++i)
+#pragma unroll
+        for (int r = 0; r < RA_ROWS; ++r) {
+            const int c = tid + ROWS_THREADS * i;
+            fq[i][r] = r < rows_here && c < fchunks ? load_stream_early(f + (u64)r * fchunks + c)
+                                                    : make_uint4(0u, 0u, 0u, 0u);
+        }
+    float acc[RA_ROWS];
+#pragma unroll
+    for (int r = 0; r < RA_ROWS; ++r) acc[r] = 0.0f;
+    // R's rows . (nw x), before the wait.
+    const int rchunks = hidden / C::N;
+    const uint4* w = reinterpret_cast<const uint4*>(router) + (u64)e0 * rchunks;
+    for (int c = tid; c < rchunks; c += ROWS_THREADS) {
+        float xv[C::N];
+#pragma unroll
+        for (int v = 0; v < C::N / 4; ++v) {
+            const float4 xx = load_early4(x + (u64)c * C::N + 4 * v);
+            const float4 nn = load_early4(nw + (u64)c * C::N + 4 * v);
+            xv[4 * v] = nn.x * xx.x;
+            xv[4 * v + 1] = nn.y * xx.y;
+            xv[4 * v + 2] = nn.z * xx.z;
+            xv[4 * v + 3] = nn.w * xx.w;
+        }
+#pragma unroll
+        for (int r = 0; r < RA_ROWS; ++r) {
+            if (r < rows_here) {
+                float wf[C::N];
+                C::widen(load_stream_early(w + (u64)r * rchunks + c), wf);
+#pragma unroll
+                for (int i = 0; i < C::N; ++i) acc[r] = fmaf(wf[i], xv[i], acc[r]);
+            }
+        }
+    }
+    pdl_entry();
+    // F's rows . a: the preloaded float4s, then any past them.
+    auto fma4 = [&](int r, uint4 q, float4 av) {
+        acc[r] = fmaf(__uint_as_float(q.x), av.x, acc[r]);
+        acc[r] = fmaf(__uint_as_float(q.y), av.y, acc[r]);
+        acc[r] = fmaf(__uint_as_float(q.z), av.z, acc[r]);
+        acc[r] = fmaf(__uint_as_float(q.w), av.w, acc[r]);
+    };
+#pragma unroll
+    for (int i = 0; i < RA_PRE; ++i) {
+        const int c = tid + ROWS_THREADS * i;
+        if (c < fchunks) {
+            const float4 av = *reinterpret_cast<const float4*>(a + (u64)c * 4);
+#pragma unroll
+            for (int r = 0; r < RA_ROWS; ++r) fma4(r, fq[i][r], av);
+        }
+    }
+    for (int c = tid + ROWS_THREADS * RA_PRE; c < fchunks; c += ROWS_THREADS) {
+        const float4 av = *reinterpret_cast<const float4*>(a + (u64)c * 4);
+#pragma unroll
+        for (int r = 0; r < RA_ROWS; ++r)
+            if (r < rows_here) fma4(r, load_stream(f + (u64)r * fchunks + c), av);
+    }
+#pragma unroll
+    for (int r = 0; r < RA_ROWS; ++r) {
+        const float v = warp_sum(acc[r]);
+        if (lane == 0) partial[warp][r] = v;
+    }
+    __syncthreads();
+    if (tid < rows_here) {
+        float s = 0.0f;
+#pragma unroll
+        for (int i = 0; i < ROWS_WARPS; ++i) s += partial[i][tid];
+        u[e0 + tid] = s;
+        __threadfence();  // u before the count: the last block reads it
+    }
+    __syncthreads();
+    if (tid == 0) {
+        const int blocks = (experts + RA_ROWS - 1) / RA_ROWS;
+        last = atomicAdd(arrived, 1u) == (u32)(blocks - 1);
+    }
+    __syncthreads();
+    if (!last || warp != 0) return;
+    __threadfence();
+#pragma unroll
+    for (int s = 0; s < L; ++s) {
+        const int i = 32 * s + lane;
+        if (i < experts) logits[i] = load_cg(u + i);
+    }
+    __syncwarp();
+    warp_route_topk<L, false>(logits, experts, topk, 0, out_ids, nullptr);
+    if (lane == 0) *arrived = 0u;  // the next launch counts from zero
+}
+
+#define GEMV_ROWS_ROUTE_KERNEL(NAME, CHUNK, L)                                                   \
+    extern "C" __global__ void __launch_bounds__(ROWS_THREADS)                                  \
+        NAME(const void* w, const float* a, float* y, int n, int k, const void* router,         \
+             const float* fold, const float* x, const float* nw, int experts, int hidden,        \
+             int topk, float* u, u32* out_ids, u32* arrived) {                                   \
+        const int route_blocks = (experts + RA_ROWS - 1) / RA_ROWS;                             \
+        if ((int)blockIdx.x < route_blocks)                                                      \
+            route_ahead_block<CHUNK, L>(router, fold, x, nw, a, experts, hidden, k, topk, u,     \
+                                        out_ids, arrived, blockIdx.x);                           \
+        else                                                                                     \
+            gemv_block_rows<CHUNK, 1, 2>(w, a, y, n, k, (int)blockIdx.x - route_blocks);         \
+    }
+
+GEMV_ROWS_ROUTE_KERNEL(gemv_rows_route_bf16_l1, ChunkBf16, 1)
+GEMV_ROWS_ROUTE_KERNEL(gemv_rows_route_bf16_l2, ChunkBf16, 2)
+GEMV_ROWS_ROUTE_KERNEL(gemv_rows_route_bf16_l4, ChunkBf16, 4)
+GEMV_ROWS_ROUTE_KERNEL(gemv_rows_route_f16_l1, ChunkF16, 1)
+GEMV_ROWS_ROUTE_KERNEL(gemv_rows_route_f16_l2, ChunkF16, 2)
+GEMV_ROWS_ROUTE_KERNEL(gemv_rows_route_f16_l4, ChunkF16, 4)
+GEMV_ROWS_ROUTE_KERNEL(gemv_rows_route_f32_l1, ChunkF32, 1)
+GEMV_ROWS_ROUTE_KERNEL(gemv_rows_route_f32_l2, ChunkF32, 2)
+GEMV_ROWS_ROUTE_KERNEL(gemv_rows_route_f32_l4, ChunkF32, 4)
+
+// route_fold_<dt>: F = R diag(nw) W_o for the route ahead, once at upload. F[e, i] =
+// sum_j R[e, j] nw[j] W_o[j, i] (R: E x H, W_o: H x width, both in the stored dtype), summed in
+// f64 in ascending j and rounded to f32 once. Grid (ceil(width / 256), E), block 256: thread i of
+// block (bx, e) makes F[e, 256 bx + i]; the row of R diag(nw) goes through shared memory in tiles.
+template <typename T>
+__device__ __forceinline__ float elem_f32(const T* p, u64 i);
+template <>
+__device__ __forceinline__ float elem_f32<u16>(const u16* p, u64 i) {
+    return __uint_as_float((u32)p[i] << 16);
+}
+template <>
+__device__ __forceinline__ float elem_f32<float>(const float* p, u64 i) {
+    return p[i];
+}
+struct F16Elem {
+    u16 bits;
+};
+template <>
+__device__ __forceinline__ float elem_f32<F16Elem>(const F16Elem* p, u64 i) {
+    return f16_to_f32(p[i].bits);
+}
+
+template <typename T>
+__device__ __forceinline__ void route_fold(const T* __restrict__ router,
+                                           const float* __restrict__ nw,
+                                           const T* __restrict__ w_o, int hidden, int width,
+                                           float* __restrict__ fold) {
+    __shared__ double rn[256];
+    const int e = blockIdx.y;
+    const int i = blockIdx.x * 256 + threadIdx.x;
+    double acc = 0.0;
+    for (int j0 = 0; j0 < hidden; j0 += 256) {
+        const int j = j0 + threadIdx.x;
+        __syncthreads();
+        rn[threadIdx.x] =
+            j < hidden ? (double)elem_f32<T>(router, (u64)e * hidden + j) * (double)nw[j] : 0.0;
+        __syncthreads();
+        if (i < width) {
+            const int jn = min(256, hidden - j0);
+            for (int t = 0; t < jn; ++t)
+                acc += rn[t] * (double)elem_f32<T>(w_o, (u64)(j0 + t) * width + i);
+        }
+    }
+    if (i < width) fold[(u64)e * width + i] = (float)acc;
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    route_fold_bf16(const u16* router, const float* nw, const u16* w_o, int hidden, int width,
+                    float* fold) {
+    route_fold<u16>(router, nw, w_o, hidden, width, fold);
+}
+extern "C" __global__ void __launch_bounds__(256)
+    route_fold_f16(const u16* router, const float* nw, const u16* w_o, int hidden, int width,
+                   float* fold) {
+    route_fold<F16Elem>(reinterpret_cast<const F16Elem*>(router), nw,
+                        reinterpret_cast<const F16Elem*>(w_o), hidden, width, fold);
+}
+extern "C" __global__ void __launch_bounds__(256)
+    route_fold_f32(const float* router, const float* nw, const float* w_o, int hidden, int width,
+                   float* fold) {
+    route_fold<float>(router, nw, w_o, hidden, width, fold);
+}

@@ -110,10 +110,27 @@ extern "C" __global__ void __launch_bounds__(1024)
 // lane all of them, by one warp_sum each.
 // WAIT: the first step's weights are issued before the kernel waits for the one before it
 // (programmatic dependent launch, common.cuh); x is only read after. Same steps, same order.
-template <typename C, int M, int R, int U, int KEEP, bool WAIT = false>
+// NORM (one token, moe_tiny_gate_up_norm): the activations are s * nw with s = x + nrm.r, and
+// *sq ends as the warp's sum of s's squares over the whole row (a warp's lanes take every chunk):
+// per lane in chunk order, then warp_sum's tree, the same value in every warp of the launch.
+struct MoeNormIn {
+    const float* r;
+    const float* nw;
+};
+// after_wait: called right after the wait (WAIT), e.g. to start loads of the kernel before's output.
+struct MoeNoHook {
+    __device__ void operator()() const {}
+};
+template <typename C, int M, int R, int U, int KEEP, bool WAIT = false, bool NORM = false,
+          typename Hook = MoeNoHook>
 __device__ __forceinline__ void moe_warp_rows(const uint4* const (&w)[R], const float* const (&x)[M],
-                                              int chunks, float (&tot)[KEEP]) {
+                                              int chunks, float (&tot)[KEEP],
+                                              const MoeNormIn& nrm = MoeNormIn{},
+                                              float* sq = nullptr,
+                                              const Hook& after_wait = Hook{}) {
+    static_assert(!NORM || M == 1, "the norm fold is one token's");
     const int lane = threadIdx.x & 31;
+    float ss = 0.0f;
     float acc[M][R];
 #pragma unroll
     for (int m = 0; m < M; ++m)
@@ -146,7 +163,18 @@ __device__ __forceinline__ void moe_warp_rows(const uint4* const (&w)[R], const 
                     float xv[C::N];
 #pragma unroll
                     for (int v = 0; v < C::N / 4; ++v) {
-                        const float4 t = xp[v];
+                        float4 t = xp[v];
+                        if constexpr (NORM) {
+                            const u64 o = (u64)c * C::N + 4 * v;
+                            const float4 rr = *reinterpret_cast<const float4*>(nrm.r + o);
+                            const float4 nn = *reinterpret_cast<const float4*>(nrm.nw + o);
+                            t = make_float4(t.x + rr.x, t.y + rr.y, t.z + rr.z, t.w + rr.w);
+                            ss = __fmaf_rn(t.x, t.x, ss);
+                            ss = __fmaf_rn(t.y, t.y, ss);
+                            ss = __fmaf_rn(t.z, t.z, ss);
+                            ss = __fmaf_rn(t.w, t.w, ss);
+                            t = make_float4(t.x * nn.x, t.y * nn.y, t.z * nn.z, t.w * nn.w);
+                        }
                         xv[4 * v] = t.x;
                         xv[4 * v + 1] = t.y;
                         xv[4 * v + 2] = t.z;
@@ -164,6 +192,7 @@ __device__ __forceinline__ void moe_warp_rows(const uint4* const (&w)[R], const 
         int c0 = lane;
         load(c0, true);
         pdl_entry();
+        after_wait();
         while (c0 < chunks) {
             step(c0);
             c0 += 32 * U;
@@ -175,6 +204,7 @@ __device__ __forceinline__ void moe_warp_rows(const uint4* const (&w)[R], const 
             step(c0);
         }
     }
+    if constexpr (NORM) *sq = warp_sum(ss);
     if constexpr (KEEP == M * R) {
         // Every total in every lane: one butterfly per total (the batch-1 tiny kernels).
 #pragma unroll
@@ -208,11 +238,15 @@ __device__ __forceinline__ void moe_pass_pairs(const u32* __restrict__ list, int
 // KEEP: totals per lane (moe_warp_rows): 2, a gate and an up each (several tokens: the
 // reduce-scatter), or all M x 2 JW (the batch-1 tiny kernel: butterflies, as before the
 // reduce-scatter, which lost 0.7-1% of batch-1 decode; docs/perf/cuda-model.md v13).
-template <typename C, int M, int JW = 1, int KEEP = 2>
+// NORM: x is the residual, and gate and up are inv * (rows . (s * nw)) with s = x + nrm.r and
+// inv = 1 / sqrt(mean(s^2) + eps) (moe_warp_rows' NORM).
+template <typename C, int M, int JW = 1, int KEEP = 2, bool NORM = false>
 __device__ __forceinline__ void moe_gate_up_pass(const uint4* wg, const uint4* wu,
                                                  const float* __restrict__ x, const u32 (&p)[M],
                                                  int taken, int top_k, int hidden, int inter, int j,
-                                                 float* __restrict__ h, int act) {
+                                                 float* __restrict__ h, int act,
+                                                 const MoeNormIn& nrm = MoeNormIn{},
+                                                 float eps = 0.0f) {
     const float* xr[M];
 #pragma unroll
     for (int m = 0; m < M; ++m) xr[m] = x + (u64)(p[m] / (u32)top_k) * hidden;
@@ -227,7 +261,16 @@ __device__ __forceinline__ void moe_gate_up_pass(const uint4* wg, const uint4* w
     // The gate and up totals of (m, jw) are values 2 q and 2 q + 1, q = m JW + jw.
     float gu[KEEP];
     // The same bytes in flight per lane for any JW: 2 JW rows x MOE_GU_UNROLL / JW chunks.
-    moe_warp_rows<C, M, 2 * JW, MOE_GU_UNROLL / JW, KEEP>(w, xr, chunks, gu);
+    if constexpr (NORM) {
+        float sq;
+        moe_warp_rows<C, M, 2 * JW, MOE_GU_UNROLL / JW, KEEP, false, true>(w, xr, chunks, gu, nrm,
+                                                                           &sq);
+        const float scale = 1.0f / sqrtf(sq / (float)hidden + eps);
+#pragma unroll
+        for (int i = 0; i < KEEP; ++i) gu[i] *= scale;
+    } else {
+        moe_warp_rows<C, M, 2 * JW, MOE_GU_UNROLL / JW, KEEP>(w, xr, chunks, gu);
+    }
     constexpr int NV = M * 2 * JW;
     const int lane = threadIdx.x & 31;
     if constexpr (KEEP == NV) {
@@ -342,12 +385,16 @@ MOE_GATE_UP_KERNEL(moe_gate_up_f32_m8, ChunkF32, 8, 1)
 // (moe_warp_rows), for rows_here >= 1 rows; NaN for the out-of-range group (wexp null), so its
 // tokens' sums become NaN too.
 // KEEP = M * MOE_DOWN_ROWS: every total in every lane (butterflies; the batch-1 tiny kernel).
-template <typename C, int M, bool WAIT = false, int KEEP = 1>
+template <typename C, int M, bool WAIT = false, int KEEP = 1, typename Hook = MoeNoHook>
 __device__ __forceinline__ void moe_down_rows(const uint4* wexp, const float* __restrict__ h,
                                               const u32 (&p)[M], int inter, int row0,
-                                              int rows_here, float (&tot)[KEEP]) {
+                                              int rows_here, float (&tot)[KEEP],
+                                              const Hook& after_wait = Hook{}) {
     if (wexp == nullptr) {
-        if (WAIT) pdl_entry();
+        if (WAIT) {
+            pdl_entry();
+            after_wait();
+        }
 #pragma unroll
         for (int i = 0; i < KEEP; ++i) tot[i] = __int_as_float(0x7fffffff);
     } else {
@@ -359,7 +406,8 @@ __device__ __forceinline__ void moe_down_rows(const uint4* wexp, const float* __
 #pragma unroll
         for (int r = 0; r < MOE_DOWN_ROWS; ++r)
             w[r] = wexp + (u64)(row0 + min(r, rows_here - 1)) * chunks;  // in bounds; unused rows
-        moe_warp_rows<C, M, MOE_DOWN_ROWS, MOE_DOWN_UNROLL, KEEP, WAIT>(w, xr, chunks, tot);
+        moe_warp_rows<C, M, MOE_DOWN_ROWS, MOE_DOWN_UNROLL, KEEP, WAIT, false, Hook>(
+            w, xr, chunks, tot, MoeNormIn{}, nullptr, after_wait);
     }
 }
 
@@ -497,6 +545,7 @@ MOE_DOWN_KERNEL(moe_down_f32_m8, ChunkF32, 8, 1)
 #define MOE_TINY_PAIRS 32
 #define MOE_TINY_MAX_K 32
 #define MOE_TINY_JW 2  // intermediate indices per warp of moe_tiny_gate_up
+#define MOE_ROUTE_PER_LANE 4  // moe_tiny_gate_up_norm's routing weights: experts <= 128
 
 template <typename C, int JW>
 __device__ __forceinline__ void moe_tiny_gate_up(const void* __restrict__ gate_up,
@@ -549,11 +598,74 @@ __device__ __forceinline__ void moe_tiny_gate_up(const void* __restrict__ gate_u
     probe_end("moe_tiny_gate_up");
 }
 
-template <typename C>
+// moe_tiny_gate_up_norm_<dt>: one token's moe_tiny_gate_up (direct: block row s < k takes pair
+// s) behind the route ahead (gemv.cu's gemv_rows_route), with the residual add and the
+// post-attention RMSNorm folded in: every warp streams its rows against s * nw, s = x + r (r: the
+// o_proj output, from the launch before), and scales its sums by the norm's inv, which it makes
+// from its own sum of s's squares (moe_warp_rows' NORM: the same inv in every warp). One more
+// block row, k (grid (ceil(I / 16), k + 1); only its block 0 works), stores s to x_out (the new
+// residual), makes inv the same way and the routing weights from the route ahead's u
+// (warp_route_weights), beside the streaming blocks rather than after them. ids, u and r come
+// from the launch right before: read after the wait.
+template <typename C, int JW>
+__device__ __forceinline__ void moe_tiny_gate_up_norm(
+    const void* __restrict__ gate_up, const float* x, const float* r, const float* __restrict__ nw,
+    float eps, float* x_out, const float* u, const u32* ids, float* __restrict__ h,
+    float* weights, int experts, int hidden, int inter, int top_k, int act, int renormalise) {
+    pdl_entry();
+    const u32 slot = blockIdx.y;
+    if (slot == (u32)top_k) {
+        if (blockIdx.x != 0 || threadIdx.x >= 32) return;
+        const int lane = threadIdx.x;
+        float uv[MOE_ROUTE_PER_LANE];
+#pragma unroll
+        for (int s = 0; s < MOE_ROUTE_PER_LANE; ++s) {
+            const int i = 32 * s + lane;
+            uv[s] = i < experts ? load_cg(u + i) : 0.0f;
+        }
+        const u32 my_id =
+            lane < top_k ? __float_as_uint(load_cg(reinterpret_cast<const float*>(ids + lane))) : 0u;
+        // s, its store and its squares in the order of the streaming warps' (chunk c by lane
+        // c % 32, ascending): the same inv.
+        float ss = 0.0f;
+        for (int c = lane; c < hidden / C::N; c += 32) {
+#pragma unroll
+            for (int v = 0; v < C::N / 4; ++v) {
+                const u64 o = (u64)c * C::N + 4 * v;
+                const float4 xx = *reinterpret_cast<const float4*>(x + o);
+                const float4 rr = *reinterpret_cast<const float4*>(r + o);
+                const float4 t = make_float4(xx.x + rr.x, xx.y + rr.y, xx.z + rr.z, xx.w + rr.w);
+                *reinterpret_cast<float4*>(x_out + o) = t;
+                ss = __fmaf_rn(t.x, t.x, ss);
+                ss = __fmaf_rn(t.y, t.y, ss);
+                ss = __fmaf_rn(t.z, t.z, ss);
+                ss = __fmaf_rn(t.w, t.w, ss);
+            }
+        }
+        const float inv = 1.0f / sqrtf(warp_sum(ss) / (float)hidden + eps);
+        warp_route_weights<MOE_ROUTE_PER_LANE>(uv, experts, inv, my_id, top_k, renormalise,
+                                               weights);
+        return;
+    }
+    const u32 e = __float_as_uint(load_cg(reinterpret_cast<const float*>(ids + slot)));
+    if (e >= (u32)experts) return;  // block-uniform; no barriers below
+    const int j = (blockIdx.x * MOE_WARPS + (threadIdx.x >> 5)) * JW;
+    if (j >= inter) return;
+    const u64 chunks = (u64)(hidden / C::N);
+    const uint4* base = reinterpret_cast<const uint4*>(gate_up) + (u64)e * 2 * inter * chunks;
+    const u32 p[1] = {slot};
+    moe_gate_up_pass<C, 1, JW, 2 * JW, true>(base + (u64)j * chunks,
+                                             base + (u64)(inter + j) * chunks, x, p, 1, top_k,
+                                             hidden, inter, j, h, act, MoeNormIn{r, nw}, eps);
+}
+
+// LATE: the routing weights come from the launch right before (moe_tiny_gate_up_norm) and load
+// after the wait, beside the first rank's rows.
+template <typename C, bool LATE = false>
 __device__ __forceinline__ void moe_tiny_down(const void* __restrict__ down,
                                               const float* __restrict__ h,
                                               const u32* __restrict__ ids,
-                                              const float* __restrict__ weights,
+                                              const float* weights,
                                               float* __restrict__ out, int experts, int hidden,
                                               int inter, int top_k) {
     __shared__ float ys[MOE_TINY_MAX_K][MOE_DOWN_ROWS];
@@ -570,8 +682,12 @@ __device__ __forceinline__ void moe_tiny_down(const void* __restrict__ down,
     // it first); they are read through L2. So do the token's routing weights, into shared memory
     // (read after the wait, they were one more L2 round trip at the very end of the MoE). Every
     // thread waits exactly once, before it reads h or writes anything.
-    if ((int)threadIdx.x < top_k)
+    if (!LATE && (int)threadIdx.x < top_k)
         rank_weights[threadIdx.x] = load_cg(weights + t * (u64)top_k + threadIdx.x);
+    auto late_weights = [&] {
+        if (LATE && (int)threadIdx.x < top_k)
+            rank_weights[threadIdx.x] = load_cg(weights + t * (u64)top_k + threadIdx.x);
+    };
     bool waited = false;
     for (int r = warp; r < top_k; r += MOE_WARPS) {
         const u32 p[1] = {(u32)(t * top_k + r)};
@@ -584,7 +700,8 @@ __device__ __forceinline__ void moe_tiny_down(const void* __restrict__ down,
         if (waited) {
             moe_down_rows<C, 1, false, MOE_DOWN_ROWS>(wexp, h, p, inter, row0, rows_here, tot);
         } else {
-            moe_down_rows<C, 1, true, MOE_DOWN_ROWS>(wexp, h, p, inter, row0, rows_here, tot);
+            moe_down_rows<C, 1, true, MOE_DOWN_ROWS>(wexp, h, p, inter, row0, rows_here, tot,
+                                                     late_weights);
             waited = true;
         }
         if (lane == 0) {
@@ -592,7 +709,10 @@ __device__ __forceinline__ void moe_tiny_down(const void* __restrict__ down,
             for (int i = 0; i < MOE_DOWN_ROWS; ++i) ys[r][i] = tot[i];
         }
     }
-    if (!waited) pdl_entry();
+    if (!waited) {
+        pdl_entry();
+        late_weights();
+    }
     __syncthreads();
     if ((int)threadIdx.x < rows_here) {
         float s = 0.0f;
@@ -614,6 +734,21 @@ __device__ __forceinline__ void moe_tiny_down(const void* __restrict__ down,
                            const float* weights, float* out, int experts, int hidden, int inter, \
                            int top_k) {                                                          \
         moe_tiny_down<CHUNK>(down, h, ids, weights, out, experts, hidden, inter, top_k);         \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(MOE_THREADS, 3)                                 \
+        moe_tiny_gate_up_norm_##DT(const void* gate_up, const float* x, const float* r,          \
+                                   const float* nw, float eps, float* x_out, const float* u,     \
+                                   const u32* ids, float* h, float* weights, int experts,        \
+                                   int hidden, int inter, int top_k, int act, int renormalise) { \
+        moe_tiny_gate_up_norm<CHUNK, MOE_TINY_JW>(gate_up, x, r, nw, eps, x_out, u, ids, h,     \
+                                                  weights, experts, hidden, inter, top_k, act,  \
+                                                  renormalise);                                 \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(MOE_THREADS, 4)                                 \
+        moe_tiny_down_late_##DT(const void* down, const float* h, const u32* ids,                \
+                                const float* weights, float* out, int experts, int hidden,       \
+                                int inter, int top_k) {                                          \
+        moe_tiny_down<CHUNK, true>(down, h, ids, weights, out, experts, hidden, inter, top_k);   \
     }
 
 MOE_TINY_KERNELS(bf16, ChunkBf16)

@@ -63,6 +63,10 @@ pub(crate) struct Kernels {
     pub gemv_route: [[CudaFunction; 3]; 3],
     /// `gemv_route_norm_<dt>_l<L>`, indexed as `gemv_route`.
     pub gemv_route_norm: [[CudaFunction; 3]; 3],
+    /// `gemv_rows_route_<dt>_l<L>` (o_proj with the route ahead), indexed as `gemv_route`.
+    pub gemv_rows_route: [[CudaFunction; 3]; 3],
+    /// `route_fold_<dt>`, by [`dtype_slot`].
+    pub route_fold: [CudaFunction; 3],
     /// Indexed by [`dtype_slot`].
     pub embed: [CudaFunction; 3],
     /// `[layout][dtype_slot][i]` for x-row counts `GEMV_ROWS[i]`; layout 0 is warp per row,
@@ -147,6 +151,12 @@ impl Kernels {
             f32_to_bf16_split: get("convert", "f32_to_bf16_split")?,
             gemv_route: route_table("gemv_route")?,
             gemv_route_norm: route_table("gemv_route_norm")?,
+            gemv_rows_route: route_table("gemv_rows_route")?,
+            route_fold: [
+                get("gemv", "route_fold_bf16")?,
+                get("gemv", "route_fold_f16")?,
+                get("gemv", "route_fold_f32")?,
+            ],
             route_topk: [
                 get("router", "route_topk_f32_l1")?,
                 get("router", "route_topk_f32_l2")?,

@@ -81,6 +81,7 @@ pub const EARLY_ACTIVATION_READERS: &[&str] = &[
     "add_rms_norm_f32",
     "gemv_route_norm_*",
     "gemv_rows_norm_*",
+    "gemv_rows_route_*",
     "moe_tiny_down_*",
 ];
 

@@ -33,7 +33,8 @@ pub use error::{CudaError, Result};
 pub use graph::DeviceGraph;
 pub use ops::FUSED_MAX_HEAD_DIM;
 pub use ops::{
-    AddNormGrid, DeviceRope, FoldedPrologue, GemmOut, GemvLayout, QkvShape, RouterShape,
+    AddNormGrid, DeviceRope, FoldedPrologue, GemmOut, GemvLayout, QkvShape, RouteAhead,
+    RouteInputs, RouterShape,
 };
 pub use ops::{ArgmaxScratch, NextStepInputs};
 pub use ops::{

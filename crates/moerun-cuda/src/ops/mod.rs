@@ -19,6 +19,7 @@ mod gemv;
 mod moe;
 mod norm;
 mod rope;
+mod route_ahead;
 mod router;
 mod tma;
 
@@ -40,6 +41,7 @@ pub use gemv::{AddNormGrid, GemvLayout};
 pub(crate) use moe::MoeKernels;
 pub use moe::{DecodePass, DeviceExperts, ExpertActivation, MoePath, MoeScratch, WgmmaTile};
 pub use rope::DeviceRope;
+pub use route_ahead::{RouteAhead, RouteInputs};
 pub use router::RouterShape;
 
 use crate::error::{CudaError, Result};

@@ -65,6 +65,9 @@ pub(crate) struct MoeKernels {
     /// `[dtype_slot]`, for [`DecodePass::Tiny`].
     tiny_gate_up: [CudaFunction; 3],
     tiny_down: [CudaFunction; 3],
+    /// `moe_tiny_gate_up_norm_<dt>` and `moe_tiny_down_late_<dt>`: behind the route ahead.
+    tiny_gate_up_norm: [CudaFunction; 3],
+    tiny_down_late: [CudaFunction; 3],
     gather_bf16: CudaFunction,
     silu_mul_bf16: CudaFunction,
     combine_bf16: CudaFunction,
@@ -98,6 +101,16 @@ impl MoeKernels {
                 get("moe", "moe_tiny_down_bf16")?,
                 get("moe", "moe_tiny_down_f16")?,
                 get("moe", "moe_tiny_down_f32")?,
+            ],
+            tiny_gate_up_norm: [
+                get("moe", "moe_tiny_gate_up_norm_bf16")?,
+                get("moe", "moe_tiny_gate_up_norm_f16")?,
+                get("moe", "moe_tiny_gate_up_norm_f32")?,
+            ],
+            tiny_down_late: [
+                get("moe", "moe_tiny_down_late_bf16")?,
+                get("moe", "moe_tiny_down_late_f16")?,
+                get("moe", "moe_tiny_down_late_f32")?,
             ],
             gather_bf16: get("moe_prefill", "moe_gather_bf16")?,
             silu_mul_bf16: get("moe_prefill", "moe_silu_mul_bf16")?,

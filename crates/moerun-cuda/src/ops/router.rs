@@ -80,7 +80,7 @@ impl RouterShape {
     }
 
     /// The routing warp's build: 2^slot experts per lane, the fewest that hold them all.
-    fn lane_slot(&self) -> usize {
+    pub(crate) fn lane_slot(&self) -> usize {
         self.experts
             .div_ceil(32)
             .next_power_of_two()

@@ -19,6 +19,7 @@ mod gemma4_tests;
 pub(crate) mod graph;
 mod pass;
 pub mod profile;
+pub(crate) mod route_ahead;
 #[cfg(test)]
 mod tests;
 pub(crate) mod upload;
@@ -72,6 +73,8 @@ pub struct CudaModel {
     pub(crate) qkv: HashMap<(usize, usize), StackedQkv>,
     /// Each MoE layer's stacked experts, by its router's key.
     pub(crate) experts: HashMap<(usize, usize), DeviceExperts>,
+    /// The layers that route ahead (see [`route_ahead`]), by layer index.
+    pub(crate) route_ahead: HashMap<usize, route_ahead::LayerRouteAhead>,
     pub(crate) rope: DeviceRope,
     /// The kernel of prefill attention tiles: bf16 tensor cores for bf16 models (head_dim 64 or
     /// 128), exact f32 otherwise.

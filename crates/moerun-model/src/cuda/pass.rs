@@ -14,7 +14,7 @@ use moerun_cuda::{
     FoldedPrologue, GemmOut, QkvShape, RouterShape, TokenPlacement,
 };
 
-use super::{dev_err, profile, tensor_key, CudaModel, DeviceKv, PassScratch, StackedQkv};
+use super::{dev_err, profile, tensor_key, vec_key, CudaModel, DeviceKv, PassScratch, StackedQkv};
 use crate::backend::{AttentionInputs, AttentionSpec, Backend};
 use crate::batch::Batch;
 use crate::config::{ModelConfig, MoeConfig};
@@ -161,6 +161,18 @@ pub struct CudaPass<'a> {
     /// The layer whose K/V the fused prologue has just written into its pool: its `attention`
     /// skips the write.
     kv_written: Option<usize>,
+    /// The routing the last o_proj made ahead for the MoE block after it (see
+    /// [`super::route_ahead`]), which that block's `add_norm_moe` takes.
+    routed_ahead: Option<RoutedAhead>,
+}
+
+/// A route ahead's outputs: the logits up to the norm's scale, the experts, and the router and
+/// norm they were made for.
+struct RoutedAhead {
+    u: DeviceBuffer<f32>,
+    ids: DeviceBuffer<u32>,
+    router: (usize, usize),
+    norm: (usize, usize),
 }
 
 impl<'a> CudaPass<'a> {
@@ -178,6 +190,7 @@ impl<'a> CudaPass<'a> {
             tokens,
             linear: None,
             kv_written: None,
+            routed_ahead: None,
         }
     }
 
@@ -372,6 +385,94 @@ impl<'a> CudaPass<'a> {
     }
 }
 
+impl CudaPass<'_> {
+    /// A layer's o_proj of one token's attention output `a`, with the route ahead of the MoE
+    /// block after it where the layer has one (the routing left for that block's
+    /// `add_norm_moe`); else the plain projection. `x`: the residual the block will add to.
+    fn o_proj_routing_ahead(
+        &mut self,
+        layer: usize,
+        a: &DeviceBuffer<f32>,
+        w: &AttentionWeights,
+        x: &DeviceBuffer<f32>,
+    ) -> Result<DeviceBuffer<f32>> {
+        let m = self.m;
+        self.routed_ahead = None;
+        let Some(ra) = m.route_ahead.get(&layer) else {
+            return self.linear(a, &w.o_proj);
+        };
+        let o_proj = m.mat(&w.o_proj.weight)?;
+        let (hidden, experts) = (o_proj.rows(), ra.shape.experts);
+        if a.len() != o_proj.cols() || x.len() != hidden {
+            return self.linear(a, &w.o_proj);
+        }
+        let router = m.mats.get(&ra.router).ok_or_else(|| {
+            Error::Device("internal: a route ahead's router was not uploaded".into())
+        })?;
+        let norm = m.vecs.get(&ra.norm).ok_or_else(|| {
+            Error::Device("internal: a route ahead's norm was not uploaded".into())
+        })?;
+        let mut y = self.alloc(hidden)?;
+        let mut u = self.alloc(experts)?;
+        let mut ids = self.scratch.activation::<u32>(&m.dev, ra.shape.top_k)?;
+        profile::timed(&m.dev, "o_proj_route", || {
+            m.dev
+                .gemv_route_ahead(
+                    a,
+                    o_proj,
+                    &mut y,
+                    moerun_cuda::RouteInputs { router, norm, x },
+                    (&ra.fold, ra.shape),
+                    (&mut u, &mut ids),
+                )
+                .map_err(dev_err)
+        })?;
+        self.routed_ahead = Some(RoutedAhead {
+            u,
+            ids,
+            router: ra.router,
+            norm: ra.norm,
+        });
+        Ok(y)
+    }
+
+    /// The MoE block of one token behind its route ahead: `x += y` and the post-attention norm
+    /// folded into the experts' gate_up, which also makes the routing weights.
+    fn moe_routed_ahead(
+        &mut self,
+        x: &mut DeviceBuffer<f32>,
+        y: &DeviceBuffer<f32>,
+        (weight, eps): (&[f32], f32),
+        cfg: &MoeConfig,
+        w: &MoeWeights,
+        ahead: RoutedAhead,
+    ) -> Result<DeviceBuffer<f32>> {
+        let m = self.m;
+        let hidden = x.len();
+        let experts = m.experts.get(&tensor_key(&w.router)).ok_or_else(|| {
+            Error::Device("internal: a MoE layer's experts were not uploaded".into())
+        })?;
+        let mut sum = self.alloc(hidden)?;
+        let mut weights = self.alloc(cfg.top_k)?;
+        let mut out = self.alloc(hidden)?;
+        let norm = m.vec(weight)?;
+        let scratch = self.scratch.moe(&m.dev, experts, 1, cfg.top_k)?;
+        m.dev
+            .moe_experts_norm_routed(
+                (&*x, y, norm, eps),
+                &mut sum,
+                (&ahead.u, &ahead.ids, cfg.norm_topk_prob),
+                &mut weights,
+                experts,
+                scratch,
+                &mut out,
+            )
+            .map_err(dev_err)?;
+        *x = sum;
+        Ok(out)
+    }
+}
+
 impl Backend for CudaPass<'_> {
     type Act = DeviceBuffer<f32>;
 
@@ -556,7 +657,7 @@ impl Backend for CudaPass<'_> {
             Ok(qkv)
         })?;
         let out = self.folded_attention(layer, cfg, w, &spec, &qkv)?;
-        self.linear(&out, &w.o_proj)
+        self.o_proj_routing_ahead(layer, &out, w, x)
     }
 
     fn final_logits(
@@ -772,6 +873,17 @@ impl Backend for CudaPass<'_> {
     ) -> Result<DeviceBuffer<f32>> {
         let m = self.m;
         let hidden = w.router.shape[1];
+        if let Some(ahead) = self.routed_ahead.take() {
+            if ahead.router == tensor_key(&w.router)
+                && ahead.norm == vec_key(weight)
+                && x.len() == hidden
+                && y.len() == hidden
+            {
+                return profile::timed(&m.dev, "moe", || {
+                    self.moe_routed_ahead(x, y, (weight, eps), cfg, w, ahead)
+                });
+            }
+        }
         let folds = m.dev.norm_route_wanted()
             && x.len() == hidden
             && weight.len() == hidden

@@ -379,6 +379,7 @@ pub(crate) fn upload(
         bytes,
         ..
     } = u;
+    let route_ahead = super::route_ahead::folds(&dev, cfg, w, &mats, &vecs)?;
     let bf16 = w.embed_tokens.dtype == DType::BF16;
     let prefill_attention = if bf16 && matches!(cfg.head_dim, 64 | 128) {
         AttentionPrefill::TensorCoreBf16
@@ -393,6 +394,7 @@ pub(crate) fn upload(
         mats,
         vecs,
         experts,
+        route_ahead,
         qkv,
         rope,
         weight_bytes: bytes,

@@ -94,6 +94,7 @@ pub(crate) fn upload(
         qkv,
         rope,
         weight_bytes: bytes,
+        route_ahead: Default::default(),
         gemma4: Some(Gemma4Device {
             sliding_rope,
             full_rope,

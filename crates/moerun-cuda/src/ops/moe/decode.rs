@@ -28,7 +28,7 @@
 
 use std::sync::OnceLock;
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
 use super::{
     decode_kernel, DecodePass, DeviceExperts, MoeCall, MoeScratch, DOWN_TILE, GATE_UP_TILE,
@@ -36,6 +36,7 @@ use super::{
 };
 use crate::device::dtype_slot;
 use crate::error::{ensure, DriverContext, Result};
+use crate::ops::router::GEMV_ROUTE_MAX_EXPERTS;
 use crate::ops::{blocks, to_i32};
 use crate::CudaDevice;
 
@@ -185,6 +186,138 @@ impl CudaDevice {
             // ids and weights hold n · k <= 32 entries (k <= 32, the kernel's shared rows), out n · H
             // f32.
             unsafe { b.launch(cfg) }.ctx("moe_tiny_down")?;
+        }
+        Ok(())
+    }
+
+    /// One token's routed experts behind the route ahead ([`CudaDevice::gemv_route_ahead`]), with
+    /// the residual add and the post-attention RMSNorm folded in: `x_out = x + r`, the experts
+    /// `ids` (rank order) run on `norm ⊙ x_out / rms(x_out)`, their routing weights (written
+    /// to `weights`) made from the route ahead's `u` and the norm's scale as the router makes
+    /// them (softmax over all experts, renormalised where `renormalise`), `out` their weighted
+    /// sum in rank order. Two launches: `moe_tiny_gate_up_norm_<dt>` (grid (ceil(I / 16),
+    /// k + 1): block row k makes x_out and the weights) and `moe_tiny_down_late_<dt>` (the
+    /// tiny down, reading the weights after its wait).
+    #[allow(clippy::too_many_arguments)] // the add+norm's arguments, then the route's
+    pub fn moe_experts_norm_routed(
+        &self,
+        (x, r, norm, eps): (
+            &impl DevicePtr<f32>,
+            &impl DevicePtr<f32>,
+            &CudaSlice<f32>,
+            f32,
+        ),
+        x_out: &mut impl DevicePtrMut<f32>,
+        (u, ids, renormalise): (&impl DevicePtr<f32>, &impl DevicePtr<u32>, bool),
+        weights: &mut impl DevicePtrMut<f32>,
+        experts: &DeviceExperts,
+        scratch: &mut MoeScratch,
+        out: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        let (e, h, i) = (experts.experts, experts.hidden, experts.intermediate);
+        let k = ids.len();
+        ensure(
+            (scratch.experts, scratch.hidden, scratch.intermediate) == (e, h, i),
+            || {
+                format!(
+                    "moe_experts_norm_routed: scratch made for {} experts of H {}, I {}; these \
+                     are {e} of H {h}, I {i}",
+                    scratch.experts, scratch.hidden, scratch.intermediate
+                )
+            },
+        )?;
+        ensure(
+            (1..=scratch.top_k.min(e).min(DecodePass::TINY_PAIRS)).contains(&k)
+                && e <= GEMV_ROUTE_MAX_EXPERTS,
+            || {
+                format!(
+                    "moe_experts_norm_routed: top-{k} of {e} experts (one token's pass takes \
+                     1..={} of at most {GEMV_ROUTE_MAX_EXPERTS})",
+                    scratch.top_k.min(e).min(DecodePass::TINY_PAIRS)
+                )
+            },
+        )?;
+        ensure(
+            [x.len(), r.len(), norm.len(), x_out.len(), out.len()] == [h; 5]
+                && u.len() == e
+                && weights.len() == k
+                && eps.is_finite(),
+            || {
+                format!(
+                    "moe_experts_norm_routed: x {}, r {}, norm {}, x_out {}, out {} for H {h}; \
+                     u {} for {e} experts, weights {} for top-{k} (eps {eps})",
+                    x.len(),
+                    r.len(),
+                    norm.len(),
+                    x_out.len(),
+                    out.len(),
+                    u.len(),
+                    weights.len()
+                )
+            },
+        )?;
+        let xp = self.ptr(x, "moe_experts_norm_routed x")?;
+        let rp = self.ptr(r, "moe_experts_norm_routed r")?;
+        let np = self.ptr(norm, "moe_experts_norm_routed norm")?;
+        let xo = self.ptr_mut(x_out, "moe_experts_norm_routed x_out")?;
+        let up = self.ptr(u, "moe_experts_norm_routed u")?;
+        let ip = self.ptr(ids, "moe_experts_norm_routed ids")?;
+        let wp = self.ptr_mut(weights, "moe_experts_norm_routed weights")?;
+        let op = self.ptr_mut(out, "moe_experts_norm_routed out")?;
+        ensure(
+            [xp, rp, np, xo].iter().all(|p| p.is_multiple_of(16)),
+            || {
+                "moe_experts_norm_routed: x, r, norm and x_out must start 16-byte aligned"
+                    .to_string()
+            },
+        )?;
+        let kernels = &self.kernels.moe;
+        let slot = dtype_slot(experts.dtype);
+        let hp = self.ptr_mut(&mut scratch.inner, "moe h")?;
+        let gate_up = self.ptr(&experts.gate_up, "moe gate_up")?;
+        let down = self.ptr(&experts.down, "moe down")?;
+        let (experts_i, hidden_i, inter_i, k_i) = (
+            to_i32(e, "experts")?,
+            to_i32(h, "hidden")?,
+            to_i32(i, "intermediate")?,
+            to_i32(k, "top_k")?,
+        );
+        let act = experts.activation().code();
+        let renormalise = i32::from(renormalise);
+        let cfg = LaunchConfig {
+            grid_dim: (blocks(i, TINY_GATE_UP_TILE)?, k as u32 + 1, 1), // k <= 32
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream.launch_builder(&kernels.tiny_gate_up_norm[slot]);
+        b.arg(&gate_up)
+            .arg(&xp)
+            .arg(&rp)
+            .arg(&np)
+            .arg(&eps)
+            .arg(&xo);
+        b.arg(&up).arg(&ip).arg(&hp).arg(&wp);
+        b.arg(&experts_i).arg(&hidden_i).arg(&inter_i).arg(&k_i);
+        b.arg(&act).arg(&renormalise);
+        if !crate::skip::skipped("moe_gate_up") {
+            // SAFETY: gate_up holds E · 2I · H elements (H a multiple of the 16-byte chunk); x, r,
+            // norm and x_out hold H f32, 16-byte aligned; u holds E <= 128 f32 and ids k u32
+            // (only ids < E index the weights); h holds P_max · I >= k · I f32; weights k f32;
+            // block rows 0..k take pairs 0..k, row k the norm and the weights.
+            unsafe { b.launch(cfg) }.ctx("moe_tiny_gate_up_norm")?;
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (blocks(h, TINY_DOWN_ROWS)?, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream.launch_builder(&kernels.tiny_down_late[slot]);
+        b.arg(&down).arg(&hp).arg(&ip).arg(&wp).arg(&op);
+        b.arg(&experts_i).arg(&hidden_i).arg(&inter_i).arg(&k_i);
+        if !crate::skip::skipped("moe_down") {
+            // SAFETY: as moe_tiny_down's in moe_decode_tiny, for one token of k <= 32 pairs; the
+            // weights come from the launch above, read after the wait.
+            unsafe { b.launch(cfg) }.ctx("moe_tiny_down_late")?;
         }
         Ok(())
     }
