@@ -272,6 +272,18 @@ __device__ __forceinline__ void pdl_entry_launch_first() {
 #endif
 }
 
+// A word one kernel hands the next while both run (the route ahead's ids, gemv.cu): stored and
+// polled at GPU scope (through L2, never a stale L1 line). The word is all the reader takes from
+// it: no ordering of other data is implied.
+__device__ __forceinline__ void store_relaxed(u32* p, u32 v) {
+    asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ u32 load_relaxed(const u32* p) {
+    u32 v;
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
 // ---- thread-block clusters (sm_90+; only kernels built for sm_90 call these) ----
 //
 // Blocks of a cluster exchange data by st.async into each other's shared memory, counted by the

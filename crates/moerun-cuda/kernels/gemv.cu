@@ -686,12 +686,19 @@ GEMV_ROUTE_NORM_KERNEL(gemv_route_norm_f32_l4, ChunkF32, 4)
 // for RA_ROWS experts: R's rows . (nw x) before the programmatic wait (x, the residual, comes from
 // the q/k/v GEMV two kernels back: graph::EARLY_ACTIVATION_READERS), F's first RA_PRE float4 a
 // thread loaded before it, then . a. Each stores its u, counts itself in `arrived`, and the
-// block that arrives last ranks u (warp_route_topk: the ids alone) and zeroes the count for the
-// next launch. The other blocks are gemv_rows_<dt>_m1's for o (the same bits).
+// block that arrives last ranks u (warp_route_topk: the ids alone), zeroes the count for the
+// next launch and stores the ids, which block 0 set to RA_UNSET (and fenced) after its wait and
+// before it let the successor launch (never before the wait: the ids are a pass's activation
+// buffer, whose bytes an earlier kernel may still be using until then). The successor (moe_tiny_gate_up_norm) polls its id before its
+// programmatic wait and, once it is set, starts streaming that expert's weights while this
+// kernel ends. The other blocks are gemv_rows_<dt>_m1's for o (the same bits).
 // Every u is one block's fixed sum (per thread in order, warp_sum's tree, warps in order): the
 // same ids for the same inputs, whichever block arrives last.
+#ifndef RA_ROWS
 #define RA_ROWS 2
+#endif
 #define RA_PRE 4
+#define RA_UNSET 0xffffffffu  // an id not stored yet (warp_route_topk's are < E or 0x7fffffff)
 
 template <typename C, int L>
 __device__ __forceinline__ void route_ahead_block(const void* __restrict__ router,
@@ -699,10 +706,11 @@ __device__ __forceinline__ void route_ahead_block(const void* __restrict__ route
                                                   const float* x, const float* __restrict__ nw,
                                                   const float* a, int experts, int hidden,
                                                   int width, int topk, float* u,
-                                                  u32* __restrict__ out_ids, u32* arrived,
+                                                  u32* out_ids, u32* arrived,
                                                   int block) {
     __shared__ float partial[ROWS_WARPS][RA_ROWS];
     __shared__ float logits[32 * L];
+    __shared__ u32 ranked[32];  // topk <= 32
     __shared__ int last;
     const int tid = threadIdx.x;
     const int lane = tid & 31;
@@ -711,6 +719,7 @@ __device__ __forceinline__ void route_ahead_block(const void* __restrict__ route
     const int rows_here = min(RA_ROWS, experts - e0);  // >= 1, block-uniform
     const int fchunks = width / 4;                       // float4 of F's rows
     const uint4* f = reinterpret_cast<const uint4*>(fold) + (u64)e0 * fchunks;
+
     uint4 fq[RA_PRE][RA_ROWS];
 #pragma unroll
     for (int i = 0; i < RA_PRE; ++i)
@@ -747,7 +756,18 @@ __device__ __forceinline__ void route_ahead_block(const void* __restrict__ route
             }
         }
     }
-    pdl_entry();
+    pdl_wait();
+    if (block == 0) {
+        // The ids to RA_UNSET, after the wait (the buffer is the pass's: before it, an earlier
+        // kernel may still use those bytes) and before this block lets the successor launch,
+        // which polls them (the last launch left them set).
+        if (tid < topk) {
+            out_ids[tid] = RA_UNSET;
+            __threadfence();
+        }
+        __syncthreads();
+    }
+    pdl_launch_dependents();
     // F's rows . a: the preloaded float4s, then any past them.
     auto fma4 = [&](int r, uint4 q, float4 av) {
         acc[r] = fmaf(__uint_as_float(q.x), av.x, acc[r]);
@@ -797,12 +817,16 @@ __device__ __forceinline__ void route_ahead_block(const void* __restrict__ route
         if (i < experts) logits[i] = load_cg(u + i);
     }
     __syncwarp();
-    warp_route_topk<L, false>(logits, experts, topk, 0, out_ids, nullptr);
+    warp_route_topk<L, false>(logits, experts, topk, 0, ranked, nullptr);
+    __syncwarp();
+    if (lane < topk) store_relaxed(out_ids + lane, ranked[lane]);
     if (lane == 0) *arrived = 0u;  // the next launch counts from zero
 }
 
-#define GEMV_ROWS_ROUTE_KERNEL(NAME, CHUNK, L)                                                   \
-    extern "C" __global__ void __launch_bounds__(ROWS_THREADS)                                  \
+// MINB: blocks an SM; bf16 and f16 at 4 (64 registers, as gemv_rows_<dt>_m1; unbounded, the
+// route's wait split took 76), f32 at 2 (at 3 its l4 build spilled).
+#define GEMV_ROWS_ROUTE_KERNEL(NAME, CHUNK, L, MINB)                                             \
+    extern "C" __global__ void __launch_bounds__(ROWS_THREADS, MINB)                             \
         NAME(const void* w, const float* a, float* y, int n, int k, const void* router,         \
              const float* fold, const float* x, const float* nw, int experts, int hidden,        \
              int topk, float* u, u32* out_ids, u32* arrived) {                                   \
@@ -814,15 +838,15 @@ __device__ __forceinline__ void route_ahead_block(const void* __restrict__ route
             gemv_block_rows<CHUNK, 1, 2>(w, a, y, n, k, (int)blockIdx.x - route_blocks);         \
     }
 
-GEMV_ROWS_ROUTE_KERNEL(gemv_rows_route_bf16_l1, ChunkBf16, 1)
-GEMV_ROWS_ROUTE_KERNEL(gemv_rows_route_bf16_l2, ChunkBf16, 2)
-GEMV_ROWS_ROUTE_KERNEL(gemv_rows_route_bf16_l4, ChunkBf16, 4)
-GEMV_ROWS_ROUTE_KERNEL(gemv_rows_route_f16_l1, ChunkF16, 1)
-GEMV_ROWS_ROUTE_KERNEL(gemv_rows_route_f16_l2, ChunkF16, 2)
-GEMV_ROWS_ROUTE_KERNEL(gemv_rows_route_f16_l4, ChunkF16, 4)
-GEMV_ROWS_ROUTE_KERNEL(gemv_rows_route_f32_l1, ChunkF32, 1)
-GEMV_ROWS_ROUTE_KERNEL(gemv_rows_route_f32_l2, ChunkF32, 2)
-GEMV_ROWS_ROUTE_KERNEL(gemv_rows_route_f32_l4, ChunkF32, 4)
+GEMV_ROWS_ROUTE_KERNEL(gemv_rows_route_bf16_l1, ChunkBf16, 1, 4)
+GEMV_ROWS_ROUTE_KERNEL(gemv_rows_route_bf16_l2, ChunkBf16, 2, 4)
+GEMV_ROWS_ROUTE_KERNEL(gemv_rows_route_bf16_l4, ChunkBf16, 4, 4)
+GEMV_ROWS_ROUTE_KERNEL(gemv_rows_route_f16_l1, ChunkF16, 1, 4)
+GEMV_ROWS_ROUTE_KERNEL(gemv_rows_route_f16_l2, ChunkF16, 2, 4)
+GEMV_ROWS_ROUTE_KERNEL(gemv_rows_route_f16_l4, ChunkF16, 4, 4)
+GEMV_ROWS_ROUTE_KERNEL(gemv_rows_route_f32_l1, ChunkF32, 1, 2)
+GEMV_ROWS_ROUTE_KERNEL(gemv_rows_route_f32_l2, ChunkF32, 2, 2)
+GEMV_ROWS_ROUTE_KERNEL(gemv_rows_route_f32_l4, ChunkF32, 4, 2)
 
 // route_fold_<dt>: F = R diag(nw) W_o for the route ahead, once at upload. F[e, i] =
 // sum_j R[e, j] nw[j] W_o[j, i] (R: E x H, W_o: H x width, both in the stored dtype), summed in

@@ -240,7 +240,7 @@ __device__ __forceinline__ void moe_pass_pairs(const u32* __restrict__ list, int
 // reduce-scatter, which lost 0.7-1% of batch-1 decode; docs/perf/cuda-model.md v13).
 // NORM: x is the residual, and gate and up are inv * (rows . (s * nw)) with s = x + nrm.r and
 // inv = 1 / sqrt(mean(s^2) + eps) (moe_warp_rows' NORM).
-template <typename C, int M, int JW = 1, int KEEP = 2, bool NORM = false>
+template <typename C, int M, int JW = 1, int KEEP = 2, bool NORM = false, bool WAIT = false>
 __device__ __forceinline__ void moe_gate_up_pass(const uint4* wg, const uint4* wu,
                                                  const float* __restrict__ x, const u32 (&p)[M],
                                                  int taken, int top_k, int hidden, int inter, int j,
@@ -263,8 +263,8 @@ __device__ __forceinline__ void moe_gate_up_pass(const uint4* wg, const uint4* w
     // The same bytes in flight per lane for any JW: 2 JW rows x MOE_GU_UNROLL / JW chunks.
     if constexpr (NORM) {
         float sq;
-        moe_warp_rows<C, M, 2 * JW, MOE_GU_UNROLL / JW, KEEP, false, true>(w, xr, chunks, gu, nrm,
-                                                                           &sq);
+        moe_warp_rows<C, M, 2 * JW, MOE_GU_UNROLL / JW, KEEP, WAIT, true>(w, xr, chunks, gu, nrm,
+                                                                          &sq);
         const float scale = 1.0f / sqrtf(sq / (float)hidden + eps);
 #pragma unroll
         for (int i = 0; i < KEEP; ++i) gu[i] *= scale;
@@ -546,6 +546,10 @@ MOE_DOWN_KERNEL(moe_down_f32_m8, ChunkF32, 8, 1)
 #define MOE_TINY_MAX_K 32
 #define MOE_TINY_JW 2  // intermediate indices per warp of moe_tiny_gate_up
 #define MOE_ROUTE_PER_LANE 4  // moe_tiny_gate_up_norm's routing weights: experts <= 128
+#ifndef MOE_EARLY_POLLS
+#define MOE_EARLY_POLLS 32  // moe_tiny_gate_up_norm's polls of its id, an L2 round trip each
+#endif
+#define MOE_UNSET 0xffffffffu  // gemv.cu's RA_UNSET: an id the route ahead has not stored yet
 
 template <typename C, int JW>
 __device__ __forceinline__ void moe_tiny_gate_up(const void* __restrict__ gate_up,
@@ -605,16 +609,20 @@ __device__ __forceinline__ void moe_tiny_gate_up(const void* __restrict__ gate_u
 // from its own sum of s's squares (moe_warp_rows' NORM: the same inv in every warp). One more
 // block row, k (grid (ceil(I / 16), k + 1); only its block 0 works), stores s to x_out (the new
 // residual), makes inv the same way and the routing weights from the route ahead's u
-// (warp_route_weights), beside the streaming blocks rather than after them. ids, u and r come
-// from the launch right before: read after the wait.
+// (warp_route_weights), beside the streaming blocks rather than after them. u and r come from
+// the launch right before: read after the wait. So is a block's id, unless that launch has
+// stored it already: gemv_rows_route sets the ids to RA_UNSET before it lets this kernel launch
+// and stores them once ranked; a block polls its id for up to MOE_EARLY_POLLS rounds before its
+// programmatic wait and, once it is set, issues its first weights before the wait, streaming
+// while o_proj ends (the route ahead finishes before o_proj's last rows).
 template <typename C, int JW>
 __device__ __forceinline__ void moe_tiny_gate_up_norm(
     const void* __restrict__ gate_up, const float* x, const float* r, const float* __restrict__ nw,
     float eps, float* x_out, const float* u, const u32* ids, float* __restrict__ h,
     float* weights, int experts, int hidden, int inter, int top_k, int act, int renormalise) {
-    pdl_entry();
     const u32 slot = blockIdx.y;
     if (slot == (u32)top_k) {
+        pdl_entry();
         if (blockIdx.x != 0 || threadIdx.x >= 32) return;
         const int lane = threadIdx.x;
         float uv[MOE_ROUTE_PER_LANE];
@@ -647,16 +655,31 @@ __device__ __forceinline__ void moe_tiny_gate_up_norm(
                                                weights);
         return;
     }
-    const u32 e = __float_as_uint(load_cg(reinterpret_cast<const float*>(ids + slot)));
-    if (e >= (u32)experts) return;  // block-uniform; no barriers below
+    __shared__ u32 polled;
+    if (threadIdx.x == 0) {
+        u32 id = MOE_UNSET;
+        for (int i = 0; i < MOE_EARLY_POLLS && id == MOE_UNSET; ++i) id = load_relaxed(ids + slot);
+        polled = id;
+    }
+    __syncthreads();
+    const bool early = polled != MOE_UNSET;
+    if (!early) pdl_entry();
+    const u32 e =
+        early ? polled : __float_as_uint(load_cg(reinterpret_cast<const float*>(ids + slot)));
     const int j = (blockIdx.x * MOE_WARPS + (threadIdx.x >> 5)) * JW;
-    if (j >= inter) return;
+    if (e >= (u32)experts || j >= inter) {
+        if (early) pdl_entry();  // every thread waits once before it returns
+        return;                  // no barriers below
+    }
     const u64 chunks = (u64)(hidden / C::N);
     const uint4* base = reinterpret_cast<const uint4*>(gate_up) + (u64)e * 2 * inter * chunks;
+    const uint4* wg = base + (u64)j * chunks;
+    const uint4* wu = base + (u64)(inter + j) * chunks;
     const u32 p[1] = {slot};
-    moe_gate_up_pass<C, 1, JW, 2 * JW, true>(base + (u64)j * chunks,
-                                             base + (u64)(inter + j) * chunks, x, p, 1, top_k,
-                                             hidden, inter, j, h, act, MoeNormIn{r, nw}, eps);
+    // The first weights, then the wait (moe_warp_rows' WAIT; a second wait, where the ids came
+    // after one, returns at once).
+    moe_gate_up_pass<C, 1, JW, 2 * JW, true, true>(wg, wu, x, p, 1, top_k, hidden, inter, j, h,
+                                                   act, MoeNormIn{r, nw}, eps);
 }
 
 // LATE: the routing weights come from the launch right before (moe_tiny_gate_up_norm) and load

@@ -147,7 +147,7 @@ fn route_ahead_matches_o_proj_then_the_folded_router_and_the_experts() {
         for run in 0..2 {
             let mut got_y = dev.upload(&poison(hidden)).unwrap();
             let mut u = dev.upload(&poison(e)).unwrap();
-            let mut ids = dev.upload(&vec![u32::MAX; k]).unwrap();
+            let mut ids = dev.upload(&vec![u32::MAX - 1; k]).unwrap();
             let inputs = RouteInputs {
                 router: &router,
                 norm: &norm,

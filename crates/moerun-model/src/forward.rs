@@ -112,7 +112,7 @@ pub(crate) fn attention_block<B: Backend>(
 
 /// `x += y` where there is a `y` (the layer before's FFN output), then `x` normed by `(weight,
 /// eps)`.
-fn add_norm<B: Backend>(
+pub(crate) fn add_norm<B: Backend>(
     b: &mut B,
     x: &mut B::Act,
     y: Option<&B::Act>,

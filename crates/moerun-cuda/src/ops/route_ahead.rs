@@ -147,7 +147,8 @@ impl CudaDevice {
 
     /// One token's `y = o_proj · a` (gemv_rows' bits) and, in the same launch, the route ahead of
     /// the MoE layer after it: `u` (experts f32, the logits up to the norm's scale) and `ids`
-    /// (top-k, rank order) from `u = R (nw ⊙ x) + F a`. Launch: grid ceil(E / 2) + ceil(H / 4),
+    /// (top-k, rank order; set to u32::MAX until they are ranked: the experts' launch after this
+    /// one polls them to start streaming early) from `u = R (nw ⊙ x) + F a`. Launch: grid ceil(E / 2) + ceil(H / 4),
     /// block 256 (the route blocks first). Under programmatic launch `x` and `norm` are read
     /// before the kernel waits (graph::EARLY_ACTIVATION_READERS).
     pub fn gemv_route_ahead<X: DevicePtr<f32>>(
@@ -228,7 +229,11 @@ impl CudaDevice {
         if crate::skip::skipped("gemv_route") {
             return Ok(());
         }
-        let route_blocks = experts.div_ceil(ROUTE_ROWS_PER_BLOCK);
+        let rows: usize = std::env::var("MOERUN_CUDA_RA_ROWS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(ROUTE_ROWS_PER_BLOCK);
+        let route_blocks = experts.div_ceil(rows);
         let cfg = LaunchConfig {
             grid_dim: (
                 (route_blocks as u32) + blocks(hidden, GEMV_ROWS_PER_BLOCK)?,

@@ -164,6 +164,8 @@ pub struct CudaPass<'a> {
     /// The routing the last o_proj made ahead for the MoE block after it (see
     /// [`super::route_ahead`]), which that block's `add_norm_moe` takes.
     routed_ahead: Option<RoutedAhead>,
+    /// MoE blocks this pass ran behind a route ahead (for tests: which path a step took).
+    routed_ahead_blocks: usize,
 }
 
 /// A route ahead's outputs: the logits up to the norm's scale, the experts, and the router and
@@ -191,6 +193,7 @@ impl<'a> CudaPass<'a> {
             linear: None,
             kv_written: None,
             routed_ahead: None,
+            routed_ahead_blocks: 0,
         }
     }
 
@@ -469,7 +472,14 @@ impl CudaPass<'_> {
             )
             .map_err(dev_err)?;
         *x = sum;
+        self.routed_ahead_blocks += 1;
         Ok(out)
+    }
+
+    /// MoE blocks this pass has run behind a route ahead.
+    #[cfg(test)]
+    pub(crate) fn routed_ahead_blocks(&self) -> usize {
+        self.routed_ahead_blocks
     }
 }
 
@@ -635,7 +645,11 @@ impl Backend for CudaPass<'_> {
             _ => None,
         };
         let (Some(y), Some(stacked)) = (y, folded) else {
-            return crate::forward::add_norm_attention(self, layer, cfg, w, x, y, (weight, eps));
+            // The plain composition (forward::add_norm_attention), its o_proj with the route
+            // ahead where the layer has one.
+            let xn = crate::forward::add_norm(self, x, y, (weight, eps))?;
+            let out = self.self_attention(layer, cfg, w, &spec, &xn)?;
+            return self.o_proj_routing_ahead(layer, &out, w, x);
         };
         // One token: the residual add and the input norm folded into the q/k/v GEMV (one launch
         // and its wait fewer on the step's chain), then the folded attention.

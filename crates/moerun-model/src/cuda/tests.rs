@@ -193,6 +193,70 @@ fn every_backend_op_matches_the_cpu_on_the_gpu() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+/// One token's decode step after a prefill takes the route ahead on every MoE layer of the f32
+/// qwen3_moe fixture (its MoE blocks have no shared expert) and gives the CPU's logits (1e-4,
+/// the f32 bar); Qwen2-MoE's shared expert keeps its layers off it.
+#[test]
+fn one_token_steps_route_ahead_and_match_the_cpu_on_the_gpu() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures");
+    let Some((gpu, cpu)) = on_gpu_and_cpu(&root.join("qwen3_moe_f32")) else {
+        return;
+    };
+    let cuda = gpu.cuda().unwrap();
+    if !cuda.device().route_ahead_wanted() {
+        println!("skipped: MOERUN_CUDA_ROUTE_AHEAD=0");
+        return;
+    }
+    let cfg = &cpu.config;
+    let moe_layers = (0..cfg.num_layers())
+        .filter(|&l| matches!(cpu.weights.layers[l].ffn, FfnWeights::Moe(_)))
+        .count();
+    assert!(moe_layers > 0);
+    assert_eq!(cuda.route_ahead.len(), moe_layers, "folds made at upload");
+    let tokens: Vec<u32> = (0..9u32)
+        .map(|i| (i * 53 + 11) % cfg.vocab_size as u32)
+        .collect();
+    let table = BlockTable { blocks: vec![1, 0] };
+    let mut cpu_kv = KvCache::new(cfg, 2, 16);
+    let mut gpu_kv = gpu.new_kv_cache(2, 16).unwrap();
+    let (head, last) = tokens.split_at(tokens.len() - 1);
+    let mut logits = Vec::new();
+    for (chunk, start) in [(head, 0), (last, head.len())] {
+        let batch = Batch::new(vec![SeqChunk {
+            tokens: chunk,
+            start_pos: start,
+            block_table: &table,
+        }]);
+        let rows = [chunk.len() - 1];
+        let mut c = CpuPass::new(cfg, &cpu.rope, &batch, &mut cpu_kv, None);
+        let want = crate::forward::decoder(&mut c, cfg, &cpu.weights, chunk, &rows).unwrap();
+        let at = Placement::of_batch(cuda.device(), &batch).unwrap();
+        let mut g = CudaPass::new(cuda, gpu_kv.device.as_mut().unwrap(), &at, Tokens::Host);
+        let got = crate::forward::decoder(&mut g, cfg, &gpu.weights, chunk, &rows).unwrap();
+        let ahead = g.routed_ahead_blocks();
+        logits.push((chunk.len(), ahead, rel(&got, &want)));
+    }
+    for (n, ahead, e) in logits {
+        println!("RESULT|route ahead, a step of {n} tokens ({ahead} MoE blocks routed ahead)|{e:.2e}|1e-4|{}", if e <= 1e-4 { "ok" } else { "FAIL" });
+        assert!(
+            e <= 1e-4,
+            "a step of {n} tokens: {e:.3e} from the CPU's logits"
+        );
+        let want = if n == 1 { moe_layers } else { 0 };
+        assert_eq!(
+            ahead, want,
+            "MoE blocks routed ahead in a step of {n} tokens"
+        );
+    }
+    let Some((shared, _)) = on_gpu_and_cpu(&root.join("qwen2_moe_shared_tied_linear")) else {
+        return;
+    };
+    assert!(
+        shared.cuda().unwrap().route_ahead.is_empty(),
+        "a shared expert keeps its layers off the route ahead"
+    );
+}
+
 /// The whole decoder, layer by layer, on both backends from the same start, for every f32
 /// fixture the CUDA backend runs: names the first layer (and part of it) that drifts.
 #[test]

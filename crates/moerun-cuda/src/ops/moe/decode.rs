@@ -192,8 +192,9 @@ impl CudaDevice {
 
     /// One token's routed experts behind the route ahead ([`CudaDevice::gemv_route_ahead`]), with
     /// the residual add and the post-attention RMSNorm folded in: `x_out = x + r`, the experts
-    /// `ids` (rank order) run on `norm ⊙ x_out / rms(x_out)`, their routing weights (written
-    /// to `weights`) made from the route ahead's `u` and the norm's scale as the router makes
+    /// `ids` (rank order) run on `norm ⊙ x_out / rms(x_out)`, their
+    /// routing weights (written to `weights`, top-k of them) made from the route ahead's `u` and
+    /// the norm's scale as the router makes
     /// them (softmax over all experts, renormalised where `renormalise`), `out` their weighted
     /// sum in rank order. Two launches: `moe_tiny_gate_up_norm_<dt>` (grid (ceil(I / 16),
     /// k + 1): block row k makes x_out and the weights) and `moe_tiny_down_late_<dt>` (the
@@ -215,7 +216,7 @@ impl CudaDevice {
         out: &mut impl DevicePtrMut<f32>,
     ) -> Result<()> {
         let (e, h, i) = (experts.experts, experts.hidden, experts.intermediate);
-        let k = ids.len();
+        let k = weights.len();
         ensure(
             (scratch.experts, scratch.hidden, scratch.intermediate) == (e, h, i),
             || {
@@ -240,19 +241,19 @@ impl CudaDevice {
         ensure(
             [x.len(), r.len(), norm.len(), x_out.len(), out.len()] == [h; 5]
                 && u.len() == e
-                && weights.len() == k
+                && ids.len() == k
                 && eps.is_finite(),
             || {
                 format!(
                     "moe_experts_norm_routed: x {}, r {}, norm {}, x_out {}, out {} for H {h}; \
-                     u {} for {e} experts, weights {} for top-{k} (eps {eps})",
+                     u {} for {e} experts, ids {} for top-{k} (eps {eps})",
                     x.len(),
                     r.len(),
                     norm.len(),
                     x_out.len(),
                     out.len(),
                     u.len(),
-                    weights.len()
+                    ids.len()
                 )
             },
         )?;
