@@ -229,11 +229,7 @@ impl CudaDevice {
         if crate::skip::skipped("gemv_route") {
             return Ok(());
         }
-        let rows: usize = std::env::var("MOERUN_CUDA_RA_ROWS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(ROUTE_ROWS_PER_BLOCK);
-        let route_blocks = experts.div_ceil(rows);
+        let route_blocks = experts.div_ceil(ROUTE_ROWS_PER_BLOCK);
         let cfg = LaunchConfig {
             grid_dim: (
                 (route_blocks as u32) + blocks(hidden, GEMV_ROWS_PER_BLOCK)?,

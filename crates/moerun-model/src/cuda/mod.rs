@@ -73,6 +73,8 @@ pub struct CudaModel {
     pub(crate) qkv: HashMap<(usize, usize), StackedQkv>,
     /// Each MoE layer's stacked experts, by its router's key.
     pub(crate) experts: HashMap<(usize, usize), DeviceExperts>,
+    /// Zeros, one hidden row: the residual the first layer's folded add+norm adds its input to.
+    pub(crate) zero_row: CudaSlice<f32>,
     /// The layers that route ahead (see [`route_ahead`]), by layer index.
     pub(crate) route_ahead: HashMap<usize, route_ahead::LayerRouteAhead>,
     pub(crate) rope: DeviceRope,

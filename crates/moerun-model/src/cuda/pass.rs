@@ -636,15 +636,14 @@ impl Backend for CudaPass<'_> {
         let m = self.m;
         let hidden = cfg.hidden_size;
         let spec = crate::forward::attention_spec(cfg, cfg.layers[layer].sliding_window);
-        let folded = match y {
-            Some(_)
-                if x.len() == hidden && weight.len() == hidden && m.dev.gemv_add_norm_wanted() =>
-            {
-                self.folded_attention_qkv(layer, cfg, w, &spec)
-            }
-            _ => None,
-        };
-        let (Some(y), Some(stacked)) = (y, folded) else {
+        let folds = x.len() == hidden
+            && weight.len() == hidden
+            && m.zero_row.len() == hidden
+            && m.dev.gemv_add_norm_wanted();
+        let folded = folds
+            .then(|| self.folded_attention_qkv(layer, cfg, w, &spec))
+            .flatten();
+        let Some(stacked) = folded else {
             // The plain composition (forward::add_norm_attention), its o_proj with the route
             // ahead where the layer has one.
             let xn = crate::forward::add_norm(self, x, y, (weight, eps))?;
@@ -652,18 +651,26 @@ impl Backend for CudaPass<'_> {
             return self.o_proj_routing_ahead(layer, &out, w, x);
         };
         // One token: the residual add and the input norm folded into the q/k/v GEMV (one launch
-        // and its wait fewer on the step's chain), then the folded attention.
+        // and its wait fewer on the step's chain), then the folded attention. The first layer
+        // has nothing to add: its row (the embedding's, from the launch right before) goes in
+        // as the added term, after the GEMV's wait, to a zero residual read before it.
         let qkv = profile::timed(&m.dev, "qkv_prologue", || {
             let mut sum = self.alloc(hidden)?;
             let mut qkv = self.alloc(stacked.weight.rows())?;
-            m.dev
-                .gemv_add_norm(
-                    (&*x, y, m.vec(weight)?, eps),
+            let norm = m.vec(weight)?;
+            match y {
+                Some(y) => {
+                    m.dev
+                        .gemv_add_norm((&*x, y, norm, eps), &stacked.weight, &mut sum, &mut qkv)
+                }
+                None => m.dev.gemv_add_norm(
+                    (&m.zero_row, &*x, norm, eps),
                     &stacked.weight,
                     &mut sum,
                     &mut qkv,
-                )
-                .map_err(dev_err)?;
+                ),
+            }
+            .map_err(dev_err)?;
             *x = sum;
             if let Some(b) = &stacked.bias {
                 m.dev.add_bias(&mut qkv, b).map_err(dev_err)?;

@@ -380,6 +380,7 @@ pub(crate) fn upload(
         ..
     } = u;
     let route_ahead = super::route_ahead::folds(&dev, cfg, w, &mats, &vecs)?;
+    let zero_row = dev.zeros(cfg.hidden_size).map_err(dev_err)?;
     let bf16 = w.embed_tokens.dtype == DType::BF16;
     let prefill_attention = if bf16 && matches!(cfg.head_dim, 64 | 128) {
         AttentionPrefill::TensorCoreBf16
@@ -395,6 +396,7 @@ pub(crate) fn upload(
         vecs,
         experts,
         route_ahead,
+        zero_row,
         qkv,
         rope,
         weight_bytes: bytes,

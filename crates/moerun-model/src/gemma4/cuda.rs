@@ -79,6 +79,7 @@ pub(crate) fn upload(
     u.matrix(&w.lm_head)?;
     let (mats, vecs, experts, qkv, bytes) = (u.mats, u.vecs, u.experts, u.qkv, u.bytes);
     let bf16 = w.embed_tokens.dtype == DType::BF16;
+    let zero_row = dev.zeros(cfg.hidden_size).map_err(dev_err)?;
     Ok(CudaModel {
         // Per layer, head dims outside 64/128 fall back to the exact kernel (see `attention`).
         prefill_attention: if bf16 {
@@ -95,6 +96,7 @@ pub(crate) fn upload(
         rope,
         weight_bytes: bytes,
         route_ahead: Default::default(),
+        zero_row,
         gemma4: Some(Gemma4Device {
             sliding_rope,
             full_rope,
