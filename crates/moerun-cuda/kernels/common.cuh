@@ -455,6 +455,26 @@ __device__ __forceinline__ float warp_max_redux(float v) {
 // the probability (it is >= 0), so each round is a warp max of (bits + 1) keys (taken: 0) and a
 // warp min of the indices holding it. A NaN probability never wins: with only NaNs left the id
 // is out of range (0x7fffffff) and the weight -2, so the token's expert sum becomes NaN downstream.
+// A routing warp's softmax numerators: p[s] holds the logit of expert lane + 32 s (those <
+// experts) and mx the lane's largest, taken as they loaded; p leaves with exp(p - max) over the
+// warp's experts, and it returns 1 / their sum. Shared by warp_route_topk and
+// warp_route_weights: the same probabilities from the same logits.
+template <int ROUTE_PER_LANE>
+__device__ __forceinline__ float warp_softmax_exp(float (&p)[ROUTE_PER_LANE], float mx,
+                                                  int experts) {
+    const int lane = threadIdx.x & 31;
+    mx = warp_max_redux(mx);  // one redux where warp_max took five dependent shuffles
+    float sum = 0.0f;
+#pragma unroll
+    for (int s = 0; s < ROUTE_PER_LANE; ++s) {
+        if (32 * s + lane < experts) {
+            p[s] = expf(p[s] - mx);
+            sum += p[s];
+        }
+    }
+    return 1.0f / warp_sum(sum);
+}
+
 // WEIGHTS = false: the ids alone (the route ahead ranks logits whose scale is not known yet,
 // gemv.cu's gemv_rows_route; out_weights is not touched).
 template <int ROUTE_PER_LANE, bool WEIGHTS = true>
@@ -470,16 +490,7 @@ __device__ __forceinline__ void warp_route_topk(const float* __restrict__ logits
         p[s] = i < experts ? logits[i] : 0.0f;
         if (i < experts) mx = fmaxf(mx, p[s]);
     }
-    mx = warp_max_redux(mx);  // one redux where warp_max took five dependent shuffles
-    float sum = 0.0f;
-#pragma unroll
-    for (int s = 0; s < ROUTE_PER_LANE; ++s) {
-        if (32 * s + lane < experts) {
-            p[s] = expf(p[s] - mx);
-            sum += p[s];
-        }
-    }
-    const float inv = 1.0f / warp_sum(sum);
+    const float inv = warp_softmax_exp<ROUTE_PER_LANE>(p, mx, experts);
     u32 key[ROUTE_PER_LANE];
 #pragma unroll
     for (int s = 0; s < ROUTE_PER_LANE; ++s) {
@@ -546,16 +557,7 @@ __device__ __forceinline__ void warp_route_weights(const float (&uv)[ROUTE_PER_L
         p[s] = i < experts ? uv[s] * scale : 0.0f;
         if (i < experts) mx = fmaxf(mx, p[s]);
     }
-    mx = warp_max_redux(mx);
-    float sum = 0.0f;
-#pragma unroll
-    for (int s = 0; s < ROUTE_PER_LANE; ++s) {
-        if (32 * s + lane < experts) {
-            p[s] = expf(p[s] - mx);
-            sum += p[s];
-        }
-    }
-    const float inv = 1.0f / warp_sum(sum);
+    const float inv = warp_softmax_exp<ROUTE_PER_LANE>(p, mx, experts);
     float total = 0.0f;
     float mine = 0.0f;  // lane r: rank r's weight
     for (int r = 0; r < k; ++r) {
