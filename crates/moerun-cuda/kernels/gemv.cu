@@ -689,9 +689,10 @@ GEMV_ROUTE_NORM_KERNEL(gemv_route_norm_f32_l4, ChunkF32, 4)
 // block that arrives last ranks u (warp_route_topk: the ids alone), zeroes the count for the
 // next launch and stores the ids, which block 0 set to RA_UNSET (and fenced) after its wait and
 // before it let the successor launch (never before the wait: the ids are a pass's activation
-// buffer, whose bytes an earlier kernel may still be using until then). The successor (moe_tiny_gate_up_norm) polls its id before its
-// programmatic wait and, once it is set, starts streaming that expert's weights while this
-// kernel ends. The other blocks are gemv_rows_<dt>_m1's for o (the same bits).
+// buffer, whose bytes an earlier kernel may still be using until then). The successor
+// (moe_tiny_gate_up_norm) polls its id before its programmatic wait and, once it is set, starts
+// streaming that expert's weights while this kernel ends. topk <= 32 (the host checks). The
+// other blocks are gemv_rows_<dt>_m1's for o (the same bits).
 // Every u is one block's fixed sum (per thread in order, warp_sum's tree, warps in order): the
 // same ids for the same inputs, whichever block arrives last.
 #define RA_ROWS 2  // ops/route_ahead.rs' ROUTE_ROWS_PER_BLOCK (1 measured 0.3% slower)

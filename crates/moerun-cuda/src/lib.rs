@@ -34,7 +34,7 @@ pub use graph::DeviceGraph;
 pub use ops::FUSED_MAX_HEAD_DIM;
 pub use ops::{
     AddNormGrid, DeviceRope, FoldedPrologue, GemmOut, GemvLayout, QkvShape, RouteAhead,
-    RouteInputs, RouterShape,
+    RouteInputs, RouterShape, ROUTE_AHEAD_MAX_TOP_K,
 };
 pub use ops::{ArgmaxScratch, NextStepInputs};
 pub use ops::{

@@ -272,4 +272,34 @@ fn route_ahead_refuses_shapes_it_cannot_take_by_name() {
         matches!(err, CudaError::InvalidArgument(ref msg) if msg.contains("a 100")),
         "{err}"
     );
+    // More experts a token than the last block's warp ranks (one lane each).
+    let (router, o_proj) = (m(64, 64), m(64, 128));
+    let fold = dev.route_fold(&router, &norm, &o_proj).unwrap();
+    let shape = RouterShape {
+        experts: 64,
+        top_k: 33,
+        renormalise: true,
+    };
+    let a = dev.zeros::<f32>(128).unwrap();
+    let mut u = dev.zeros::<f32>(64).unwrap();
+    let mut ids = dev.zeros::<u32>(33).unwrap();
+    let inputs = RouteInputs {
+        router: &router,
+        norm: &norm,
+        x: &x,
+    };
+    let err = dev
+        .gemv_route_ahead(
+            &a,
+            &o_proj,
+            &mut y,
+            inputs,
+            (&fold, shape),
+            (&mut u, &mut ids),
+        )
+        .unwrap_err();
+    assert!(
+        matches!(err, CudaError::InvalidArgument(ref msg) if msg.contains("top_k 33")),
+        "{err}"
+    );
 }

@@ -41,7 +41,7 @@ pub use gemv::{AddNormGrid, GemvLayout};
 pub(crate) use moe::MoeKernels;
 pub use moe::{DecodePass, DeviceExperts, ExpertActivation, MoePath, MoeScratch, WgmmaTile};
 pub use rope::DeviceRope;
-pub use route_ahead::{RouteAhead, RouteInputs};
+pub use route_ahead::{RouteAhead, RouteInputs, ROUTE_AHEAD_MAX_TOP_K};
 pub use router::RouterShape;
 
 use crate::error::{CudaError, Result};

@@ -34,6 +34,8 @@ use crate::{CudaDevice, DeviceMatrix};
 const ROUTE_ROWS_PER_BLOCK: usize = 2;
 /// o_proj's rows per block (gemv_rows' layout).
 const GEMV_ROWS_PER_BLOCK: usize = 4;
+/// The most experts a token takes that the route ahead ranks: one lane each (`ranked[32]`).
+pub const ROUTE_AHEAD_MAX_TOP_K: usize = 32;
 
 /// One MoE layer's fold `F = R diag(nw) W_o` (`experts × width` f32) and the count its route
 /// ahead's blocks arrive on (zero between launches: the last block resets it).
@@ -180,9 +182,11 @@ impl CudaDevice {
                 )
             },
         )?;
-        ensure((1..=experts).contains(&shape.top_k), || {
+        let most = experts.min(ROUTE_AHEAD_MAX_TOP_K);
+        ensure((1..=most).contains(&shape.top_k), || {
             format!(
-                "gemv_route_ahead: top_k {} must be in 1..={experts}",
+                "gemv_route_ahead: top_k {} must be in 1..={most} ({experts} experts; the last \
+                 block's warp ranks at most {ROUTE_AHEAD_MAX_TOP_K})",
                 shape.top_k
             )
         })?;

@@ -35,7 +35,7 @@ pub(crate) fn folds(
     let Some(moe_cfg) = cfg.moe.as_ref() else {
         return Ok(out);
     };
-    if !dev.route_ahead_wanted() || moe_cfg.top_k > 32 {
+    if !dev.route_ahead_wanted() || moe_cfg.top_k > moerun_cuda::ROUTE_AHEAD_MAX_TOP_K {
         return Ok(out);
     }
     for (l, layer) in w.layers.iter().enumerate() {
