@@ -275,6 +275,9 @@ __device__ __forceinline__ void pdl_entry_launch_first() {
 // A word one kernel hands the next while both run (the route ahead's ids, gemv.cu): stored and
 // polled at GPU scope (through L2, never a stale L1 line). The word is all the reader takes from
 // it: no ordering of other data is implied.
+// The route ahead's "not ranked yet" id (gemv.cu stores it, moe.cu polls past it): never a
+// ranked id, which is < E or warp_route_topk's 0x7fffffff.
+#define ROUTE_ID_UNSET 0xffffffffu
 __device__ __forceinline__ void store_relaxed(u32* p, u32 v) {
     asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }

@@ -687,9 +687,9 @@ GEMV_ROUTE_NORM_KERNEL(gemv_route_norm_f32_l4, ChunkF32, 4)
 // the q/k/v GEMV two kernels back: graph::EARLY_ACTIVATION_READERS), F's first RA_PRE float4 a
 // thread loaded before it, then . a. Each stores its u, counts itself in `arrived`, and the
 // block that arrives last ranks u (warp_route_topk: the ids alone), zeroes the count for the
-// next launch and stores the ids, which block 0 set to RA_UNSET (and fenced) after its wait and
-// before it let the successor launch (never before the wait: the ids are a pass's activation
-// buffer, whose bytes an earlier kernel may still be using until then). The successor
+// next launch and stores the ids, which block 0 set to ROUTE_ID_UNSET (and fenced) after its
+// wait and before it let the successor launch (never before the wait: the ids are a pass's
+// activation buffer, whose bytes an earlier kernel may still be using until then). The successor
 // (moe_tiny_gate_up_norm) polls its id before its programmatic wait and, once it is set, starts
 // streaming that expert's weights while this kernel ends. topk <= 32 (the host checks). The
 // other blocks are gemv_rows_<dt>_m1's for o (the same bits).
@@ -697,7 +697,6 @@ GEMV_ROUTE_NORM_KERNEL(gemv_route_norm_f32_l4, ChunkF32, 4)
 // same ids for the same inputs, whichever block arrives last.
 #define RA_ROWS 2  // ops/route_ahead.rs' ROUTE_ROWS_PER_BLOCK (1 measured 0.3% slower)
 #define RA_PRE 4
-#define RA_UNSET 0xffffffffu  // an id not stored yet (warp_route_topk's are < E or 0x7fffffff)
 
 template <typename C, int L>
 __device__ __forceinline__ void route_ahead_block(const void* __restrict__ router,
@@ -757,11 +756,11 @@ __device__ __forceinline__ void route_ahead_block(const void* __restrict__ route
     }
     pdl_wait();
     if (block == 0) {
-        // The ids to RA_UNSET, after the wait (the buffer is the pass's: before it, an earlier
-        // kernel may still use those bytes) and before this block lets the successor launch,
-        // which polls them (the last launch left them set).
+        // The ids to ROUTE_ID_UNSET, after the wait (the buffer is the pass's: before it, an
+        // earlier kernel may still use those bytes) and before this block lets the successor
+        // launch, which polls them (the last launch left them set).
         if (tid < topk) {
-            out_ids[tid] = RA_UNSET;
+            out_ids[tid] = ROUTE_ID_UNSET;
             __threadfence();
         }
         __syncthreads();

@@ -549,7 +549,6 @@ MOE_DOWN_KERNEL(moe_down_f32_m8, ChunkF32, 8, 1)
 #ifndef MOE_EARLY_POLLS  // -DMOE_EARLY_POLLS=0 (MOERUN_CUDA_DEFINES) measures without them
 #define MOE_EARLY_POLLS 32  // moe_tiny_gate_up_norm's polls of its id, an L2 round trip each
 #endif
-#define MOE_UNSET 0xffffffffu  // gemv.cu's RA_UNSET: an id the route ahead has not stored yet
 
 template <typename C, int JW>
 __device__ __forceinline__ void moe_tiny_gate_up(const void* __restrict__ gate_up,
@@ -611,10 +610,10 @@ __device__ __forceinline__ void moe_tiny_gate_up(const void* __restrict__ gate_u
 // residual), makes inv the same way and the routing weights from the route ahead's u
 // (warp_route_weights), beside the streaming blocks rather than after them. u and r come from
 // the launch right before: read after the wait. So is a block's id, unless that launch has
-// stored it already: gemv_rows_route sets the ids to RA_UNSET before it lets this kernel launch
-// and stores them once ranked; a block polls its id for up to MOE_EARLY_POLLS rounds before its
-// programmatic wait and, once it is set, issues its first weights before the wait, streaming
-// while o_proj ends (the route ahead finishes before o_proj's last rows).
+// stored it already: gemv_rows_route sets the ids to ROUTE_ID_UNSET before it lets this kernel
+// launch and stores them once ranked; a block polls its id for up to MOE_EARLY_POLLS rounds
+// before its programmatic wait and, once it is set, issues its first weights before the wait,
+// streaming while o_proj ends (the route ahead finishes before o_proj's last rows).
 template <typename C, int JW>
 __device__ __forceinline__ void moe_tiny_gate_up_norm(
     const void* __restrict__ gate_up, const float* x, const float* r, const float* __restrict__ nw,
@@ -659,12 +658,13 @@ __device__ __forceinline__ void moe_tiny_gate_up_norm(
     // (H200, docs/perf/cuda-model.md v25).
     __shared__ u32 polled;
     if (threadIdx.x == 0) {
-        u32 id = MOE_UNSET;
-        for (int i = 0; i < MOE_EARLY_POLLS && id == MOE_UNSET; ++i) id = load_relaxed(ids + slot);
+        u32 id = ROUTE_ID_UNSET;
+        for (int i = 0; i < MOE_EARLY_POLLS && id == ROUTE_ID_UNSET; ++i)
+            id = load_relaxed(ids + slot);
         polled = id;
     }
     __syncthreads();
-    const bool early = polled != MOE_UNSET;
+    const bool early = polled != ROUTE_ID_UNSET;
     if (!early) pdl_entry();
     const u32 e =
         early ? polled : __float_as_uint(load_cg(reinterpret_cast<const float*>(ids + slot)));

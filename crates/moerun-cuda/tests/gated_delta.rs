@@ -9,14 +9,10 @@
 
 mod common;
 
-use common::{check, device, rel_err, rng, uniform};
+use common::{check, device, rel_err, rng, uniform, widen};
 use moerun_cpu::gated_delta::{causal_conv1d_silu, gated_delta_rule_recurrent, DeltaHead};
 use moerun_cpu::ops::{l2_normalize_rows, rms_norm_gated_rows, sigmoid, softplus};
 use moerun_cuda::{DeltaSeqs, DeltaShape};
-
-fn widen(v: &[f32]) -> Vec<f64> {
-    v.iter().map(|&x| x as f64).collect()
-}
 
 #[test]
 fn gated_deltanet_steps_match_the_cpu_from_carried_state_for_every_kernel() {

@@ -8,16 +8,12 @@
 
 mod common;
 
-use common::{check, device, poison, rel_err, rng, stored, uniform};
+use common::{bits_of, check, device, matrix, poison, rel_err, rng, stored, uniform, widen};
 use moerun_core::{DType, MatRef};
 use moerun_cpu::ops::{
     gelu_tanh_mul_in_place, rms_norm_rows, rope_rotate_half, silu_mul_in_place, softmax_in_place,
 };
-use moerun_cuda::{AddNormGrid, CudaDevice, CudaError, CudaSlice, DeviceMatrix, RouterShape};
-
-fn widen(v: &[f32]) -> Vec<f64> {
-    v.iter().map(|&x| x as f64).collect()
-}
+use moerun_cuda::{AddNormGrid, CudaError, CudaSlice, RouterShape};
 
 #[test]
 fn rms_norm_matches_cpu_on_hidden_rows_and_per_head_rows() {
@@ -376,27 +372,6 @@ fn router_picks_the_cpu_experts_in_rank_order_with_ties_to_the_lower_index() {
         );
         check(&name, rel_err(&got_w, &widen(&want_w)), 1e-5);
     }
-}
-
-/// `values` (`rows` rows) stored as `dtype` in a device matrix.
-fn matrix(dev: &CudaDevice, values: &[f32], dtype: DType, rows: usize) -> DeviceMatrix {
-    let bytes = stored(values, dtype);
-    dev.upload_matrix(MatRef {
-        dtype,
-        rows,
-        cols: values.len() / rows,
-        data: &bytes,
-    })
-    .unwrap()
-}
-
-/// The bit patterns of a device buffer's values.
-fn bits_of(dev: &CudaDevice, b: &CudaSlice<f32>) -> Vec<u32> {
-    dev.download(b)
-        .unwrap()
-        .iter()
-        .map(|v| v.to_bits())
-        .collect()
 }
 
 #[test]

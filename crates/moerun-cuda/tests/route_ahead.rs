@@ -8,23 +8,10 @@
 
 mod common;
 
-use common::{check, device, poison, rel_err, rng, stored, uniform};
+use common::{bits_of, check, device, matrix, poison, rel_err, rng, stored, uniform, widen};
 use moerun_core::{DType, MatRef};
-use moerun_cuda::{
-    CudaDevice, CudaError, CudaSlice, DeviceExperts, DeviceMatrix, RouteInputs, RouterShape,
-};
+use moerun_cuda::{CudaDevice, CudaError, CudaSlice, DeviceExperts, RouteInputs, RouterShape};
 use rand::rngs::StdRng;
-
-fn matrix(dev: &CudaDevice, values: &[f32], dtype: DType, rows: usize) -> DeviceMatrix {
-    let bytes = stored(values, dtype);
-    dev.upload_matrix(MatRef {
-        dtype,
-        rows,
-        cols: values.len() / rows,
-        data: &bytes,
-    })
-    .unwrap()
-}
 
 fn experts(
     dev: &CudaDevice,
@@ -60,18 +47,6 @@ fn experts(
         })
         .collect();
     dev.upload_experts(&parts).unwrap()
-}
-
-fn bits(dev: &CudaDevice, b: &CudaSlice<f32>) -> Vec<u32> {
-    dev.download(b)
-        .unwrap()
-        .iter()
-        .map(|v| v.to_bits())
-        .collect()
-}
-
-fn widen(v: &[f32]) -> Vec<f64> {
-    v.iter().map(|&x| x as f64).collect()
 }
 
 #[test]
@@ -175,15 +150,19 @@ fn route_ahead_matches_o_proj_then_the_folded_router_and_the_experts() {
                 &mut got_out,
             )
             .unwrap();
-            assert_eq!(bits(dev, &got_y), bits(dev, &y), "{name}: o_proj's output");
+            assert_eq!(
+                bits_of(dev, &got_y),
+                bits_of(dev, &y),
+                "{name}: o_proj's output"
+            );
             assert_eq!(
                 dev.download(&ids).unwrap(),
                 dev.download(&want_ids).unwrap(),
                 "{name}: experts"
             );
             assert_eq!(
-                bits(dev, &got_x),
-                bits(dev, &want_x),
+                bits_of(dev, &got_x),
+                bits_of(dev, &want_x),
                 "{name}: the residual"
             );
             let close = |got: &CudaSlice<f32>, want: &CudaSlice<f32>| {
@@ -213,7 +192,7 @@ fn route_ahead_matches_o_proj_then_the_folded_router_and_the_experts() {
                 rel_err(&scaled, &widen(&dev.download(&logits).unwrap())),
                 1e-5,
             );
-            let now = (bits(dev, &u), dev.download(&ids).unwrap());
+            let now = (bits_of(dev, &u), dev.download(&ids).unwrap());
             match &firsts {
                 None => firsts = Some(now),
                 Some(f) => assert_eq!(f, &now, "{name}: run {run} differs from the first"),
@@ -238,68 +217,45 @@ fn route_ahead_refuses_shapes_it_cannot_take_by_name() {
             "{err}"
         );
     }
-    // An attention output of the wrong width.
-    let (router, o_proj) = (m(8, 64), m(64, 128));
-    let fold = dev.route_fold(&router, &norm, &o_proj).unwrap();
-    let shape = RouterShape {
-        experts: 8,
-        top_k: 2,
-        renormalise: true,
+    // gemv_route_ahead's refusal of an attention output of `a_len` values, for a router of
+    // `experts` x 64 and top-`top_k` (o_proj 64 x 128): the message must contain `what`.
+    let refused = |experts: usize, top_k: usize, a_len: usize, what: &str| {
+        let (router, o_proj) = (m(experts, 64), m(64, 128));
+        let fold = dev.route_fold(&router, &norm, &o_proj).unwrap();
+        let shape = RouterShape {
+            experts,
+            top_k,
+            renormalise: true,
+        };
+        let (a, x) = (
+            dev.zeros::<f32>(a_len).unwrap(),
+            dev.zeros::<f32>(64).unwrap(),
+        );
+        let mut y = dev.zeros::<f32>(64).unwrap();
+        let mut u = dev.zeros::<f32>(experts).unwrap();
+        let mut ids = dev.zeros::<u32>(top_k).unwrap();
+        let inputs = RouteInputs {
+            router: &router,
+            norm: &norm,
+            x: &x,
+        };
+        let err = dev
+            .gemv_route_ahead(
+                &a,
+                &o_proj,
+                &mut y,
+                inputs,
+                (&fold, shape),
+                (&mut u, &mut ids),
+            )
+            .unwrap_err();
+        assert!(
+            matches!(err, CudaError::InvalidArgument(ref msg) if msg.contains(what)),
+            "{err}"
+        );
     };
-    let (a, x) = (
-        dev.zeros::<f32>(100).unwrap(),
-        dev.zeros::<f32>(64).unwrap(),
-    );
-    let mut y = dev.zeros::<f32>(64).unwrap();
-    let mut u = dev.zeros::<f32>(8).unwrap();
-    let mut ids = dev.zeros::<u32>(2).unwrap();
-    let inputs = RouteInputs {
-        router: &router,
-        norm: &norm,
-        x: &x,
-    };
-    let err = dev
-        .gemv_route_ahead(
-            &a,
-            &o_proj,
-            &mut y,
-            inputs,
-            (&fold, shape),
-            (&mut u, &mut ids),
-        )
-        .unwrap_err();
-    assert!(
-        matches!(err, CudaError::InvalidArgument(ref msg) if msg.contains("a 100")),
-        "{err}"
-    );
-    // More experts a token than the last block's warp ranks (one lane each).
-    let (router, o_proj) = (m(64, 64), m(64, 128));
-    let fold = dev.route_fold(&router, &norm, &o_proj).unwrap();
-    let shape = RouterShape {
-        experts: 64,
-        top_k: 33,
-        renormalise: true,
-    };
-    let a = dev.zeros::<f32>(128).unwrap();
-    let mut u = dev.zeros::<f32>(64).unwrap();
-    let mut ids = dev.zeros::<u32>(33).unwrap();
-    let inputs = RouteInputs {
-        router: &router,
-        norm: &norm,
-        x: &x,
-    };
-    let err = dev
-        .gemv_route_ahead(
-            &a,
-            &o_proj,
-            &mut y,
-            inputs,
-            (&fold, shape),
-            (&mut u, &mut ids),
-        )
-        .unwrap_err();
-    assert!(
-        matches!(err, CudaError::InvalidArgument(ref msg) if msg.contains("top_k 33")),
-        "{err}"
-    );
+    // An attention output of the wrong width; more experts a token than the last block's warp
+    // ranks (one lane each).
+    refused(8, 2, 100, "a 100");
+    refused(64, 33, 128, "top_k 33");
 }

@@ -7,8 +7,8 @@
 use std::sync::{OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use half::{bf16, f16};
-use moerun_core::DType;
-use moerun_cuda::CudaDevice;
+use moerun_core::{DType, MatRef};
+use moerun_cuda::{CudaDevice, CudaSlice, DeviceMatrix};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -111,4 +111,30 @@ pub fn stored(values: &[f32], dtype: DType) -> Vec<u8> {
             .collect(),
         DType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
     }
+}
+
+/// `values` (rows of `values.len() / rows`) stored as `dtype` on the device.
+pub fn matrix(dev: &CudaDevice, values: &[f32], dtype: DType, rows: usize) -> DeviceMatrix {
+    let bytes = stored(values, dtype);
+    dev.upload_matrix(MatRef {
+        dtype,
+        rows,
+        cols: values.len() / rows,
+        data: &bytes,
+    })
+    .unwrap()
+}
+
+/// The bit patterns of a device buffer's values.
+pub fn bits_of(dev: &CudaDevice, b: &CudaSlice<f32>) -> Vec<u32> {
+    dev.download(b)
+        .unwrap()
+        .iter()
+        .map(|v| v.to_bits())
+        .collect()
+}
+
+/// f32 values as the f64 reference `rel_err` takes.
+pub fn widen(v: &[f32]) -> Vec<f64> {
+    v.iter().map(|&x| x as f64).collect()
 }
