@@ -110,27 +110,16 @@ extern "C" __global__ void __launch_bounds__(1024)
 // lane all of them, by one warp_sum each.
 // WAIT: the first step's weights are issued before the kernel waits for the one before it
 // (programmatic dependent launch, common.cuh); x is only read after. Same steps, same order.
-// NORM (one token, moe_tiny_gate_up_norm): the activations are s * nw with s = x + nrm.r, and
-// *sq ends as the warp's sum of s's squares over the whole row (a warp's lanes take every chunk):
-// per lane in chunk order, then warp_sum's tree, the same value in every warp of the launch.
-struct MoeNormIn {
-    const float* r;
-    const float* nw;
-};
-// after_wait: called right after the wait (WAIT), e.g. to start loads of the kernel before's output.
+// after_wait: called right after the wait (WAIT): to start loads of the kernel before's output,
+// or to stage the activations (moe_tiny_gate_up_norm; every warp of the block calls it).
 struct MoeNoHook {
     __device__ void operator()() const {}
 };
-template <typename C, int M, int R, int U, int KEEP, bool WAIT = false, bool NORM = false,
-          typename Hook = MoeNoHook>
+template <typename C, int M, int R, int U, int KEEP, bool WAIT = false, typename Hook = MoeNoHook>
 __device__ __forceinline__ void moe_warp_rows(const uint4* const (&w)[R], const float* const (&x)[M],
                                               int chunks, float (&tot)[KEEP],
-                                              const MoeNormIn& nrm = MoeNormIn{},
-                                              float* sq = nullptr,
                                               const Hook& after_wait = Hook{}) {
-    static_assert(!NORM || M == 1, "the norm fold is one token's");
     const int lane = threadIdx.x & 31;
-    float ss = 0.0f;
     float acc[M][R];
 #pragma unroll
     for (int m = 0; m < M; ++m)
@@ -163,18 +152,7 @@ __device__ __forceinline__ void moe_warp_rows(const uint4* const (&w)[R], const 
                     float xv[C::N];
 #pragma unroll
                     for (int v = 0; v < C::N / 4; ++v) {
-                        float4 t = xp[v];
-                        if constexpr (NORM) {
-                            const u64 o = (u64)c * C::N + 4 * v;
-                            const float4 rr = *reinterpret_cast<const float4*>(nrm.r + o);
-                            const float4 nn = *reinterpret_cast<const float4*>(nrm.nw + o);
-                            t = make_float4(t.x + rr.x, t.y + rr.y, t.z + rr.z, t.w + rr.w);
-                            ss = __fmaf_rn(t.x, t.x, ss);
-                            ss = __fmaf_rn(t.y, t.y, ss);
-                            ss = __fmaf_rn(t.z, t.z, ss);
-                            ss = __fmaf_rn(t.w, t.w, ss);
-                            t = make_float4(t.x * nn.x, t.y * nn.y, t.z * nn.z, t.w * nn.w);
-                        }
+                        const float4 t = xp[v];
                         xv[4 * v] = t.x;
                         xv[4 * v + 1] = t.y;
                         xv[4 * v + 2] = t.z;
@@ -204,7 +182,6 @@ __device__ __forceinline__ void moe_warp_rows(const uint4* const (&w)[R], const 
             step(c0);
         }
     }
-    if constexpr (NORM) *sq = warp_sum(ss);
     if constexpr (KEEP == M * R) {
         // Every total in every lane: one butterfly per total (the batch-1 tiny kernels).
 #pragma unroll
@@ -238,18 +215,61 @@ __device__ __forceinline__ void moe_pass_pairs(const u32* __restrict__ list, int
 // KEEP: totals per lane (moe_warp_rows): 2, a gate and an up each (several tokens: the
 // reduce-scatter), or all M x 2 JW (the batch-1 tiny kernel: butterflies, as before the
 // reduce-scatter, which lost 0.7-1% of batch-1 decode; docs/perf/cuda-model.md v13).
-// NORM: x is the residual, and gate and up are inv * (rows . (s * nw)) with s = x + nrm.r and
-// inv = 1 / sqrt(mean(s^2) + eps) (moe_warp_rows' NORM).
+// The add+norm fold's inputs (moe_tiny_gate_up_norm): the residual x, the added r, the norm's
+// weights and eps, and the shared-memory row the block stages s * nw into (s = x + r).
+struct MoeNormIn {
+    const float* x;
+    const float* r;
+    const float* nw;
+    float eps;
+    float* xs;
+};
+
+// Stage one token's s * nw (s = x + r) into the block's shared row `xs` (and s into x_out where
+// set), and return the norm's inv = 1 / sqrt(mean(s^2) + eps). Thread t takes float4s t,
+// t + 256, ..., its squares summed in that order, then warp_sum's tree, then the warps in order:
+// the same inv in every block of the launch. Every thread of the block calls it (a barrier): the
+// row's loads are issued once, together, instead of one L1/L2 round trip per chunk step.
+__device__ __forceinline__ float moe_stage_norm(const MoeNormIn& n, int hidden, float* x_out) {
+    __shared__ float parts[MOE_WARPS];
+    const int tid = threadIdx.x;
+    float ss = 0.0f;
+#pragma unroll 2
+    for (int c = tid; c < hidden / 4; c += MOE_THREADS) {
+        const u64 o = 4 * (u64)c;
+        const float4 xx = *reinterpret_cast<const float4*>(n.x + o);
+        const float4 rr = *reinterpret_cast<const float4*>(n.r + o);
+        const float4 nn = *reinterpret_cast<const float4*>(n.nw + o);
+        const float4 t = make_float4(xx.x + rr.x, xx.y + rr.y, xx.z + rr.z, xx.w + rr.w);
+        if (x_out != nullptr) *reinterpret_cast<float4*>(x_out + o) = t;
+        ss = __fmaf_rn(t.x, t.x, ss);
+        ss = __fmaf_rn(t.y, t.y, ss);
+        ss = __fmaf_rn(t.z, t.z, ss);
+        ss = __fmaf_rn(t.w, t.w, ss);
+        *reinterpret_cast<float4*>(n.xs + o) =
+            make_float4(t.x * nn.x, t.y * nn.y, t.z * nn.z, t.w * nn.w);
+    }
+    ss = warp_sum(ss);
+    if ((tid & 31) == 0) parts[tid >> 5] = ss;
+    __syncthreads();
+    float tot = 0.0f;
+#pragma unroll
+    for (int w = 0; w < MOE_WARPS; ++w) tot += parts[w];
+    return 1.0f / sqrtf(tot / (float)hidden + n.eps);
+}
+
+// NORM (one token, WAIT): the rows run against the block's staged s * nw (moe_stage_norm, right
+// after the wait; `x` is ignored), and gate and up are inv times their sums.
 template <typename C, int M, int JW = 1, int KEEP = 2, bool NORM = false, bool WAIT = false>
 __device__ __forceinline__ void moe_gate_up_pass(const uint4* wg, const uint4* wu,
                                                  const float* __restrict__ x, const u32 (&p)[M],
                                                  int taken, int top_k, int hidden, int inter, int j,
                                                  float* __restrict__ h, int act,
-                                                 const MoeNormIn& nrm = MoeNormIn{},
-                                                 float eps = 0.0f) {
+                                                 const MoeNormIn& nrm = MoeNormIn{}) {
+    static_assert(!NORM || (M == 1 && WAIT), "the norm fold is one token's, staged after the wait");
     const float* xr[M];
 #pragma unroll
-    for (int m = 0; m < M; ++m) xr[m] = x + (u64)(p[m] / (u32)top_k) * hidden;
+    for (int m = 0; m < M; ++m) xr[m] = NORM ? nrm.xs : x + (u64)(p[m] / (u32)top_k) * hidden;
     const int chunks = hidden / C::N;
     const uint4* w[2 * JW];
 #pragma unroll
@@ -262,12 +282,11 @@ __device__ __forceinline__ void moe_gate_up_pass(const uint4* wg, const uint4* w
     float gu[KEEP];
     // The same bytes in flight per lane for any JW: 2 JW rows x MOE_GU_UNROLL / JW chunks.
     if constexpr (NORM) {
-        float sq;
-        moe_warp_rows<C, M, 2 * JW, MOE_GU_UNROLL / JW, KEEP, WAIT, true>(w, xr, chunks, gu, nrm,
-                                                                          &sq);
-        const float scale = 1.0f / sqrtf(sq / (float)hidden + eps);
+        float inv = 0.0f;
+        const auto stage = [&] { inv = moe_stage_norm(nrm, hidden, nullptr); };
+        moe_warp_rows<C, M, 2 * JW, MOE_GU_UNROLL / JW, KEEP, true>(w, xr, chunks, gu, stage);
 #pragma unroll
-        for (int i = 0; i < KEEP; ++i) gu[i] *= scale;
+        for (int i = 0; i < KEEP; ++i) gu[i] *= inv;
     } else {
         moe_warp_rows<C, M, 2 * JW, MOE_GU_UNROLL / JW, KEEP>(w, xr, chunks, gu);
     }
@@ -406,8 +425,8 @@ __device__ __forceinline__ void moe_down_rows(const uint4* wexp, const float* __
 #pragma unroll
         for (int r = 0; r < MOE_DOWN_ROWS; ++r)
             w[r] = wexp + (u64)(row0 + min(r, rows_here - 1)) * chunks;  // in bounds; unused rows
-        moe_warp_rows<C, M, MOE_DOWN_ROWS, MOE_DOWN_UNROLL, KEEP, WAIT, false, Hook>(
-            w, xr, chunks, tot, MoeNormIn{}, nullptr, after_wait);
+        moe_warp_rows<C, M, MOE_DOWN_ROWS, MOE_DOWN_UNROLL, KEEP, WAIT, Hook>(w, xr, chunks, tot,
+                                                                             after_wait);
     }
 }
 
@@ -603,55 +622,44 @@ __device__ __forceinline__ void moe_tiny_gate_up(const void* __restrict__ gate_u
 
 // moe_tiny_gate_up_norm_<dt>: one token's moe_tiny_gate_up (direct: block row s < k takes pair
 // s) behind the route ahead (gemv.cu's gemv_rows_route), with the residual add and the
-// post-attention RMSNorm folded in: every warp streams its rows against s * nw, s = x + r (r: the
-// o_proj output, from the launch before), and scales its sums by the norm's inv, which it makes
-// from its own sum of s's squares (moe_warp_rows' NORM: the same inv in every warp). One more
-// block row, k (grid (ceil(I / 16), k + 1); only its block 0 works), stores s to x_out (the new
-// residual), makes inv the same way and the routing weights from the route ahead's u
-// (warp_route_weights), beside the streaming blocks rather than after them. u and r come from
-// the launch right before: read after the wait. So is a block's id, unless that launch has
-// stored it already: gemv_rows_route sets the ids to ROUTE_ID_UNSET before it lets this kernel
-// launch and stores them once ranked; a block polls its id for up to MOE_EARLY_POLLS rounds
-// before its programmatic wait and, once it is set, issues its first weights before the wait,
-// streaming while o_proj ends (the route ahead finishes before o_proj's last rows).
+// post-attention RMSNorm folded in: right after its wait each block stages s * nw (s = x + r, r
+// the o_proj output from the launch before) into shared memory with the norm's inv
+// (moe_stage_norm: the same inv in every block), streams its rows against it and scales the sums
+// by inv. One more block row, k (grid (ceil(I / 16), k + 1); only its block 0 works), stages the
+// same way, storing s to x_out (the new residual), and makes the routing weights from the route
+// ahead's u and inv (warp_route_weights), beside the streaming blocks rather than after them.
+// Dynamic shared memory: hidden f32. u and r come from the launch right before: read after the
+// wait. So is a block's id, unless that launch has stored it already: gemv_rows_route sets the
+// ids to ROUTE_ID_UNSET before it lets this kernel launch and stores them once ranked; a block
+// polls its id for up to MOE_EARLY_POLLS rounds before its programmatic wait and, once it is
+// set, issues its first weights before the wait, streaming while o_proj ends (the route ahead
+// finishes before o_proj's last rows).
 template <typename C, int JW>
 __device__ __forceinline__ void moe_tiny_gate_up_norm(
     const void* __restrict__ gate_up, const float* x, const float* r, const float* __restrict__ nw,
     float eps, float* x_out, const float* u, const u32* ids, float* __restrict__ h,
     float* weights, int experts, int hidden, int inter, int top_k, int act, int renormalise) {
+    extern __shared__ __align__(16) float moe_xs[];  // hidden f32: the staged s * nw
+    const MoeNormIn nrm{x, r, nw, eps, moe_xs};
     const u32 slot = blockIdx.y;
     if (slot == (u32)top_k) {
+        if (blockIdx.x != 0) return;  // block-uniform
         pdl_entry();
-        if (blockIdx.x != 0 || threadIdx.x >= 32) return;
-        const int lane = threadIdx.x;
+        const int lane = threadIdx.x & 31;
         float uv[MOE_ROUTE_PER_LANE];
+        u32 my_id = 0u;
+        if (threadIdx.x < 32) {
 #pragma unroll
-        for (int s = 0; s < MOE_ROUTE_PER_LANE; ++s) {
-            const int i = 32 * s + lane;
-            uv[s] = i < experts ? load_cg(u + i) : 0.0f;
-        }
-        const u32 my_id =
-            lane < top_k ? __float_as_uint(load_cg(reinterpret_cast<const float*>(ids + lane))) : 0u;
-        // s, its store and its squares in the order of the streaming warps' (chunk c by lane
-        // c % 32, ascending): the same inv.
-        float ss = 0.0f;
-        for (int c = lane; c < hidden / C::N; c += 32) {
-#pragma unroll
-            for (int v = 0; v < C::N / 4; ++v) {
-                const u64 o = (u64)c * C::N + 4 * v;
-                const float4 xx = *reinterpret_cast<const float4*>(x + o);
-                const float4 rr = *reinterpret_cast<const float4*>(r + o);
-                const float4 t = make_float4(xx.x + rr.x, xx.y + rr.y, xx.z + rr.z, xx.w + rr.w);
-                *reinterpret_cast<float4*>(x_out + o) = t;
-                ss = __fmaf_rn(t.x, t.x, ss);
-                ss = __fmaf_rn(t.y, t.y, ss);
-                ss = __fmaf_rn(t.z, t.z, ss);
-                ss = __fmaf_rn(t.w, t.w, ss);
+            for (int s = 0; s < MOE_ROUTE_PER_LANE; ++s) {
+                const int i = 32 * s + lane;
+                uv[s] = i < experts ? load_cg(u + i) : 0.0f;
             }
+            if (lane < top_k) my_id = __float_as_uint(load_cg(reinterpret_cast<const float*>(ids + lane)));
         }
-        const float inv = 1.0f / sqrtf(warp_sum(ss) / (float)hidden + eps);
-        warp_route_weights<MOE_ROUTE_PER_LANE>(uv, experts, inv, my_id, top_k, renormalise,
-                                               weights);
+        const float inv = moe_stage_norm(nrm, hidden, x_out);
+        if (threadIdx.x < 32)
+            warp_route_weights<MOE_ROUTE_PER_LANE>(uv, experts, inv, my_id, top_k, renormalise,
+                                                   weights);
         return;
     }
     // One thread polls: four, staggered by a quarter of a round trip, measured 0.2% slower
@@ -668,20 +676,24 @@ __device__ __forceinline__ void moe_tiny_gate_up_norm(
     if (!early) pdl_entry();
     const u32 e =
         early ? polled : __float_as_uint(load_cg(reinterpret_cast<const float*>(ids + slot)));
-    const int j = (blockIdx.x * MOE_WARPS + (threadIdx.x >> 5)) * JW;
-    if (e >= (u32)experts || j >= inter) {
+    if (e >= (u32)experts) {  // block-uniform
         if (early) pdl_entry();  // every thread waits once before it returns
-        return;                  // no barriers below
+        return;
     }
+    // A warp past the last intermediate index still stages its share of the row (a barrier):
+    // it streams row 0's weights and writes nothing (taken 0).
+    const int j0 = (blockIdx.x * MOE_WARPS + (threadIdx.x >> 5)) * JW;
+    const bool spare = j0 >= inter;
+    const int j = spare ? 0 : j0;
     const u64 chunks = (u64)(hidden / C::N);
     const uint4* base = reinterpret_cast<const uint4*>(gate_up) + (u64)e * 2 * inter * chunks;
     const uint4* wg = base + (u64)j * chunks;
     const uint4* wu = base + (u64)(inter + j) * chunks;
     const u32 p[1] = {slot};
     // The first weights, then the wait (moe_warp_rows' WAIT; a second wait, where the ids came
-    // after one, returns at once).
-    moe_gate_up_pass<C, 1, JW, 2 * JW, true, true>(wg, wu, x, p, 1, top_k, hidden, inter, j, h,
-                                                   act, MoeNormIn{r, nw}, eps);
+    // after one, returns at once), then the staged row.
+    moe_gate_up_pass<C, 1, JW, 2 * JW, true, true>(wg, wu, x, p, spare ? 0 : 1, top_k, hidden,
+                                                   inter, j, h, act, nrm);
 }
 
 // LATE: the routing weights come from the launch right before (moe_tiny_gate_up_norm) and load

@@ -19,7 +19,7 @@ mod gemv;
 mod moe;
 mod norm;
 mod rope;
-mod route_ahead;
+pub(crate) mod route_ahead;
 mod router;
 mod tma;
 

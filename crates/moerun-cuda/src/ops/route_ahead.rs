@@ -36,6 +36,10 @@ const ROUTE_ROWS_PER_BLOCK: usize = 2;
 const GEMV_ROWS_PER_BLOCK: usize = 4;
 /// The most experts a token takes that the route ahead ranks: one lane each (`ranked[32]`).
 pub const ROUTE_AHEAD_MAX_TOP_K: usize = 32;
+/// The widest hidden size that routes ahead: the experts' gate_up
+/// ([`CudaDevice::moe_experts_norm_routed`]) stages the normed row in shared memory, 48 KiB
+/// without an opt-in.
+pub const ROUTE_AHEAD_MAX_HIDDEN: usize = 12 * 1024;
 
 /// One MoE layer's fold `F = R diag(nw) W_o` (`experts × width` f32) and the count its route
 /// ahead's blocks arrive on (zero between launches: the last block resets it).
@@ -74,11 +78,13 @@ impl CudaDevice {
     }
 
     /// Whether a layer of this router and output projection can route ahead: at most
-    /// [`GEMV_ROUTE_MAX_EXPERTS`] experts (one routing warp of 4 a lane), the router's columns
+    /// [`GEMV_ROUTE_MAX_EXPERTS`] experts (one routing warp of 4 a lane) and
+    /// [`ROUTE_AHEAD_MAX_HIDDEN`] hidden values, the router's columns
     /// the projection's rows, whole 16-byte chunks of both, and `F`'s rows of whole float4s.
     pub fn route_ahead_supported(&self, router: &DeviceMatrix, o_proj: &DeviceMatrix) -> bool {
         let chunk = |m: &DeviceMatrix| 16 / m.dtype().size();
         router.rows() <= GEMV_ROUTE_MAX_EXPERTS
+            && router.cols() <= ROUTE_AHEAD_MAX_HIDDEN
             && router.cols() == o_proj.rows()
             && router.dtype() == o_proj.dtype()
             && router.cols().is_multiple_of(chunk(router))

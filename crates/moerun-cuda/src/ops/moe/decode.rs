@@ -36,6 +36,7 @@ use super::{
 };
 use crate::device::dtype_slot;
 use crate::error::{ensure, DriverContext, Result};
+use crate::ops::route_ahead::ROUTE_AHEAD_MAX_HIDDEN;
 use crate::ops::router::GEMV_ROUTE_MAX_EXPERTS;
 use crate::ops::{blocks, to_i32};
 use crate::CudaDevice;
@@ -227,6 +228,12 @@ impl CudaDevice {
                 )
             },
         )?;
+        ensure(h <= ROUTE_AHEAD_MAX_HIDDEN, || {
+            format!(
+                "moe_experts_norm_routed: a hidden size of {h}; its gate_up stages at most \
+                 {ROUTE_AHEAD_MAX_HIDDEN} values in shared memory"
+            )
+        })?;
         ensure(
             (1..=scratch.top_k.min(e).min(DecodePass::TINY_PAIRS)).contains(&k)
                 && e <= GEMV_ROUTE_MAX_EXPERTS,
@@ -288,7 +295,8 @@ impl CudaDevice {
         let cfg = LaunchConfig {
             grid_dim: (blocks(i, TINY_GATE_UP_TILE)?, k as u32 + 1, 1), // k <= 32
             block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
+            // The staged s * nw: H f32 (<= ROUTE_AHEAD_MAX_HIDDEN: within the 48 KiB default).
+            shared_mem_bytes: (h * 4) as u32,
         };
         let mut b = self.stream.launch_builder(&kernels.tiny_gate_up_norm[slot]);
         b.arg(&gate_up)
