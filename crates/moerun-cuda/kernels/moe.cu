@@ -33,6 +33,9 @@
 #define MOE_THREADS (32 * MOE_WARPS)
 #define MOE_NONE 0xffffffffu
 #define MOE_GU_UNROLL 4      // 16-byte chunks in flight per row per lane, gate_up
+#ifndef MOE_TINY_NORM_U
+#define MOE_TINY_NORM_U 3    // moe_tiny_gate_up_norm's chunks in flight per row per lane
+#endif
 #define MOE_DOWN_ROWS 4      // down rows per warp
 #define MOE_DOWN_UNROLL 2    // 16-byte chunks in flight per row per lane, down
 #define MOE_DOWN_TILE (MOE_WARPS * MOE_DOWN_ROWS)  // down rows per block: one arrival counter each
@@ -115,7 +118,9 @@ extern "C" __global__ void __launch_bounds__(1024)
 struct MoeNoHook {
     __device__ void operator()() const {}
 };
-template <typename C, int M, int R, int U, int KEEP, bool WAIT = false, typename Hook = MoeNoHook>
+// ROW_AT_A_TIME (one token): each chunk's rows widened one at a time (the same fmaf chains).
+template <typename C, int M, int R, int U, int KEEP, bool WAIT = false, typename Hook = MoeNoHook,
+          bool ROW_AT_A_TIME = false>
 __device__ __forceinline__ void moe_warp_rows(const uint4* const (&w)[R], const float* const (&x)[M],
                                               int chunks, float (&tot)[KEEP],
                                               const Hook& after_wait = Hook{}) {
@@ -142,7 +147,27 @@ __device__ __forceinline__ void moe_warp_rows(const uint4* const (&w)[R], const 
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int c = c0 + 32 * u;
-            if (c < chunks) {
+            if (c < chunks && M == 1 && ROW_AT_A_TIME) {
+                // One row widened at a time: 8 floats live where R x 8 were, registers that
+                // hold more chunks in flight instead.
+                const float4* xp = reinterpret_cast<const float4*>(x[0] + (u64)c * C::N);
+                float xv[C::N];
+#pragma unroll
+                for (int v = 0; v < C::N / 4; ++v) {
+                    const float4 t = xp[v];
+                    xv[4 * v] = t.x;
+                    xv[4 * v + 1] = t.y;
+                    xv[4 * v + 2] = t.z;
+                    xv[4 * v + 3] = t.w;
+                }
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    float f[C::N];
+                    C::widen(q[u][r], f);
+#pragma unroll
+                    for (int i = 0; i < C::N; ++i) acc[0][r] = fmaf(f[i], xv[i], acc[0][r]);
+                }
+            } else if (c < chunks) {
                 float f[R][C::N];
 #pragma unroll
                 for (int r = 0; r < R; ++r) C::widen(q[u][r], f[r]);
@@ -284,7 +309,8 @@ __device__ __forceinline__ void moe_gate_up_pass(const uint4* wg, const uint4* w
     if constexpr (NORM) {
         float inv = 0.0f;
         const auto stage = [&] { inv = moe_stage_norm(nrm, hidden, nullptr); };
-        moe_warp_rows<C, M, 2 * JW, MOE_GU_UNROLL / JW, KEEP, true>(w, xr, chunks, gu, stage);
+        moe_warp_rows<C, M, 2 * JW, MOE_TINY_NORM_U, KEEP, true, decltype(stage), true>(
+            w, xr, chunks, gu, stage);
 #pragma unroll
         for (int i = 0; i < KEEP; ++i) gu[i] *= inv;
     } else {
