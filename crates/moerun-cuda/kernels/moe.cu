@@ -34,7 +34,10 @@
 #define MOE_NONE 0xffffffffu
 #define MOE_GU_UNROLL 4      // 16-byte chunks in flight per row per lane, gate_up
 #ifndef MOE_TINY_NORM_U
-#define MOE_TINY_NORM_U 3    // moe_tiny_gate_up_norm's chunks in flight per row per lane
+// moe_tiny_gate_up_norm's chunks in flight per row per lane. 2: a 2048-wide row is 256 chunks,
+// 4 whole steps of 64; 3 left a third of the last step idle and measured 2.8% slower at batch-1
+// decode (docs/perf/cuda-model.md v26); 4 spills.
+#define MOE_TINY_NORM_U 2
 #endif
 #define MOE_DOWN_ROWS 4      // down rows per warp
 #define MOE_DOWN_UNROLL 2    // 16-byte chunks in flight per row per lane, down
