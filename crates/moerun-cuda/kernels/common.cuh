@@ -29,6 +29,20 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// Sum of `v` over the block (blockDim.x a multiple of 32, at most 1024); every thread gets it.
+__device__ __forceinline__ float block_sum(float v) {
+    __shared__ float partial[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum(v);
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    const int warps = blockDim.x >> 5;
+    v = lane < warps ? partial[lane] : 0.0f;
+    v = warp_sum(v);
+    __syncthreads();  // `partial` may be reused by a following call
+    return v;
+}
+
 __host__ __device__ constexpr int ilog2(int v) { return v <= 1 ? 0 : 1 + ilog2(v >> 1); }
 
 // Warp reduce-scatter of NV per-lane partial sums, kept in groups of KEEP adjacent values (NV and

@@ -28,20 +28,6 @@
 // 4096 x 40 blocks of one warp cost 105 us a layer, scheduling-bound.
 #define QKV_HEADS_PER_BLOCK 4
 
-// Sum of `v` over the block (blockDim.x a multiple of 32, at most 1024); every thread gets it.
-__device__ __forceinline__ float block_sum(float v) {
-    __shared__ float partial[32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_sum(v);
-    if (lane == 0) partial[warp] = v;
-    __syncthreads();
-    const int warps = blockDim.x >> 5;
-    v = lane < warps ? partial[lane] : 0.0f;
-    v = warp_sum(v);
-    __syncthreads();  // `partial` may be reused by a following call
-    return v;
-}
-
 // Values of the row (and of the norm weights) a thread keeps in registers: the first
 // ADD_NORM_EARLY of its elements; wider rows loop over the rest.
 #define ADD_NORM_EARLY 4

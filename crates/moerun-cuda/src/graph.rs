@@ -39,6 +39,8 @@ pub const PDL_KERNELS: &[&str] = &[
     "gated_rms_norm_f32",
     "gather_rows_f32",
     "gelu_tanh_mul_f32",
+    "gemma4_attn_tail_f32",
+    "gemma4_ffn_tail_f32",
     "gemv_bf16_m*",
     "gemv_f16_m*",
     "gemv_f32_m*",
@@ -52,7 +54,6 @@ pub const PDL_KERNELS: &[&str] = &[
     "rms_norm_f32",
     "rope_rotate_half_f32",
     "route_topk_f32_l*",
-    "row_scale_f32",
     "scale_f32",
     "sigmoid_gate_f32",
     "silu_mul_f32",
@@ -66,13 +67,15 @@ pub const PDL_KERNELS: &[&str] = &[
 /// before them still runs.
 pub const LAUNCH_FIRST_KERNELS: &[&str] = &[
     "add_rms_norm_f32",
+    "gemma4_attn_tail_f32",
+    "gemma4_ffn_tail_f32",
     "qkv_split_norm_rope_*",
     "rms_norm_block_f32",
     "route_topk_f32_l*",
 ];
 
 /// Kernels of [`PDL_KERNELS`] whose pre-wait part reads activations an earlier kernel of the pass
-/// wrote (add_rms_norm, gemv_route_norm, gemv_rows_norm and gemv_rows_route the residual,
+/// wrote (add_rms_norm, the Gemma 4 tails, gemv_route_norm, gemv_rows_norm and gemv_rows_route the residual,
 /// moe_tiny_down its expert ids): safe behind a kernel that waits before it lets them launch,
 /// not behind one of [`LAUNCH_FIRST_KERNELS`]. Such an edge keeps its ordinary dependency. (No
 /// kernel *writes* a pass buffer before its wait: until then an earlier kernel may still be using
@@ -80,6 +83,8 @@ pub const LAUNCH_FIRST_KERNELS: &[&str] = &[
 /// its own wait, before it let gate_up launch.)
 pub const EARLY_ACTIVATION_READERS: &[&str] = &[
     "add_rms_norm_f32",
+    "gemma4_attn_tail_f32",
+    "gemma4_ffn_tail_f32",
     "gemv_route_norm_*",
     "gemv_rows_norm_*",
     "gemv_rows_route_*",

@@ -41,5 +41,6 @@ pub use ops::{
     AttentionPrefill, AttentionScratch, AttentionShape, BatchKvBf16, DeviceKvPool, KvBuffers,
     KvBuffersMut, KvDtype, TokenPlacement,
 };
+pub use ops::{AttnTailNorms, AttnTailOut, FfnTail, RouterNorms, GEMMA_TAIL_MAX_WIDTH};
 pub use ops::{DecodePass, DeviceExperts, ExpertActivation, MoePath, MoeScratch, WgmmaTile};
 pub use ops::{DeltaSeqs, DeltaShape};

@@ -1,6 +1,7 @@
 //! Gemma 4's elementwise ops (`kernels/gemma.cu`): GELU-tanh-and-multiply (dense MLP and the
-//! per-layer-input gate), scale by a scalar, logit soft-capping, the router's per-column scale and
-//! its per-expert weight scale. Each is the f32 arithmetic of the CPU reference in the same order.
+//! per-layer-input gate), scale by a scalar, logit soft-capping and the router's per-expert weight
+//! scale (the router's per-column scale is part of the attention tail, ops/gemma_tail.rs). Each
+//! is the f32 arithmetic of the CPU reference in the same order.
 //!
 //! Launch (all): 1-D grid-stride, block 256, grid ceil(n / 256) capped at 32 blocks per SM.
 
@@ -15,8 +16,10 @@ pub(crate) struct GemmaKernels {
     gelu_tanh_mul: CudaFunction,
     scale: CudaFunction,
     softcap: CudaFunction,
-    row_scale: CudaFunction,
     expert_scale: CudaFunction,
+    /// `gemma4_attn_tail_f32` and `gemma4_ffn_tail_f32` (ops/gemma_tail.rs).
+    pub(super) attn_tail: CudaFunction,
+    pub(super) ffn_tail: CudaFunction,
 }
 
 impl GemmaKernels {
@@ -25,8 +28,9 @@ impl GemmaKernels {
             gelu_tanh_mul: get("gelu_tanh_mul_f32")?,
             scale: get("scale_f32")?,
             softcap: get("softcap_f32")?,
-            row_scale: get("row_scale_f32")?,
             expert_scale: get("expert_scale_f32")?,
+            attn_tail: get("gemma4_attn_tail_f32")?,
+            ffn_tail: get("gemma4_ffn_tail_f32")?,
         })
     }
 }
@@ -122,30 +126,6 @@ impl CudaDevice {
         b.arg(&xp).arg(&s).arg(&n64);
         // SAFETY: x holds n f32; the argument list matches the kernel's.
         unsafe { b.launch(self.elementwise_cfg(n)) }.ctx(name)?;
-        Ok(())
-    }
-
-    /// `x[r, c] = x[r, c] * s[c] * root` over rows of `s.len()` (Gemma 4's router input).
-    pub fn row_scale(
-        &self,
-        x: &mut impl DevicePtrMut<f32>,
-        s: &impl DevicePtr<f32>,
-        root: f32,
-    ) -> Result<()> {
-        let (n, width) = (x.len(), s.len());
-        ensure(width > 0 && n.is_multiple_of(width), || {
-            format!("row_scale: x holds {n}, not rows of {width}")
-        })?;
-        if n == 0 {
-            return Ok(());
-        }
-        let xp = self.ptr_mut(x, "row_scale x")?;
-        let sp = self.ptr(s, "row_scale s")?;
-        let (n64, w) = (n as u64, to_i32(width, "width")?);
-        let mut b = self.stream.launch_builder(&self.kernels.gemma.row_scale);
-        b.arg(&xp).arg(&sp).arg(&root).arg(&n64).arg(&w);
-        // SAFETY: x holds n f32 in rows of width, s width f32; the argument list matches.
-        unsafe { b.launch(self.elementwise_cfg(n)) }.ctx("row_scale_f32")?;
         Ok(())
     }
 

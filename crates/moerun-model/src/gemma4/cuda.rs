@@ -8,8 +8,9 @@
 //! moving the CPU code under the trait was more than this change could carry safely
 //! (docs/ARCHITECTURE.md). The device ops it uses are shared with every family: GEMV/GEMM,
 //! RMSNorm, RoPE, paged attention, the router and the fused MoE op (with its GELU-tanh activation),
-//! plus the small Gemma ops of `moerun_cuda` (`gelu_tanh_mul`, `scale`, `softcap`, `row_scale`,
-//! `expert_scale`).
+//! plus the small Gemma ops of `moerun_cuda` (`gelu_tanh_mul`, `scale`, `softcap`,
+//! `expert_scale`) and a layer's two norm chains (`gemma4_attn_tail`, `gemma4_ffn_tail`: the
+//! sandwich norms, adds and scales between its big kernels, one launch each).
 //!
 //! Decode steps are captured in CUDA graphs by `crate::cuda::graph` like every family's
 //! ([`decode_logits`] is the captured body): no host work happens inside a pass once the batch's
@@ -19,8 +20,9 @@ use std::collections::HashMap;
 
 use moerun_core::{DType, Error, MatRef, Result, Tensor};
 use moerun_cuda::{
-    AttentionPrefill, AttentionShape, CudaDevice, CudaSlice, DeviceBuffer, DeviceMatrix,
-    DeviceRope, ExpertActivation, QkvShape, RouterShape, TokenPlacement,
+    AttentionPrefill, AttentionShape, AttnTailNorms, AttnTailOut, CudaDevice, CudaSlice,
+    DeviceBuffer, DeviceMatrix, DeviceRope, ExpertActivation, FfnTail, QkvShape, RouterNorms,
+    RouterShape, TokenPlacement, GEMMA_TAIL_MAX_WIDTH,
 };
 
 use crate::batch::Batch;
@@ -47,6 +49,13 @@ pub(crate) fn upload(
     w: &Gemma4Weights,
     source: WeightSource,
 ) -> Result<CudaModel> {
+    if cfg.hidden_size > GEMMA_TAIL_MAX_WIDTH {
+        return Err(Error::Unsupported(format!(
+            "Gemma 4 on CUDA: a hidden size of {} (its layer's norm kernels take rows of at most \
+             {GEMMA_TAIL_MAX_WIDTH}; every published Gemma 4 is narrower)",
+            cfg.hidden_size
+        )));
+    }
     let sliding_rope = dev
         .upload_rope(&g.sliding_rope.inv_freq(), 1.0)
         .map_err(dev_err)?;
@@ -331,7 +340,7 @@ pub(crate) fn layer_alone(
         )),
         None => None,
     };
-    p.layer(l, &w.layers[l], &mut xd, pd.as_ref())?;
+    p.layer(l, &w.layers[l], &mut xd, None, pd.as_ref(), None)?;
     m.dev.download(&xd).map_err(dev_err)
 }
 
@@ -452,24 +461,34 @@ impl Pass<'_> {
             }
             _ => None,
         };
+        // Each layer's last kernel also makes the next norm of the residual: the next layer's
+        // input norm, then the final norm (a layer with per-layer inputs leaves it to the next).
+        let mut xn = None;
         for (l, lw) in w.layers.iter().enumerate() {
-            self.layer(l, lw, &mut x, ple.as_ref())?;
+            let next = w.layers.get(l + 1).map_or(&w.norm, |n| &n.input_layernorm);
+            xn = self.layer(l, lw, &mut x, xn, ple.as_ref(), Some(next))?;
         }
         if rows.is_empty() {
             return self.alloc(0);
         }
+        let normed = xn.is_some();
+        let src = xn.unwrap_or(x);
         let last = if rows.iter().copied().eq(0..self.rows) {
-            x
+            src
         } else {
             let idx: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
             let idx = self.dev().upload(&idx).map_err(dev_err)?;
             let mut out = self.alloc(rows.len() * h)?;
             self.dev()
-                .gather_rows(&x, &idx, h, &mut out)
+                .gather_rows(&src, &idx, h, &mut out)
                 .map_err(dev_err)?;
             out
         };
-        let last = self.norm(&last, &w.norm)?;
+        let last = if normed {
+            last
+        } else {
+            self.norm(&last, &w.norm)?
+        };
         let mut logits = self.product(&last, &w.lm_head)?;
         if let Some(cap) = self.g.final_logit_softcapping {
             self.dev().softcap(&mut logits, cap).map_err(dev_err)?;
@@ -477,31 +496,91 @@ impl Pass<'_> {
         Ok(logits)
     }
 
-    /// One decoder layer on the residual stream `x`, in place (CPU: `forward::layer`).
+    /// One decoder layer on the residual stream `x`, in place (CPU: `forward::layer`), its
+    /// norms, adds and scales in two launches (`gemma4_attn_tail`, `gemma4_ffn_tail`). `xn` is
+    /// `input_layernorm(x)` when the layer before made it. Given `next` (the next layer's input
+    /// norm, or the final norm), returns that norm of the new `x`, unless the layer has
+    /// per-layer inputs (they come between its last add and its scale).
     fn layer(
         &mut self,
         l: usize,
         lw: &Gemma4LayerWeights,
         x: &mut DeviceBuffer<f32>,
+        xn: Option<DeviceBuffer<f32>>,
         ple: Option<&(DeviceBuffer<f32>, usize)>,
-    ) -> Result<()> {
-        let xn = self.norm(x, &lw.input_layernorm)?;
-        let mut attn = self.attention(l, &lw.self_attn, &xn)?;
-        self.norm_in_place(&mut attn, &lw.post_attention_layernorm)?;
-        self.add(x, &attn)?;
+        next: Option<&[f32]>,
+    ) -> Result<Option<DeviceBuffer<f32>>> {
+        let m = self.m;
+        let eps = self.cfg.rms_norm_eps;
+        let h = self.cfg.hidden_size;
+        let xn = match xn {
+            Some(xn) => xn,
+            None => self.norm(x, &lw.input_layernorm)?,
+        };
+        let attn = self.attention(l, &lw.self_attn, &xn)?;
 
-        let xn = self.norm(x, &lw.pre_feedforward_layernorm)?;
-        let mut ffn = self.mlp(&xn, &lw.mlp)?;
-        if let (Some(moe), Some(moe_cfg)) = (&lw.moe, &self.cfg.moe) {
-            self.norm_in_place(&mut ffn, &moe.post_feedforward_layernorm_1)?;
-            let mut routed = self.experts(moe, moe_cfg.top_k, x)?;
-            self.norm_in_place(&mut routed, &moe.post_feedforward_layernorm_2)?;
-            self.add(&mut ffn, &routed)?;
-        }
-        self.norm_in_place(&mut ffn, &lw.post_feedforward_layernorm)?;
-        self.add(x, &ffn)?;
+        let moe = lw.moe.as_ref().zip(self.cfg.moe.as_ref());
+        let mut ffn_in = self.alloc(x.len())?;
+        let mut routed_in = match moe {
+            Some(_) => Some((self.alloc(x.len())?, self.alloc(x.len())?)),
+            None => None,
+        };
+        let router = match moe {
+            Some((mw, _)) => Some(RouterNorms {
+                scale: m.vec(&mw.router_scale)?,
+                root: (h as f64).powf(-0.5) as f32,
+                pre_feedforward_2: m.vec(&mw.pre_feedforward_layernorm_2)?,
+            }),
+            None => None,
+        };
+        let norms = AttnTailNorms {
+            post_attention: m.vec(&lw.post_attention_layernorm)?,
+            pre_feedforward: m.vec(&lw.pre_feedforward_layernorm)?,
+            router,
+            eps,
+        };
+        let out = AttnTailOut {
+            normed: &mut ffn_in,
+            router_in: routed_in.as_mut().map(|(r, e)| (r, e)),
+        };
+        m.dev
+            .gemma4_attn_tail(x, &attn, &norms, out)
+            .map_err(dev_err)?;
 
-        if let (Some(li), Some((inputs, width))) = (&lw.per_layer_input, ple) {
+        let dense = self.mlp(&ffn_in, &lw.mlp)?;
+        let routed = match (moe, &routed_in) {
+            (Some((mw, mc)), Some((xr, xe))) => Some((self.experts(mw, mc.top_k, xr, xe)?, mw)),
+            _ => None,
+        };
+        let per_layer = lw.per_layer_input.as_ref().zip(ple);
+        let tail = FfnTail {
+            dense: &dense,
+            routed: match &routed {
+                Some((r, mw)) => Some((
+                    r,
+                    m.vec(&mw.post_feedforward_layernorm_1)?,
+                    m.vec(&mw.post_feedforward_layernorm_2)?,
+                )),
+                None => None,
+            },
+            post_feedforward: m.vec(&lw.post_feedforward_layernorm)?,
+            // With per-layer inputs the scale waits for them (below); times 1 changes no bit.
+            layer_scalar: if per_layer.is_some() {
+                1.0
+            } else {
+                lw.layer_scalar
+            },
+            eps,
+        };
+        let mut next_out = match next {
+            Some(w) if per_layer.is_none() => Some((m.vec(w)?, self.alloc(x.len())?)),
+            _ => None,
+        };
+        m.dev
+            .gemma4_ffn_tail(x, &tail, next_out.as_mut().map(|(w, o)| (*w, o)))
+            .map_err(dev_err)?;
+
+        if let Some((li, (inputs, width))) = per_layer {
             let packed = self.g.layers.len() * width;
             let mut gate = self.product(x, &li.gate)?;
             self.dev()
@@ -510,8 +589,9 @@ impl Pass<'_> {
             let mut proj = self.product(&gate, &li.projection)?;
             self.norm_in_place(&mut proj, &li.post_norm)?;
             self.add(x, &proj)?;
+            self.scale(x, lw.layer_scalar)?;
         }
-        self.scale(x, lw.layer_scalar)
+        Ok(next_out.map(|(_, o)| o))
     }
 
     /// `down(gelu_tanh(gate(x)) * up(x))`.
@@ -555,27 +635,21 @@ impl Pass<'_> {
         self.linear(&gate, &w.down_proj)
     }
 
-    /// The routed experts (CPU: `moe::experts`): routing from the residual `x`, experts on
-    /// `pre_feedforward_layernorm_2(x)`, the weighted sum before `post_feedforward_layernorm_2`.
+    /// The routed experts (CPU: `moe::experts`) from the attention tail's two inputs: the
+    /// router's `xr` (the residual normed and scaled) and the experts' `xe`
+    /// (`pre_feedforward_layernorm_2` of it); the weighted sum before
+    /// `post_feedforward_layernorm_2`.
     fn experts(
         &mut self,
         w: &Gemma4MoeWeights,
         top_k: usize,
-        x: &DeviceBuffer<f32>,
+        xr: &DeviceBuffer<f32>,
+        xe: &DeviceBuffer<f32>,
     ) -> Result<DeviceBuffer<f32>> {
         let h = self.cfg.hidden_size;
         let n = self.rows;
         let num_experts = w.per_expert_scale.len();
-        let mut xr = self.copy(x)?;
-        self.unit_norm(&mut xr, h)?;
-        self.dev()
-            .row_scale(
-                &mut xr,
-                self.m.vec(&w.router_scale)?,
-                (h as f64).powf(-0.5) as f32,
-            )
-            .map_err(dev_err)?;
-        let logits = self.product(&xr, &w.router_proj)?;
+        let logits = self.product(xr, &w.router_proj)?;
         let m = self.m;
         let dev = &m.dev;
         let mut ids = self.kv.scratch.activation::<u32>(&self.m.dev, n * top_k)?;
@@ -589,13 +663,12 @@ impl Pass<'_> {
             .map_err(dev_err)?;
         dev.expert_scale(&mut weights, &ids, self.m.vec(&w.per_expert_scale)?)
             .map_err(dev_err)?;
-        let xe = self.norm(x, &w.pre_feedforward_layernorm_2)?;
         let experts = m.experts.get(&tensor_key(&w.router_proj)).ok_or_else(|| {
             Error::Device("internal: a Gemma 4 layer's experts were not uploaded".into())
         })?;
         let mut out = self.alloc(n * h)?;
         let scratch = self.kv.scratch.moe(dev, experts, n, top_k)?;
-        dev.moe_experts(&xe, &ids, &weights, top_k, experts, scratch, &mut out)
+        dev.moe_experts(xe, &ids, &weights, top_k, experts, scratch, &mut out)
             .map_err(dev_err)?;
         Ok(out)
     }
