@@ -31,18 +31,6 @@ extern "C" __global__ void softcap_f32(float* x, float cap, u64 n) {
         x[i] = tanhf(x[i] / cap) * cap;
 }
 
-// weights[i] *= scale[ids[i]]: the router's learned per-expert scale after renormalisation.
-// An id out of range gives NaN (the MoE op then makes that token's output NaN too).
-extern "C" __global__ void expert_scale_f32(float* weights, const u32* __restrict__ ids,
-                                            const float* __restrict__ scale, u64 n, int experts) {
-    pdl_entry();
-    const u64 stride = (u64)gridDim.x * blockDim.x;
-    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-        const u32 e = ids[i];
-        weights[i] = e < (u32)experts ? weights[i] * scale[e] : __int_as_float(0x7fc00000);
-    }
-}
-
 // ---- a Gemma 4 layer's norm chains, one launch each (ops/gemma.rs: gemma4_attn_tail and
 // gemma4_ffn_tail) ----
 //
@@ -60,22 +48,15 @@ extern "C" __global__ void expert_scale_f32(float* weights, const u32* __restric
 //   next layer's input_layernorm, or the final norm.
 // Each norm is w * (v * inv), inv = 1 / sqrt(mean(v^2) + eps), as rms_norm_f32 writes it. A
 // thread keeps TAIL_VALS of a row's values in registers (width <= TAIL_THREADS * TAIL_VALS,
-// checked by the host). Before the programmatic wait a block prefetches its norm weights and
-// loads the residual x: only these two kernels write it, and never as the kernel right before
+// checked by the host: 6,144, past every published Gemma 4's 5,376). Before the programmatic wait
+// a block loads its norm weights (into registers: read after the wait, from DRAM where the
+// step's 50 MB of experts have pushed them out of L2, they were ~2 us of each tail) and the
+// residual x: only these two kernels write it, and never as the kernel right before
 // the other (o_proj, the experts' down or the dense down GEMV sits between:
 // graph::EARLY_ACTIVATION_READERS). Launch: grid (rows), block TAIL_THREADS.
 
 #define TAIL_THREADS 1024
-#define TAIL_VALS 8
-
-__device__ __forceinline__ void tail_prefetch(const float* __restrict__ w, int width) {
-#pragma unroll
-    for (int u = 0; u < TAIL_VALS; ++u) {
-        const int i = threadIdx.x + u * TAIL_THREADS;
-        if (i < width && (i & 31) == 0)
-            asm volatile("prefetch.global.L1 [%0];" ::"l"(w + i));
-    }
-}
+#define TAIL_VALS 6
 
 __device__ __forceinline__ void tail_load(const float* p, int width, float (&v)[TAIL_VALS]) {
 #pragma unroll
@@ -94,16 +75,6 @@ __device__ __forceinline__ float tail_inv_rms(const float (&v)[TAIL_VALS], int w
     return 1.0f / sqrtf(ss / (float)width + eps);
 }
 
-// v = w * (v * inv) where the row is.
-__device__ __forceinline__ void tail_norm(float (&v)[TAIL_VALS], const float* __restrict__ w,
-                                          int width, float inv) {
-#pragma unroll
-    for (int u = 0; u < TAIL_VALS; ++u) {
-        const int i = threadIdx.x + u * TAIL_THREADS;
-        v[u] = i < width ? w[i] * (v[u] * inv) : 0.0f;
-    }
-}
-
 // rscale null: a layer without experts (xr, xe and w_pre2 unused).
 extern "C" __global__ void __launch_bounds__(TAIL_THREADS)
     gemma4_attn_tail_f32(float* x, const float* a, const float* __restrict__ w_post,
@@ -112,22 +83,21 @@ extern "C" __global__ void __launch_bounds__(TAIL_THREADS)
                          const float* __restrict__ w_pre2, float* xr, float* xe, int width,
                          float eps) {
     const u64 off = (u64)blockIdx.x * width;
-    tail_prefetch(w_post, width);
-    tail_prefetch(w_pre, width);
-    if (rscale != nullptr) {
-        tail_prefetch(rscale, width);
-        tail_prefetch(w_pre2, width);
-    }
-    float s[TAIL_VALS], t[TAIL_VALS];
+    const bool router = rscale != nullptr;  // block-uniform
+    float s[TAIL_VALS], t[TAIL_VALS], wp[TAIL_VALS], wn[TAIL_VALS], ws[TAIL_VALS], we[TAIL_VALS];
+    tail_load(w_post, width, wp);
+    tail_load(w_pre, width, wn);
+    tail_load(router ? rscale : w_pre, width, ws);
+    tail_load(router ? w_pre2 : w_pre, width, we);
     tail_load(x + off, width, s);
     pdl_entry_launch_first();
     tail_load(a + off, width, t);
-    tail_norm(t, w_post, width, tail_inv_rms(t, width, eps));
+    const float inv_a = tail_inv_rms(t, width, eps);
 #pragma unroll
     for (int u = 0; u < TAIL_VALS; ++u) {
         const int i = threadIdx.x + u * TAIL_THREADS;
         if (i < width) {
-            s[u] = s[u] + t[u];
+            s[u] = s[u] + wp[u] * (t[u] * inv_a);  // x += post_attention_layernorm(a)
             x[off + i] = s[u];
         }
     }
@@ -137,11 +107,11 @@ extern "C" __global__ void __launch_bounds__(TAIL_THREADS)
         const int i = threadIdx.x + u * TAIL_THREADS;
         if (i < width) {
             const float y = s[u] * inv;
-            xn[off + i] = w_pre[i] * y;
-            if (rscale != nullptr) {
+            xn[off + i] = wn[u] * y;
+            if (router) {
                 // The router's unit norm is 1 * y = y; then x * s * root, left to right.
-                xr[off + i] = y * rscale[i] * root;
-                xe[off + i] = w_pre2[i] * y;
+                xr[off + i] = y * ws[u] * root;
+                xe[off + i] = we[u] * y;
             }
         }
     }
@@ -154,40 +124,36 @@ extern "C" __global__ void __launch_bounds__(TAIL_THREADS)
                         const float* __restrict__ w_post, float scalar,
                         const float* __restrict__ w_next, float* xn, int width, float eps) {
     const u64 off = (u64)blockIdx.x * width;
-    if (r != nullptr) {
-        tail_prefetch(w_f1, width);
-        tail_prefetch(w_r, width);
-    }
-    tail_prefetch(w_post, width);
-    if (w_next != nullptr) tail_prefetch(w_next, width);
-    float s[TAIL_VALS], t[TAIL_VALS];
+    const bool routed = r != nullptr, next = w_next != nullptr;  // block-uniform
+    float s[TAIL_VALS], t[TAIL_VALS], w1[TAIL_VALS], w2[TAIL_VALS], wp[TAIL_VALS], wn[TAIL_VALS];
+    tail_load(routed ? w_f1 : w_post, width, w1);
+    tail_load(routed ? w_r : w_post, width, w2);
+    tail_load(w_post, width, wp);
+    tail_load(next ? w_next : w_post, width, wn);
     tail_load(x + off, width, s);
     pdl_entry_launch_first();
     tail_load(f + off, width, t);
-    if (r != nullptr) {
+    if (routed) {
         float q[TAIL_VALS];
         tail_load(r + off, width, q);
-        tail_norm(t, w_f1, width, tail_inv_rms(t, width, eps));
-        tail_norm(q, w_r, width, tail_inv_rms(q, width, eps));
+        const float inv_f = tail_inv_rms(t, width, eps), inv_r = tail_inv_rms(q, width, eps);
+        // post_feedforward_layernorm_1(f) + post_feedforward_layernorm_2(r)
 #pragma unroll
-        for (int u = 0; u < TAIL_VALS; ++u) t[u] = t[u] + q[u];
+        for (int u = 0; u < TAIL_VALS; ++u) t[u] = w1[u] * (t[u] * inv_f) + w2[u] * (q[u] * inv_r);
     }
-    tail_norm(t, w_post, width, tail_inv_rms(t, width, eps));
+    const float inv_t = tail_inv_rms(t, width, eps);
 #pragma unroll
     for (int u = 0; u < TAIL_VALS; ++u) {
         const int i = threadIdx.x + u * TAIL_THREADS;
-        if (i < width) {
-            s[u] = (s[u] + t[u]) * scalar;
-            x[off + i] = s[u];
-        } else {
-            s[u] = 0.0f;
-        }
+        // x = (x + post_feedforward_layernorm(f)) * layer_scalar; zeros past the width.
+        s[u] = (s[u] + wp[u] * (t[u] * inv_t)) * scalar;
+        if (i < width) x[off + i] = s[u];
     }
-    if (w_next == nullptr) return;  // block-uniform
-    tail_norm(s, w_next, width, tail_inv_rms(s, width, eps));
+    if (!next) return;
+    const float inv = tail_inv_rms(s, width, eps);
 #pragma unroll
     for (int u = 0; u < TAIL_VALS; ++u) {
         const int i = threadIdx.x + u * TAIL_THREADS;
-        if (i < width) xn[off + i] = s[u];
+        if (i < width) xn[off + i] = wn[u] * (s[u] * inv);
     }
 }

@@ -8,15 +8,31 @@
 // Every L gives the same results: the extra registers hold no expert.
 // One token's router GEMV and its routing also run as one launch: gemv.cu's gemv_route.
 
+// Given expert_scale (non-null), each chosen weight is then multiplied by its expert's scale
+// (Gemma 4's per-expert scale, after the renormalisation; NaN for an out-of-range id), as
+// gemma.cu's expert_scale_f32 did in a launch of its own: each lane rescales the ranks it stored
+// itself (warp_route_topk: rank r in lane r % 32), so its own writes are what it reads back.
+__device__ __forceinline__ void route_expert_scale(u32* ids, float* weights, int k, int experts,
+                                                   const float* __restrict__ scale) {
+    for (int r = threadIdx.x & 31; r < k; r += 32) {
+        const u32 e = ids[r];
+        weights[r] = e < (u32)experts ? weights[r] * scale[e] : __int_as_float(0x7fc00000);
+    }
+}
+
 #define ROUTE_TOPK_KERNEL(NAME, L)                                                               \
     extern "C" __global__ void NAME(const float* __restrict__ logits, int rows, int experts,      \
                                     int k, int renormalise, u32* __restrict__ out_experts,        \
-                                    float* __restrict__ out_weights) {                            \
+                                    float* __restrict__ out_weights,                              \
+                                    const float* __restrict__ expert_scale) {                     \
         pdl_entry_launch_first();                                                                 \
         const int row = blockIdx.x * blockDim.y + threadIdx.y;                                    \
         if (row >= rows) return; /* no block-wide barrier: warps are independent */               \
         warp_route_topk<L>(logits + (u64)row * experts, experts, k, renormalise,                  \
                            out_experts + (u64)row * k, out_weights + (u64)row * k);               \
+        if (expert_scale != nullptr)                                                              \
+            route_expert_scale(out_experts + (u64)row * k, out_weights + (u64)row * k, k,         \
+                               experts, expert_scale);                                            \
     }
 
 ROUTE_TOPK_KERNEL(route_topk_f32_l1, 1)

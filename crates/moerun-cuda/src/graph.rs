@@ -33,7 +33,6 @@ pub const PDL_KERNELS: &[&str] = &[
     "embed_bf16",
     "embed_f16",
     "embed_f32",
-    "expert_scale_f32",
     "gated_delta_columns_k*",
     "gated_delta_recurrent_r*",
     "gated_rms_norm_f32",

@@ -227,24 +227,56 @@ fn gemma_elementwise_ops_match_cpu() {
     );
     assert!(dev.softcap(&mut xd, 0.0).is_err());
 
-    let scale = uniform(&mut r, 8, 0.5, 2.0);
-    let ids: Vec<u32> = vec![3, 0, 7, 7, 1, 9];
-    let weights = uniform(&mut r, ids.len(), 0.0, 1.0);
-    let mut wd = dev.upload(&weights).unwrap();
-    dev.expert_scale(
-        &mut wd,
-        &dev.upload(&ids).unwrap(),
-        &dev.upload(&scale).unwrap(),
-    )
-    .unwrap();
-    let got = dev.download(&wd).unwrap();
-    for (i, (&e, &w)) in ids.iter().zip(&weights).enumerate() {
-        if (e as usize) < scale.len() {
-            assert_eq!(got[i], w * scale[e as usize], "weight {i}");
+    // route_topk with Gemma 4's per-expert scale: route_topk's ids, and its weights times the
+    // chosen experts' scales, bit for bit; a row of NaN logits (no expert chosen) gives NaN.
+    let (experts, top_k, tokens) = (40usize, 6usize, 5usize);
+    let shape = RouterShape {
+        experts,
+        top_k,
+        renormalise: true,
+    };
+    let mut logits = uniform(&mut r, tokens * experts, -3.0, 3.0);
+    logits[3 * experts..4 * experts].fill(f32::NAN);
+    let scale = uniform(&mut r, experts, 0.5, 2.0);
+    let (ld, sd) = (dev.upload(&logits).unwrap(), dev.upload(&scale).unwrap());
+    let mut plain = (
+        dev.upload(&vec![u32::MAX; tokens * top_k]).unwrap(),
+        dev.upload(&poison(tokens * top_k)).unwrap(),
+    );
+    dev.route_topk(&ld, shape, &mut plain.0, &mut plain.1)
+        .unwrap();
+    let mut scaled = (
+        dev.upload(&vec![u32::MAX; tokens * top_k]).unwrap(),
+        dev.upload(&poison(tokens * top_k)).unwrap(),
+    );
+    dev.route_topk_scaled(&ld, shape, &sd, &mut scaled.0, &mut scaled.1)
+        .unwrap();
+    let (ids, w) = (
+        dev.download(&plain.0).unwrap(),
+        dev.download(&plain.1).unwrap(),
+    );
+    assert_eq!(dev.download(&scaled.0).unwrap(), ids, "the same experts");
+    let got = dev.download(&scaled.1).unwrap();
+    for (i, (&e, &w)) in ids.iter().zip(&w).enumerate() {
+        if (e as usize) < experts {
+            assert_eq!(
+                got[i].to_bits(),
+                (w * scale[e as usize]).to_bits(),
+                "weight {i}"
+            );
         } else {
-            assert!(got[i].is_nan(), "weight {i} of out-of-range expert {e}");
+            assert!(
+                i / top_k == 3 && got[i].is_nan(),
+                "weight {i} of out-of-range expert {e}"
+            );
         }
     }
+    let short = dev.upload(&scale[1..]).unwrap();
+    let err = dev
+        .route_topk_scaled(&ld, shape, &short, &mut scaled.0, &mut scaled.1)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("39 per-expert scales for 40 experts"), "{err}");
 }
 
 #[test]

@@ -1,7 +1,7 @@
 //! Gemma 4's elementwise ops (`kernels/gemma.cu`): GELU-tanh-and-multiply (dense MLP and the
-//! per-layer-input gate), scale by a scalar, logit soft-capping and the router's per-expert weight
-//! scale (the router's per-column scale is part of the attention tail, ops/gemma_tail.rs). Each
-//! is the f32 arithmetic of the CPU reference in the same order.
+//! per-layer-input gate), scale by a scalar and logit soft-capping (the router's per-column scale
+//! is part of the attention tail, ops/gemma_tail.rs, its per-expert scale part of
+//! `route_topk_scaled`). Each is the f32 arithmetic of the CPU reference in the same order.
 //!
 //! Launch (all): 1-D grid-stride, block 256, grid ceil(n / 256) capped at 32 blocks per SM.
 
@@ -16,7 +16,6 @@ pub(crate) struct GemmaKernels {
     gelu_tanh_mul: CudaFunction,
     scale: CudaFunction,
     softcap: CudaFunction,
-    expert_scale: CudaFunction,
     /// `gemma4_attn_tail_f32` and `gemma4_ffn_tail_f32` (ops/gemma_tail.rs).
     pub(super) attn_tail: CudaFunction,
     pub(super) ffn_tail: CudaFunction,
@@ -28,7 +27,6 @@ impl GemmaKernels {
             gelu_tanh_mul: get("gelu_tanh_mul_f32")?,
             scale: get("scale_f32")?,
             softcap: get("softcap_f32")?,
-            expert_scale: get("expert_scale_f32")?,
             attn_tail: get("gemma4_attn_tail_f32")?,
             ffn_tail: get("gemma4_ffn_tail_f32")?,
         })
@@ -126,33 +124,6 @@ impl CudaDevice {
         b.arg(&xp).arg(&s).arg(&n64);
         // SAFETY: x holds n f32; the argument list matches the kernel's.
         unsafe { b.launch(self.elementwise_cfg(n)) }.ctx(name)?;
-        Ok(())
-    }
-
-    /// `weights[i] *= scale[ids[i]]` (Gemma 4's per-expert scale of the routing weights); an id
-    /// past `scale.len()` makes its weight NaN.
-    pub fn expert_scale(
-        &self,
-        weights: &mut impl DevicePtrMut<f32>,
-        ids: &impl DevicePtr<u32>,
-        scale: &impl DevicePtr<f32>,
-    ) -> Result<()> {
-        let n = weights.len();
-        ensure(ids.len() == n, || {
-            format!("expert_scale: {n} weights but {} ids", ids.len())
-        })?;
-        if n == 0 {
-            return Ok(());
-        }
-        let wp = self.ptr_mut(weights, "expert_scale weights")?;
-        let ip = self.ptr(ids, "expert_scale ids")?;
-        let sp = self.ptr(scale, "expert_scale scale")?;
-        let (n64, e) = (n as u64, to_i32(scale.len(), "experts")?);
-        let mut b = self.stream.launch_builder(&self.kernels.gemma.expert_scale);
-        b.arg(&wp).arg(&ip).arg(&sp).arg(&n64).arg(&e);
-        // SAFETY: weights and ids hold n values, scale `experts` f32 (ids are bounds-checked in
-        // the kernel); the argument list matches the kernel's.
-        unsafe { b.launch(self.elementwise_cfg(n)) }.ctx("expert_scale_f32")?;
         Ok(())
     }
 }

@@ -4,7 +4,7 @@
 //! scales and a copy a layer. Each is the CPU reference's f32 arithmetic in the same order
 //! (crates/moerun-model/src/gemma4/forward.rs).
 //!
-//! Launch (both): grid (rows), block 1024: a row a block, 8 of its values a thread.
+//! Launch (both): grid (rows), block 1024: a row a block, 6 of its values a thread.
 
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
@@ -12,8 +12,10 @@ use super::{blocks, to_i32};
 use crate::error::{ensure, DriverContext, Result};
 use crate::CudaDevice;
 
-/// The widest row the tails take: 1024 threads keep 8 values each in registers.
-pub const GEMMA_TAIL_MAX_WIDTH: usize = 8192;
+/// The widest row the tails take: 1024 threads keep 6 values each in registers, and as many of
+/// each norm weight (loaded before the programmatic wait). Every published Gemma 4 is narrower
+/// (the widest, Gemma-4-31B, has 5,376).
+pub const GEMMA_TAIL_MAX_WIDTH: usize = 6144;
 const TAIL_THREADS: u32 = 1024;
 
 /// The attention tail's norm weights: `x += post_attention(a)`, then of the new residual the

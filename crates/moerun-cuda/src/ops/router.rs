@@ -98,6 +98,40 @@ impl CudaDevice {
         out_experts: &mut impl DevicePtrMut<u32>,
         out_weights: &mut impl DevicePtrMut<f32>,
     ) -> Result<()> {
+        self.route_topk_with(logits, shape, 0, out_experts, out_weights)
+    }
+
+    /// [`CudaDevice::route_topk`], each chosen weight then times `expert_scale[id]` (Gemma 4's
+    /// learned per-expert scale, after the renormalisation) in the same launch; an id out of
+    /// range gives NaN, as [`CudaDevice::expert_scale`] does.
+    pub fn route_topk_scaled(
+        &self,
+        logits: &impl DevicePtr<f32>,
+        shape: RouterShape,
+        expert_scale: &impl DevicePtr<f32>,
+        out_experts: &mut impl DevicePtrMut<u32>,
+        out_weights: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        ensure(expert_scale.len() == shape.experts, || {
+            format!(
+                "route_topk: {} per-expert scales for {} experts",
+                expert_scale.len(),
+                shape.experts
+            )
+        })?;
+        let scale = self.ptr(expert_scale, "route_topk expert_scale")?;
+        self.route_topk_with(logits, shape, scale, out_experts, out_weights)
+    }
+
+    /// `scale`: the per-expert scales' device address, or 0 for none.
+    fn route_topk_with(
+        &self,
+        logits: &impl DevicePtr<f32>,
+        shape: RouterShape,
+        scale: u64,
+        out_experts: &mut impl DevicePtrMut<u32>,
+        out_weights: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
         let RouterShape {
             experts,
             top_k,
@@ -146,9 +180,10 @@ impl CudaDevice {
             .arg(&experts_i)
             .arg(&k_i)
             .arg(&renorm_i);
-        b.arg(&e).arg(&w);
+        b.arg(&e).arg(&w).arg(&scale);
         // SAFETY: logits hold tokens * experts f32 (experts <= MAX_EXPERTS, what a warp holds),
-        // both outputs tokens * top_k; the argument list matches the kernel's.
+        // both outputs tokens * top_k, the scales (when not null) experts f32; the argument list
+        // matches the kernel's.
         unsafe { b.launch(cfg) }.ctx("route_topk_f32_l<L>")?;
         Ok(())
     }

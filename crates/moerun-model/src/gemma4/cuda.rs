@@ -8,8 +8,8 @@
 //! moving the CPU code under the trait was more than this change could carry safely
 //! (docs/ARCHITECTURE.md). The device ops it uses are shared with every family: GEMV/GEMM,
 //! RMSNorm, RoPE, paged attention, the router and the fused MoE op (with its GELU-tanh activation),
-//! plus the small Gemma ops of `moerun_cuda` (`gelu_tanh_mul`, `scale`, `softcap`,
-//! `expert_scale`) and a layer's two norm chains (`gemma4_attn_tail`, `gemma4_ffn_tail`: the
+//! plus the small Gemma ops of `moerun_cuda` (`gelu_tanh_mul`, `scale`, `softcap`, the router's
+//! per-expert scale inside `route_topk_scaled`) and a layer's two norm chains (`gemma4_attn_tail`, `gemma4_ffn_tail`: the
 //! sandwich norms, adds and scales between its big kernels, one launch each).
 //!
 //! Decode steps are captured in CUDA graphs by `crate::cuda::graph` like every family's
@@ -659,9 +659,8 @@ impl Pass<'_> {
             top_k,
             renormalise: true,
         };
-        dev.route_topk(&logits, shape, &mut ids, &mut weights)
-            .map_err(dev_err)?;
-        dev.expert_scale(&mut weights, &ids, self.m.vec(&w.per_expert_scale)?)
+        let scale = self.m.vec(&w.per_expert_scale)?;
+        dev.route_topk_scaled(&logits, shape, scale, &mut ids, &mut weights)
             .map_err(dev_err)?;
         let experts = m.experts.get(&tensor_key(&w.router_proj)).ok_or_else(|| {
             Error::Device("internal: a Gemma 4 layer's experts were not uploaded".into())
