@@ -121,6 +121,19 @@ extern "C" __global__ void __launch_bounds__(1024)
 struct MoeNoHook {
     __device__ void operator()() const {}
 };
+// Chunk c of an activation row (C::N floats), as float4 loads.
+template <typename C>
+__device__ __forceinline__ void moe_x_chunk(const float* x, int c, float (&xv)[C::N]) {
+    const float4* xp = reinterpret_cast<const float4*>(x + (u64)c * C::N);
+#pragma unroll
+    for (int v = 0; v < C::N / 4; ++v) {
+        const float4 t = xp[v];
+        xv[4 * v] = t.x;
+        xv[4 * v + 1] = t.y;
+        xv[4 * v + 2] = t.z;
+        xv[4 * v + 3] = t.w;
+    }
+}
 // ROW_AT_A_TIME (one token): each chunk's rows widened one at a time (the same fmaf chains).
 template <typename C, int M, int R, int U, int KEEP, bool WAIT = false, typename Hook = MoeNoHook,
           bool ROW_AT_A_TIME = false>
@@ -153,16 +166,8 @@ __device__ __forceinline__ void moe_warp_rows(const uint4* const (&w)[R], const 
             if (c < chunks && M == 1 && ROW_AT_A_TIME) {
                 // One row widened at a time: 8 floats live where R x 8 were, registers that
                 // hold more chunks in flight instead.
-                const float4* xp = reinterpret_cast<const float4*>(x[0] + (u64)c * C::N);
                 float xv[C::N];
-#pragma unroll
-                for (int v = 0; v < C::N / 4; ++v) {
-                    const float4 t = xp[v];
-                    xv[4 * v] = t.x;
-                    xv[4 * v + 1] = t.y;
-                    xv[4 * v + 2] = t.z;
-                    xv[4 * v + 3] = t.w;
-                }
+                moe_x_chunk<C>(x[0], c, xv);
 #pragma unroll
                 for (int r = 0; r < R; ++r) {
                     float f[C::N];
@@ -176,16 +181,8 @@ __device__ __forceinline__ void moe_warp_rows(const uint4* const (&w)[R], const 
                 for (int r = 0; r < R; ++r) C::widen(q[u][r], f[r]);
 #pragma unroll
                 for (int m = 0; m < M; ++m) {
-                    const float4* xp = reinterpret_cast<const float4*>(x[m] + (u64)c * C::N);
                     float xv[C::N];
-#pragma unroll
-                    for (int v = 0; v < C::N / 4; ++v) {
-                        const float4 t = xp[v];
-                        xv[4 * v] = t.x;
-                        xv[4 * v + 1] = t.y;
-                        xv[4 * v + 2] = t.z;
-                        xv[4 * v + 3] = t.w;
-                    }
+                    moe_x_chunk<C>(x[m], c, xv);
 #pragma unroll
                     for (int r = 0; r < R; ++r)
 #pragma unroll

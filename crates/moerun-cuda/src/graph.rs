@@ -74,8 +74,8 @@ pub const LAUNCH_FIRST_KERNELS: &[&str] = &[
 ];
 
 /// Kernels of [`PDL_KERNELS`] whose pre-wait part reads activations an earlier kernel of the pass
-/// wrote (add_rms_norm, the Gemma 4 tails, gemv_route_norm, gemv_rows_norm and gemv_rows_route the residual,
-/// moe_tiny_down its expert ids): safe behind a kernel that waits before it lets them launch,
+/// wrote (add_rms_norm, the Gemma 4 tails, gemv_route_norm, gemv_rows_norm and gemv_rows_route
+/// the residual, moe_tiny_down its expert ids): safe behind a kernel that waits before it lets them launch,
 /// not behind one of [`LAUNCH_FIRST_KERNELS`]. Such an edge keeps its ordinary dependency. (No
 /// kernel *writes* a pass buffer before its wait: until then an earlier kernel may still be using
 /// those bytes. moe_tiny_gate_up_norm's pre-wait polls read ids that gemv_rows_route reset after

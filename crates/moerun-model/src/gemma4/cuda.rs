@@ -9,8 +9,9 @@
 //! (docs/ARCHITECTURE.md). The device ops it uses are shared with every family: GEMV/GEMM,
 //! RMSNorm, RoPE, paged attention, the router and the fused MoE op (with its GELU-tanh activation),
 //! plus the small Gemma ops of `moerun_cuda` (`gelu_tanh_mul`, `scale`, `softcap`, the router's
-//! per-expert scale inside `route_topk_scaled`) and a layer's two norm chains (`gemma4_attn_tail`, `gemma4_ffn_tail`: the
-//! sandwich norms, adds and scales between its big kernels, one launch each).
+//! per-expert scale inside `route_topk_scaled`) and a layer's two norm chains
+//! (`gemma4_attn_tail`, `gemma4_ffn_tail`: the sandwich norms, adds and scales between its big
+//! kernels, one launch each).
 //!
 //! Decode steps are captured in CUDA graphs by `crate::cuda::graph` like every family's
 //! ([`decode_logits`] is the captured body): no host work happens inside a pass once the batch's
