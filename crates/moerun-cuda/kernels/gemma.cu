@@ -31,7 +31,7 @@ extern "C" __global__ void softcap_f32(float* x, float cap, u64 n) {
         x[i] = tanhf(x[i] / cap) * cap;
 }
 
-// ---- a Gemma 4 layer's norm chains, one launch each (ops/gemma.rs: gemma4_attn_tail and
+// ---- a Gemma 4 layer's norm chains, one launch each (ops/gemma_tail.rs: gemma4_attn_tail and
 // gemma4_ffn_tail) ----
 //
 // Between its big kernels a Gemma 4 layer runs sandwich norms, adds and scales: eight RMSNorms,
@@ -49,10 +49,10 @@ extern "C" __global__ void softcap_f32(float* x, float cap, u64 n) {
 // Each norm is w * (v * inv), inv = 1 / sqrt(mean(v^2) + eps), as rms_norm_f32 writes it. A
 // thread keeps TAIL_VALS of a row's values in registers (width <= TAIL_THREADS * TAIL_VALS,
 // checked by the host: 6,144, past every published Gemma 4's 5,376). Before the programmatic wait
-// a block loads its norm weights (into registers: read after the wait, from DRAM where the
-// step's 50 MB of experts have pushed them out of L2, they were ~2 us of each tail) and the
-// residual x: only these two kernels write it, and never as the kernel right before
-// the other (o_proj, the experts' down or the dense down GEMV sits between:
+// a block loads its norm weights (into registers: read after the wait, from DRAM where a
+// layer's ~95 MB of experts have pushed them out of L2, they were ~2.5 us of each tail) and the
+// residual x: only these two kernels write it, and never as the kernel right before the other
+// (o_proj, the experts' down or the dense down GEMV sits between:
 // graph::EARLY_ACTIVATION_READERS). Launch: grid (rows), block TAIL_THREADS.
 
 #define TAIL_THREADS 1024
