@@ -167,30 +167,38 @@ fn ffn_tail_matches_the_cpu_steps_with_and_without_experts_and_the_next_norm() {
     }
 }
 
-#[test]
-fn tails_refuse_rows_too_wide_and_buffers_that_do_not_match() {
-    let Some(dev) = device() else { return };
-    let wide = GEMMA_TAIL_MAX_WIDTH + 1;
-    let (w, mut x, mut o) = (
-        up(dev, &vec![1.0; wide]),
-        up(dev, &vec![0.0; wide]),
-        up(dev, &vec![0.0; wide]),
+/// The attention tail's error over rows of `w`'s width, the router's norms (all `w`) given or
+/// not, and no router outputs.
+fn attn_tail_err(dev: &CudaDevice, w: &CudaSlice<f32>, x_len: usize, router: bool) -> String {
+    let (mut x, mut o, a) = (
+        up(dev, &vec![0.0; x_len]),
+        up(dev, &vec![0.0; x_len]),
+        up(dev, &vec![0.0; x_len]),
     );
-    let a = up(dev, &vec![0.0; wide]);
     let norms = AttnTailNorms {
-        post_attention: &w,
-        pre_feedforward: &w,
-        router: None,
+        post_attention: w,
+        pre_feedforward: w,
+        router: router.then_some(RouterNorms {
+            scale: w,
+            root: 1.0,
+            pre_feedforward_2: w,
+        }),
         eps: EPS,
     };
     let out = AttnTailOut {
         normed: &mut o,
         router_in: None,
     };
-    let err = dev
-        .gemma4_attn_tail(&mut x, &a, &norms, out)
+    dev.gemma4_attn_tail(&mut x, &a, &norms, out)
         .unwrap_err()
-        .to_string();
+        .to_string()
+}
+
+#[test]
+fn tails_refuse_rows_too_wide_and_buffers_that_do_not_match() {
+    let Some(dev) = device() else { return };
+    let wide = GEMMA_TAIL_MAX_WIDTH + 1;
+    let err = attn_tail_err(dev, &up(dev, &vec![1.0; wide]), wide, false);
     assert!(
         err.contains(&format!("1..={GEMMA_TAIL_MAX_WIDTH}")),
         "{err}"
@@ -219,24 +227,6 @@ fn tails_refuse_rows_too_wide_and_buffers_that_do_not_match() {
     );
 
     // The router's norms without its outputs.
-    let norms = AttnTailNorms {
-        post_attention: &w,
-        pre_feedforward: &w,
-        router: Some(RouterNorms {
-            scale: &w,
-            root: 1.0,
-            pre_feedforward_2: &w,
-        }),
-        eps: EPS,
-    };
-    let a = up(dev, &vec![0.0; 128]);
-    let out = AttnTailOut {
-        normed: &mut o,
-        router_in: None,
-    };
-    let err = dev
-        .gemma4_attn_tail(&mut x, &a, &norms, out)
-        .unwrap_err()
-        .to_string();
+    let err = attn_tail_err(dev, &w, 128, true);
     assert!(err.contains("go together"), "{err}");
 }

@@ -8,12 +8,14 @@
 
 mod common;
 
-use common::{bits_of, check, device, matrix, poison, rel_err, rng, stored, uniform, widen};
+use common::{
+    bits_of, check, device, matrix, poison, rel_err, rel_err_on, rng, stored, uniform, widen,
+};
 use moerun_core::{DType, MatRef};
 use moerun_cpu::ops::{
     gelu_tanh_mul_in_place, rms_norm_rows, rope_rotate_half, silu_mul_in_place, softmax_in_place,
 };
-use moerun_cuda::{AddNormGrid, CudaError, CudaSlice, RouterShape};
+use moerun_cuda::{AddNormGrid, CudaError, RouterShape};
 
 #[test]
 fn rms_norm_matches_cpu_on_hidden_rows_and_per_head_rows() {
@@ -543,18 +545,16 @@ fn gemv_route_norm_matches_add_rms_norm_then_gemv_route() {
             bits_of(dev, &want_x),
             "{name}: the residual"
         );
-        let close = |got: &CudaSlice<f32>, want: &CudaSlice<f32>| {
-            rel_err(
-                &dev.download(got).unwrap(),
-                &widen(&dev.download(want).unwrap()),
-            )
-        };
         check(
             &format!("{name} (normed row)"),
-            close(&got_xn, &want_xn),
+            rel_err_on(dev, &got_xn, &want_xn),
             1e-6,
         );
-        check(&format!("{name} (weights)"), close(&got_w, &want_w), 1e-5);
+        check(
+            &format!("{name} (weights)"),
+            rel_err_on(dev, &got_w, &want_w),
+            1e-5,
+        );
     }
     // Refused by name: a router past the cluster's 128 rows, and rows that do not fit it.
     let row = |len| dev.zeros::<f32>(len).unwrap();

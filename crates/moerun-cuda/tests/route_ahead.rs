@@ -8,9 +8,11 @@
 
 mod common;
 
-use common::{bits_of, check, device, matrix, poison, rel_err, rng, stored, uniform, widen};
+use common::{
+    bits_of, check, device, matrix, poison, rel_err, rel_err_on, rng, stored, uniform, widen,
+};
 use moerun_core::{DType, MatRef};
-use moerun_cuda::{CudaDevice, CudaError, CudaSlice, DeviceExperts, RouteInputs, RouterShape};
+use moerun_cuda::{CudaDevice, CudaError, DeviceExperts, RouteInputs, RouterShape};
 use rand::rngs::StdRng;
 
 fn experts(
@@ -165,16 +167,14 @@ fn route_ahead_matches_o_proj_then_the_folded_router_and_the_experts() {
                 bits_of(dev, &want_x),
                 "{name}: the residual"
             );
-            let close = |got: &CudaSlice<f32>, want: &CudaSlice<f32>| {
-                rel_err(
-                    &dev.download(got).unwrap(),
-                    &widen(&dev.download(want).unwrap()),
-                )
-            };
-            check(&format!("{name} (weights)"), close(&got_w, &want_w), 1e-5);
+            check(
+                &format!("{name} (weights)"),
+                rel_err_on(dev, &got_w, &want_w),
+                1e-5,
+            );
             check(
                 &format!("{name} (experts' sum)"),
-                close(&got_out, &want_out),
+                rel_err_on(dev, &got_out, &want_out),
                 1e-5,
             );
             // u over the norm's scale is the router's logits.

@@ -138,3 +138,11 @@ pub fn bits_of(dev: &CudaDevice, b: &CudaSlice<f32>) -> Vec<u32> {
 pub fn widen(v: &[f32]) -> Vec<f64> {
     v.iter().map(|&x| x as f64).collect()
 }
+
+/// [`rel_err`] of two device buffers: `got` against `want`.
+pub fn rel_err_on(dev: &CudaDevice, got: &CudaSlice<f32>, want: &CudaSlice<f32>) -> f64 {
+    rel_err(
+        &dev.download(got).unwrap(),
+        &widen(&dev.download(want).unwrap()),
+    )
+}
